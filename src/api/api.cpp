@@ -1,0 +1,440 @@
+// The extern "C" entry points of libmoeblaze: validate every argument, then dispatch to the backend
+// bound to the layer's context. Every body runs inside api::guarded(), the exception barrier.
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "api/barrier.hpp"
+#include "api/checks.hpp"
+#include "api/handles.hpp"
+#include "api/layer_composite.hpp"
+#include "api/versioned_struct.hpp"
+#include "common/saved_layout.hpp"
+
+using namespace moeblaze;
+using namespace moeblaze::api;
+
+#ifndef MOEBLAZE_GIT_REVISION
+#define MOEBLAZE_GIT_REVISION "unknown"
+#endif
+
+#define MB_STRINGIFY2(x) #x
+#define MB_STRINGIFY(x) MB_STRINGIFY2(x)
+
+// ---- errors ---------------------------------------------------------------------------------------
+
+namespace moeblaze {
+namespace api {
+
+static thread_local std::string t_last_error;
+
+void set_last_error(const char* function, moeblaze_status_t status, const std::string& message) {
+  try {
+    t_last_error = std::string(function) + ": " + moeblaze_status_name(status) + ": " + message;
+  } catch (...) {
+    t_last_error.clear();  // out of memory while reporting: the status still says what happened
+  }
+}
+
+void clear_last_error() { t_last_error.clear(); }
+
+}  // namespace api
+}  // namespace moeblaze
+
+extern "C" {
+
+int32_t moeblaze_get_version(void) { return MOEBLAZE_VERSION; }
+
+int32_t moeblaze_get_abi_version(void) { return MOEBLAZE_ABI_VERSION; }
+
+const char* moeblaze_get_build_info(void) {
+  static const std::string info = std::string("moeblaze ") +
+                                  MB_STRINGIFY(MOEBLAZE_VERSION_MAJOR) "." MB_STRINGIFY(
+                                      MOEBLAZE_VERSION_MINOR) "." MB_STRINGIFY(MOEBLAZE_VERSION_PATCH) +
+                                  " (git " MOEBLAZE_GIT_REVISION "), ABI " +
+                                  MB_STRINGIFY(MOEBLAZE_ABI_VERSION) ", backends: CPU; " +
+                                  cuda_build_info();
+  return info.c_str();
+}
+
+const char* moeblaze_status_name(moeblaze_status_t status) {
+  switch (status) {
+    case MOEBLAZE_OK: return "MOEBLAZE_OK";
+    case MOEBLAZE_ERR_INVALID_ARGUMENT: return "MOEBLAZE_ERR_INVALID_ARGUMENT";
+    case MOEBLAZE_ERR_INVALID_HANDLE: return "MOEBLAZE_ERR_INVALID_HANDLE";
+    case MOEBLAZE_ERR_NOT_SUPPORTED: return "MOEBLAZE_ERR_NOT_SUPPORTED";
+    case MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE: return "MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE";
+    case MOEBLAZE_ERR_OUT_OF_MEMORY: return "MOEBLAZE_ERR_OUT_OF_MEMORY";
+    case MOEBLAZE_ERR_CUDA: return "MOEBLAZE_ERR_CUDA";
+    case MOEBLAZE_ERR_VERSION_MISMATCH: return "MOEBLAZE_ERR_VERSION_MISMATCH";
+    case MOEBLAZE_ERR_NON_FINITE: return "MOEBLAZE_ERR_NON_FINITE";
+    case MOEBLAZE_ERR_INTERNAL: return "MOEBLAZE_ERR_INTERNAL";
+    default: return "MOEBLAZE_ERR_UNKNOWN_STATUS";
+  }
+}
+
+const char* moeblaze_status_string(moeblaze_status_t status) {
+  switch (status) {
+    case MOEBLAZE_OK: return "success";
+    case MOEBLAZE_ERR_INVALID_ARGUMENT: return "invalid argument";
+    case MOEBLAZE_ERR_INVALID_HANDLE: return "invalid handle";
+    case MOEBLAZE_ERR_NOT_SUPPORTED: return "not supported";
+    case MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE: return "workspace or saved buffer too small";
+    case MOEBLAZE_ERR_OUT_OF_MEMORY: return "out of host memory";
+    case MOEBLAZE_ERR_CUDA: return "CUDA error";
+    case MOEBLAZE_ERR_VERSION_MISMATCH: return "version mismatch";
+    case MOEBLAZE_ERR_NON_FINITE: return "non-finite input";
+    case MOEBLAZE_ERR_INTERNAL: return "internal error";
+    default: return "unknown status code";
+  }
+}
+
+const char* moeblaze_last_error(void) { return t_last_error.c_str(); }
+
+size_t moeblaze_copy_last_error(char* buffer, size_t buffer_size) {
+  const size_t needed = t_last_error.size() + 1;
+  if (buffer != nullptr && buffer_size > 0) {
+    const size_t n = needed < buffer_size ? needed - 1 : buffer_size - 1;
+    std::memcpy(buffer, t_last_error.data(), n);
+    buffer[n] = '\0';
+  }
+  return needed;
+}
+
+// ---- contexts -------------------------------------------------------------------------------------
+
+int32_t moeblaze_backend_available(int32_t backend) {
+  if (backend == MOEBLAZE_BACKEND_CPU) return 1;
+  if (backend == MOEBLAZE_BACKEND_CUDA) {
+    try {
+      return cuda_backend_available() ? 1 : 0;
+    } catch (...) {
+      return 0;
+    }
+  }
+  return 0;
+}
+
+moeblaze_status_t moeblaze_context_create(moeblaze_context_t* out, int32_t backend,
+                                          int32_t device) {
+  if (out != nullptr) *out = nullptr;
+  return guarded(__func__, [&] {
+    MB_REQUIRE_ARG(out != nullptr, "out is NULL");
+    MB_REQUIRE_ARG(backend == MOEBLAZE_BACKEND_CPU || backend == MOEBLAZE_BACKEND_CUDA,
+                   "backend = %d is not a moeblaze_backend_code (CPU 1, CUDA 2)", backend);
+    MB_REQUIRE_ARG(device >= 0, "device = %d must be >= 0", device);
+    auto state = std::make_shared<ContextState>();
+    if (backend == MOEBLAZE_BACKEND_CPU) {
+      MB_REQUIRE_ARG(device == 0, "device = %d: the CPU backend has only device 0", device);
+      state->backend = make_cpu_backend();
+    } else {
+      state->backend = make_cuda_backend(device);
+    }
+    state->backend_kind = backend;
+    state->device = device;
+    auto* handle = new moeblaze_context_s{std::move(state)};
+    register_handle(handle, kContextHandle);
+    *out = handle;
+  });
+}
+
+moeblaze_status_t moeblaze_context_destroy(moeblaze_context_t context) {
+  return guarded(__func__, [&] {
+    if (context == nullptr) return;
+    require_handle(context, kContextHandle, "context");
+    unregister_handle(context);
+    delete context;
+  });
+}
+
+moeblaze_status_t moeblaze_context_get_info(moeblaze_context_t context, int32_t* backend,
+                                            int32_t* device) {
+  return guarded(__func__, [&] {
+    require_handle(context, kContextHandle, "context");
+    if (backend) *backend = context->state->backend_kind;
+    if (device) *device = context->state->device;
+  });
+}
+
+moeblaze_status_t moeblaze_context_set_num_threads(moeblaze_context_t context,
+                                                   int32_t num_threads) {
+  return guarded(__func__, [&] {
+    require_handle(context, kContextHandle, "context");
+    MB_REQUIRE_ARG(num_threads >= 0 && num_threads <= 4096,
+                   "num_threads = %d must be in [0, 4096] (0: one per hardware thread)",
+                   num_threads);
+    std::lock_guard<std::mutex> lock(context->state->execute_mutex);
+    context->state->backend->set_num_threads(num_threads);
+  });
+}
+
+// ---- layer plans ----------------------------------------------------------------------------------
+
+static moeblaze_layer_config_t default_config() {
+  moeblaze_layer_config_t c;
+  std::memset(&c, 0, sizeof(c));
+  c.struct_size = sizeof(c);
+  c.dtype = MOEBLAZE_DTYPE_BF16;
+  c.top_k = 1;
+  c.activation = MOEBLAZE_ACTIVATION_SWIGLU;
+  c.checkpoint = MOEBLAZE_CHECKPOINT_SAVE_PREACT;
+  c.score_function = MOEBLAZE_SCORE_SOFTMAX_TOPK;
+  c.renormalize = 0;
+  c.deterministic = 1;
+  return c;
+}
+
+// The sizes of the structs as first published (v0.1). Older callers can never be smaller.
+static constexpr size_t kConfigV0Size = sizeof(moeblaze_layer_config_t);
+static constexpr size_t kForwardArgsV0Size = sizeof(moeblaze_forward_args_t);
+static constexpr size_t kBackwardArgsV0Size = sizeof(moeblaze_backward_args_t);
+
+moeblaze_status_t moeblaze_layer_config_init(moeblaze_layer_config_t* config, size_t struct_size) {
+  return guarded(__func__, [&] {
+    init_versioned(config, struct_size, default_config(), kConfigV0Size, "config");
+  });
+}
+
+moeblaze_status_t moeblaze_layer_create(moeblaze_layer_t* out, moeblaze_context_t context,
+                                        const moeblaze_layer_config_t* config) {
+  if (out != nullptr) *out = nullptr;
+  return guarded(__func__, [&] {
+    MB_REQUIRE_ARG(out != nullptr, "out is NULL");
+    require_handle(context, kContextHandle, "context");
+    const moeblaze_layer_config_t cfg =
+        read_versioned(config, default_config(), kConfigV0Size, "config");
+    LayerDesc desc = make_layer_desc(cfg);
+    context->state->backend->check_supported(desc);
+    auto* layer = new moeblaze_layer_s{context->state, desc, cfg};
+    register_handle(layer, kLayerHandle);
+    *out = layer;
+  });
+}
+
+moeblaze_status_t moeblaze_layer_destroy(moeblaze_layer_t layer) {
+  return guarded(__func__, [&] {
+    if (layer == nullptr) return;
+    require_handle(layer, kLayerHandle, "layer");
+    unregister_handle(layer);
+    delete layer;
+  });
+}
+
+moeblaze_status_t moeblaze_layer_get_config(moeblaze_layer_t layer,
+                                            moeblaze_layer_config_t* config) {
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    MB_REQUIRE_ARG(config != nullptr, "config is NULL");
+    uint32_t caller_size = 0;
+    std::memcpy(&caller_size, config, sizeof(caller_size));
+    MB_REQUIRE(caller_size >= kConfigV0Size, MOEBLAZE_ERR_VERSION_MISMATCH,
+               "config->struct_size = %u is smaller than any published version (%zu); call "
+               "moeblaze_layer_config_init first",
+               caller_size, kConfigV0Size);
+    std::memset(static_cast<void*>(config), 0, caller_size);
+    std::memcpy(static_cast<void*>(config), &layer->config, sizeof(layer->config));
+    config->struct_size = caller_size;
+  });
+}
+
+static Pass require_pass(int32_t pass, bool forward_only, const char* argument) {
+  if (forward_only) {
+    MB_REQUIRE_ARG(pass == MOEBLAZE_PASS_EXPERTS_FORWARD || pass == MOEBLAZE_PASS_LAYER_FORWARD,
+                   "%s = %d: only MOEBLAZE_PASS_EXPERTS_FORWARD (3) and MOEBLAZE_PASS_LAYER_FORWARD "
+                   "(5) fill a saved buffer",
+                   argument, pass);
+  } else {
+    MB_REQUIRE_ARG(pass >= MOEBLAZE_PASS_ROUTER_FORWARD && pass <= MOEBLAZE_PASS_LAYER_BACKWARD,
+                   "%s = %d is not a moeblaze_pass_code (0..6)", argument, pass);
+  }
+  return static_cast<Pass>(pass);
+}
+
+moeblaze_status_t moeblaze_layer_workspace_size(moeblaze_layer_t layer, int32_t pass,
+                                                int64_t num_tokens, size_t* bytes) {
+  if (bytes != nullptr) *bytes = 0;
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
+    const Pass p = require_pass(pass, false, "pass");
+    require_num_tokens(layer->desc, num_tokens, "num_tokens");
+    *bytes = workspace_size_for(*layer, p, num_tokens);
+  });
+}
+
+moeblaze_status_t moeblaze_layer_saved_size(moeblaze_layer_t layer, int32_t pass,
+                                            int64_t num_tokens, size_t* bytes) {
+  if (bytes != nullptr) *bytes = 0;
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
+    const Pass p = require_pass(pass, true, "pass");
+    require_num_tokens(layer->desc, num_tokens, "num_tokens");
+    *bytes = saved_size(layer->desc, p, num_tokens);
+  });
+}
+
+// ---- router ---------------------------------------------------------------------------------------
+
+moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_tokens,
+                                          const void* logits, int32_t* ids, void* g,
+                                          int32_t* expert_counts, void* losses, void* workspace,
+                                          size_t workspace_bytes, void* stream) {
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    const LayerDesc& desc = layer->desc;
+    Backend& backend = *layer->context->backend;
+    require_num_tokens(desc, num_tokens, "num_tokens");
+    const bool empty = num_tokens == 0;
+    require_tensor(backend, logits, true, empty, desc.relem_size(), "logits");
+    require_tensor(backend, ids, true, empty, sizeof(int32_t), "ids");
+    require_tensor(backend, g, true, empty, desc.relem_size(), "g");
+    require_tensor(backend, expert_counts, false, false, sizeof(int32_t), "expert_counts");
+    require_tensor(backend, losses, false, false, desc.relem_size(), "losses");
+    require_buffer(backend, workspace, workspace_bytes,
+                   backend.workspace_size(desc, Pass::RouterForward, num_tokens), "workspace",
+                   "workspace_bytes", "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_FORWARD)");
+    RouterForwardCall call;
+    call.T = num_tokens;
+    call.logits = logits;
+    call.ids = ids;
+    call.g = g;
+    call.expert_counts = expert_counts;
+    call.losses = losses;
+    call.workspace = {workspace, workspace_bytes};
+    call.stream = stream;
+    std::lock_guard<std::mutex> lock(layer->context->execute_mutex);
+    backend.router_forward(desc, call);
+  });
+}
+
+moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_tokens,
+                                           const void* logits, const int32_t* ids, const void* dg,
+                                           const void* d_losses, void* d_logits, void* workspace,
+                                           size_t workspace_bytes, void* stream) {
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    const LayerDesc& desc = layer->desc;
+    Backend& backend = *layer->context->backend;
+    require_num_tokens(desc, num_tokens, "num_tokens");
+    const bool empty = num_tokens == 0;
+    require_tensor(backend, logits, true, empty, desc.relem_size(), "logits");
+    require_tensor(backend, ids, true, empty, sizeof(int32_t), "ids");
+    require_tensor(backend, dg, true, empty, desc.relem_size(), "dg");
+    require_tensor(backend, d_losses, false, false, desc.relem_size(), "d_losses");
+    require_tensor(backend, d_logits, true, empty, desc.relem_size(), "d_logits");
+    require_buffer(backend, workspace, workspace_bytes,
+                   backend.workspace_size(desc, Pass::RouterBackward, num_tokens), "workspace",
+                   "workspace_bytes", "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_BACKWARD)");
+    RouterBackwardCall call;
+    call.T = num_tokens;
+    call.logits = logits;
+    call.ids = ids;
+    call.dg = dg;
+    call.d_losses = d_losses;
+    call.d_logits = d_logits;
+    call.workspace = {workspace, workspace_bytes};
+    call.stream = stream;
+    std::lock_guard<std::mutex> lock(layer->context->execute_mutex);
+    backend.router_backward(desc, call);
+  });
+}
+
+moeblaze_status_t moeblaze_routing_build(moeblaze_layer_t layer, int64_t num_tokens,
+                                         const int32_t* ids, int32_t* expert_offsets,
+                                         int32_t* expert_token_indices, int32_t* token_index_map,
+                                         void* workspace, size_t workspace_bytes, void* stream) {
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    const LayerDesc& desc = layer->desc;
+    Backend& backend = *layer->context->backend;
+    require_num_tokens(desc, num_tokens, "num_tokens");
+    const bool empty = num_tokens == 0;
+    require_tensor(backend, ids, true, empty, sizeof(int32_t), "ids");
+    require_tensor(backend, expert_offsets, true, false, sizeof(int32_t), "expert_offsets");
+    require_tensor(backend, expert_token_indices, true, empty, sizeof(int32_t),
+                   "expert_token_indices");
+    require_tensor(backend, token_index_map, true, empty, sizeof(int32_t), "token_index_map");
+    require_buffer(backend, workspace, workspace_bytes,
+                   backend.workspace_size(desc, Pass::RoutingBuild, num_tokens), "workspace",
+                   "workspace_bytes", "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTING_BUILD)");
+    RoutingBuildCall call;
+    call.T = num_tokens;
+    call.ids = ids;
+    call.expert_offsets = expert_offsets;
+    call.expert_token_indices = expert_token_indices;
+    call.token_index_map = token_index_map;
+    call.workspace = {workspace, workspace_bytes};
+    call.stream = stream;
+    std::lock_guard<std::mutex> lock(layer->context->execute_mutex);
+    backend.routing_build(desc, call);
+  });
+}
+
+// ---- experts and whole layer ----------------------------------------------------------------------
+
+static moeblaze_forward_args_t default_forward_args() {
+  moeblaze_forward_args_t a;
+  std::memset(&a, 0, sizeof(a));
+  a.struct_size = sizeof(a);
+  return a;
+}
+
+static moeblaze_backward_args_t default_backward_args() {
+  moeblaze_backward_args_t a;
+  std::memset(&a, 0, sizeof(a));
+  a.struct_size = sizeof(a);
+  return a;
+}
+
+moeblaze_status_t moeblaze_forward_args_init(moeblaze_forward_args_t* args, size_t struct_size) {
+  return guarded(__func__, [&] {
+    init_versioned(args, struct_size, default_forward_args(), kForwardArgsV0Size, "args");
+  });
+}
+
+moeblaze_status_t moeblaze_backward_args_init(moeblaze_backward_args_t* args,
+                                              size_t struct_size) {
+  return guarded(__func__, [&] {
+    init_versioned(args, struct_size, default_backward_args(), kBackwardArgsV0Size, "args");
+  });
+}
+
+moeblaze_status_t moeblaze_experts_forward(moeblaze_layer_t layer,
+                                           const moeblaze_forward_args_t* args, void* stream) {
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    const auto a = read_versioned(args, default_forward_args(), kForwardArgsV0Size, "args");
+    run_forward(*layer, a, Pass::ExpertsForward, stream);
+  });
+}
+
+moeblaze_status_t moeblaze_layer_forward(moeblaze_layer_t layer,
+                                         const moeblaze_forward_args_t* args, void* stream) {
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    const auto a = read_versioned(args, default_forward_args(), kForwardArgsV0Size, "args");
+    run_forward(*layer, a, Pass::LayerForward, stream);
+  });
+}
+
+moeblaze_status_t moeblaze_experts_backward(moeblaze_layer_t layer,
+                                            const moeblaze_backward_args_t* args, void* stream) {
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    const auto a = read_versioned(args, default_backward_args(), kBackwardArgsV0Size, "args");
+    run_backward(*layer, a, Pass::ExpertsBackward, stream);
+  });
+}
+
+moeblaze_status_t moeblaze_layer_backward(moeblaze_layer_t layer,
+                                          const moeblaze_backward_args_t* args, void* stream) {
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    const auto a = read_versioned(args, default_backward_args(), kBackwardArgsV0Size, "args");
+    run_backward(*layer, a, Pass::LayerBackward, stream);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,55 @@
+// Argument checks shared by the entry points. Each throws moeblaze::Error with a message that names
+// the argument as the caller wrote it ("args->x", "ids").
+#pragma once
+
+#include <cstdint>
+
+#include "common/backend.hpp"
+#include "common/status.hpp"
+
+namespace moeblaze {
+namespace api {
+
+// Maximum routed rows: indices are int32.
+constexpr int64_t kMaxRoutedRows = int64_t(INT32_MAX);
+
+inline void require_num_tokens(const LayerDesc& desc, int64_t T, const char* argument) {
+  MB_REQUIRE_ARG(T >= 0, "%s = %lld must be >= 0", argument, (long long)T);
+  MB_REQUIRE_ARG(T <= kMaxRoutedRows / desc.k,
+                 "%s = %lld is too large: num_tokens * top_k (%lld) must be < 2^31", argument,
+                 (long long)T, (long long)desc.k);
+}
+
+// A tensor argument: non-NULL when required (tensors with no elements may be NULL), aligned to its
+// element size, and in memory the backend can use.
+inline void require_tensor(const Backend& backend, const void* ptr, bool required, bool empty,
+                           size_t element_size, const char* argument) {
+  if (ptr == nullptr) {
+    MB_REQUIRE_ARG(!required || empty, "%s is NULL", argument);
+    return;
+  }
+  MB_REQUIRE_ARG(reinterpret_cast<uintptr_t>(ptr) % element_size == 0,
+                 "%s (%p) is not aligned to its element size (%zu bytes)", argument, ptr,
+                 element_size);
+  MB_REQUIRE_ARG(backend.pointer_usable(ptr),
+                 "%s (%p) is not memory the context's device can use (a host pointer passed to "
+                 "the CUDA backend?)",
+                 argument, ptr);
+}
+
+// A caller-owned scratch or saved buffer of at least `needed` bytes.
+inline void require_buffer(const Backend& backend, const void* ptr, size_t bytes, size_t needed,
+                           const char* argument, const char* bytes_argument, const char* query) {
+  MB_REQUIRE(bytes >= needed, MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
+             "%s = %zu bytes, but this call needs %zu (ask %s)", bytes_argument, bytes, needed,
+             query);
+  if (needed == 0) return;
+  MB_REQUIRE_ARG(ptr != nullptr, "%s is NULL but %zu bytes are needed", argument, needed);
+  MB_REQUIRE_ARG(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "%s (%p) must be 16-byte aligned",
+                 argument, ptr);
+  MB_REQUIRE_ARG(backend.pointer_usable(ptr),
+                 "%s (%p) is not memory the context's device can use", argument, ptr);
+}
+
+}  // namespace api
+}  // namespace moeblaze

@@ -1,0 +1,21 @@
+// The experts and whole-layer execute calls: argument validation, carving of the saved buffer and the
+// workspace, and the composition of the whole layer from backend operations
+// (router projection -> router -> experts, and the reverse).
+#pragma once
+
+#include "api/handles.hpp"
+
+namespace moeblaze {
+namespace api {
+
+size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T);
+
+// pass: Pass::ExpertsForward or Pass::LayerForward.
+void run_forward(moeblaze_layer_s& layer, const moeblaze_forward_args_t& args, Pass pass,
+                 void* stream);
+// pass: Pass::ExpertsBackward or Pass::LayerBackward.
+void run_backward(moeblaze_layer_s& layer, const moeblaze_backward_args_t& args, Pass pass,
+                  void* stream);
+
+}  // namespace api
+}  // namespace moeblaze

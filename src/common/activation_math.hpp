@@ -1,0 +1,92 @@
+// The activation functions and their partial derivatives, shared by the CPU reference and the CUDA
+// kernels so both compute the same formulas. T is float or double.
+//
+// Gated:     u = f(a) * b,  du/da = f'(a) * b,  du/db = f(a)
+// Non-gated: u = f(a),      du/da = f'(a)       (b is ignored)
+#pragma once
+
+#include <cmath>
+
+#include "layer_desc.hpp"
+
+#if defined(__CUDACC__)
+#define MB_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define MB_HOST_DEVICE inline
+#endif
+
+namespace moeblaze {
+namespace act_math {
+
+template <typename T>
+MB_HOST_DEVICE T sigmoid(T a) {
+  return T(1) / (T(1) + exp(-a));
+}
+
+template <typename T>
+MB_HOST_DEVICE T silu(T a) {
+  return a * sigmoid(a);
+}
+
+template <typename T>
+MB_HOST_DEVICE T silu_grad(T a) {
+  const T s = sigmoid(a);
+  return s * (T(1) + a * (T(1) - s));
+}
+
+// Exact GELU: a * Phi(a), Phi the standard normal CDF.
+template <typename T>
+MB_HOST_DEVICE T gelu(T a) {
+  return T(0.5) * a * (T(1) + erf(a * T(0.70710678118654752440)));
+}
+
+template <typename T>
+MB_HOST_DEVICE T gelu_grad(T a) {
+  const T cdf = T(0.5) * (T(1) + erf(a * T(0.70710678118654752440)));
+  const T pdf = T(0.39894228040143267794) * exp(T(-0.5) * a * a);
+  return cdf + a * pdf;
+}
+
+template <typename T>
+MB_HOST_DEVICE T relu(T a) {
+  return a > T(0) ? a : T(0);
+}
+
+template <typename T>
+MB_HOST_DEVICE T relu_grad(T a) {
+  return a > T(0) ? T(1) : T(0);
+}
+
+// u = act(a, b)
+template <typename T>
+MB_HOST_DEVICE T forward(Activation act, T a, T b) {
+  switch (act) {
+    case Activation::SwiGLU: return silu(a) * b;
+    case Activation::GeGLU: return gelu(a) * b;
+    case Activation::ReGLU: return relu(a) * b;
+    case Activation::SiLU: return silu(a);
+    case Activation::GELU: return gelu(a);
+    case Activation::ReLU: return relu(a);
+    case Activation::ReLU2: return relu(a) * relu(a);
+  }
+  return T(0);
+}
+
+// Given du (dLoss/du), the gradients with respect to a and b (db = 0 for non-gated activations).
+template <typename T>
+MB_HOST_DEVICE void backward(Activation act, T a, T b, T du, T* da, T* db) {
+  switch (act) {
+    case Activation::SwiGLU: *da = du * b * silu_grad(a); *db = du * silu(a); return;
+    case Activation::GeGLU: *da = du * b * gelu_grad(a); *db = du * gelu(a); return;
+    case Activation::ReGLU: *da = du * b * relu_grad(a); *db = du * relu(a); return;
+    case Activation::SiLU: *da = du * silu_grad(a); *db = T(0); return;
+    case Activation::GELU: *da = du * gelu_grad(a); *db = T(0); return;
+    case Activation::ReLU: *da = du * relu_grad(a); *db = T(0); return;
+    case Activation::ReLU2: *da = du * T(2) * relu(a); *db = T(0); return;
+  }
+  *da = T(0);
+  *db = T(0);
+}
+
+}  // namespace act_math
+}  // namespace moeblaze
