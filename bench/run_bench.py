@@ -1,0 +1,1057 @@
+#!/usr/bin/env python3
+"""Benchmark one MoE expert layer, forward + backward: moeblaze against two PyTorch baselines.
+
+    python3 bench/run_bench.py --out DIR [--configs conf1,mixtral] [--acts swiglu,silu]
+                               [--impls grouped_mm,loop,moeblaze] [--quick] [--report]
+
+For every configuration in bench/configs.json x activation x implementation (moeblaze with each
+checkpoint policy, the per-expert loop, the sort -> torch._grouped_mm dataflow) it measures, on the
+same inputs and routing:
+
+* ms      median of CUDA-event-timed fwd+bwd (torch.autograd.grad of y against dy), after warm-up,
+          L2 flushed before every repetition (triton do_bench style); the number of repetitions
+          fits the time budget (--budget-s).
+* tflops  useful FLOPs / time: 18*T*k*d*h (gated) or 12*T*k*d*h; recompute's extra GEMM is not
+          counted.
+* saved_bytes  unique storages the forward hands to autograd (saved_tensors_hooks), excluding the
+          inputs x, ids, g and the weights.
+* peak_bytes   max_memory_allocated during fwd+bwd minus memory_allocated before it (includes the
+          outputs y, dx, dg, dw_*).
+* rel_err ||out - ref|| / ||ref|| for y, dx, dw_gate, dw_up, dw_down, dg; the reference is the loop
+          baseline in fp32 (CUDA, TF32 off) or fp64 (CPU) on upcast inputs, run over chunks of
+          tokens (exact: y, dx, dg are per token and dw sums over chunks). NaN/Inf is an error.
+* bitwise_repeat  whether a second run gave bitwise identical outputs and gradients.
+
+Results: DIR/<YYYY-MM-DD>-<device>.json (rows as described in docs/performance.md). A summary table
+is printed last. On CUDA every configuration runs in a child process (a crash or hang loses only
+that configuration; a sticky CUDA error cannot poison the rest); rows are written as they finish.
+"""
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import baselines  # noqa: E402
+import roofline  # noqa: E402
+
+GRAD_NAMES = ("dx", "dg", "dw_gate", "dw_up", "dw_down")
+ERR_NAMES = ("y",) + GRAD_NAMES
+ALL_POLICIES = ("save_preact", "save_all", "recompute")
+BASELINE_POLICY = "autograd"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "fp64": torch.float64}
+# rel_err above this flags a row (err_ok = false); bf16/fp16 operands land at 1e-3..1e-2.
+ERR_TOLERANCE = {"bf16": 3e-2, "fp16": 1e-2, "fp32": 1e-4, "fp64": 1e-10}
+L2_FLUSH_BYTES = 256 << 20
+STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
+                      "misaligned address", "illegal instruction", "an illegal",
+                      "CUDA error: uncorrectable", "cudaErrorLaunchFailure")
+EXIT_STICKY = 3
+
+
+def log(msg):
+    print(msg, flush=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Options
+# ------------------------------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="all",
+                   help="comma-separated configuration names (default: all)")
+    p.add_argument("--configs-file", default=os.path.join(HERE, "configs.json"))
+    p.add_argument("--acts", default="swiglu,silu",
+                   help=f"comma-separated activations among {','.join(baselines.ACTIVATIONS)}")
+    p.add_argument("--impls", default="grouped_mm,loop,moeblaze")
+    p.add_argument("--policies", default=",".join(ALL_POLICIES),
+                   help="moeblaze checkpoint policies (save_preact is the one compared for speed)")
+    p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--quick", action="store_true", help="3 repetitions, for smoke runs")
+    p.add_argument("--budget-s", type=float, default=300.0,
+                   help="wall-clock budget for the whole run; repetitions are planned to fit")
+    p.add_argument("--min-reps", type=int, default=5)
+    p.add_argument("--max-reps", type=int, default=50)
+    p.add_argument("--row-timing-s", type=float, default=1.5,
+                   help="at most this long in timed repetitions per row")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--no-ref", action="store_true", help="skip the high-precision reference")
+    p.add_argument("--ref-chunk-gib", type=float, default=4.0,
+                   help="activation memory per reference chunk of tokens")
+    p.add_argument("--no-isolate", action="store_true",
+                   help="run every configuration in this process (default on CPU)")
+    p.add_argument("--isolate", action="store_true",
+                   help="run configurations in child processes also on CPU (default on CUDA)")
+    p.add_argument("--config-timeout-s", type=float, default=None,
+                   help="kill a child that spends longer on one configuration (default: "
+                        "max(90 s, 3x its share of the budget))")
+    p.add_argument("--allow-shim", action="store_true",
+                   help="DEVELOPMENT ONLY: if moeblaze cannot be imported, time the loop baseline "
+                        "under the moeblaze name (rows are marked impl_source=SHIM)")
+    p.add_argument("--report", action="store_true",
+                   help="also write the markdown table and PNG plots into --out (make_report.py)")
+    p.add_argument("--emulate-grouped-mm", action="store_true",
+                   help="TESTS ONLY: run the grouped_mm dataflow with a host-synchronising "
+                        "per-group matmul where torch has no grouped_mm (never time this)")
+    p.add_argument("--child-state", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.min_reps = args.max_reps = 3
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.acts = [a.strip() for a in args.acts.split(",") if a.strip()]
+    for act in args.acts:
+        baselines.is_gated(act)  # raises on unknown names
+    args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
+    for impl in args.impls:
+        if impl not in ("grouped_mm", "loop", "moeblaze"):
+            p.error(f"unknown impl {impl!r}")
+    args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
+    for policy in args.policies:
+        if policy not in ALL_POLICIES:
+            p.error(f"unknown policy {policy!r}")
+    return args
+
+
+def load_configs(args):
+    with open(args.configs_file) as f:
+        configs = json.load(f)["configs"]
+    if args.configs != "all":
+        wanted = [c.strip() for c in args.configs.split(",") if c.strip()]
+        by_name = {c["name"]: c for c in configs}
+        missing = [w for w in wanted if w not in by_name]
+        if missing:
+            raise SystemExit(f"unknown configuration(s) {missing}; have {sorted(by_name)}")
+        configs = [by_name[w] for w in wanted]
+    return configs
+
+
+def row_plan(args):
+    """(impl, policy) in the order rows run: baselines first, so a moeblaze crash loses nothing."""
+    plan = []
+    for impl in ("grouped_mm", "loop"):
+        if impl in args.impls:
+            plan.append((impl, BASELINE_POLICY))
+    if "moeblaze" in args.impls:
+        for policy in ALL_POLICIES:
+            if policy in args.policies:
+                plan.append(("moeblaze", policy))
+    return plan
+
+
+# ------------------------------------------------------------------------------------------------
+# Environment facts
+# ------------------------------------------------------------------------------------------------
+
+
+def git_commit():
+    for key in ("MOEBLAZE_COMMIT", "GIT_COMMIT"):
+        if os.environ.get(key):
+            return os.environ[key]
+    try:
+        out = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0:
+            commit = out.stdout.strip()
+            dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain",
+                                    "--untracked-files=no"], capture_output=True, text=True,
+                                   timeout=10)
+            return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return "unknown"
+
+
+def device_name(device):
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return "cpu"
+
+
+def device_slug(name):
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown"
+
+
+def environment(args):
+    env = {"torch": torch.__version__, "python": sys.version.split()[0], "dtype": args.dtype,
+           "grouped_mm_available": baselines.grouped_mm_available()}
+    if args.device == "cuda":
+        prop = torch.cuda.get_device_properties(0)
+        env.update({"cuda": torch.version.cuda, "sm_count": prop.multi_processor_count,
+                    "total_memory": prop.total_memory,
+                    "capability": f"{prop.major}.{prop.minor}"})
+    mb, source = import_moeblaze(args)
+    env["moeblaze"] = source
+    if mb is not None:
+        try:
+            import moeblaze
+            env["moeblaze_build_info"] = moeblaze.build_info()
+            env["moeblaze_library"] = moeblaze.library_path()
+        except Exception as error:  # noqa: BLE001 (facts only)
+            env["moeblaze_build_info"] = f"unavailable: {error}"
+    return env
+
+
+# ------------------------------------------------------------------------------------------------
+# Implementations
+# ------------------------------------------------------------------------------------------------
+
+_moeblaze_cache = {}
+
+
+def import_moeblaze(args):
+    """(moe_experts callable or None, description). Never raises."""
+    if "result" in _moeblaze_cache:
+        return _moeblaze_cache["result"]
+    sys.path.insert(0, os.path.join(REPO, "bindings", "python"))
+    try:
+        import moeblaze
+        import moeblaze.torch as mbt
+        moeblaze.build_info()  # loads the library now, so a missing one is reported here
+        result = (mbt.moe_experts, "bindings/python moeblaze.torch.moe_experts")
+    except Exception as error:  # noqa: BLE001
+        if args.allow_shim:
+            log(f"WARNING: moeblaze import failed ({error!r}); using the DEVELOPMENT SHIM "
+                f"(the loop baseline) under the moeblaze name")
+
+            def shim(x, ids, g, w_gate, w_up, w_down, *, activation, checkpoint):
+                return baselines.moe_loop(x, ids, g, w_gate, w_up, w_down, activation)
+
+            result = (shim, "SHIM: loop baseline, NOT moeblaze")
+        else:
+            result = (None, f"import failed: {type(error).__name__}: {error}")
+    _moeblaze_cache["result"] = result
+    return result
+
+
+def make_impl(impl, policy, activation, args):
+    """A function (x, ids, g, w_gate, w_up, w_down) -> y for one row."""
+    if impl == "loop":
+        return lambda x, ids, g, wg, wu, wd: baselines.moe_loop(x, ids, g, wg, wu, wd, activation)
+    if impl == "grouped_mm":
+        if args.emulate_grouped_mm:
+            return lambda x, ids, g, wg, wu, wd: baselines.moe_grouped_mm(
+                x, ids, g, wg, wu, wd, activation, grouped_mm=baselines.grouped_mm_emulated)
+        if not baselines.grouped_mm_available():
+            raise NotImplementedError(
+                f"torch {torch.__version__} has no torch._grouped_mm / F.grouped_mm")
+        return lambda x, ids, g, wg, wu, wd: baselines.moe_grouped_mm(x, ids, g, wg, wu, wd,
+                                                                       activation)
+    if impl == "moeblaze":
+        fn, source = import_moeblaze(args)
+        if fn is None:
+            raise RuntimeError(f"moeblaze unavailable: {source}")
+        return lambda x, ids, g, wg, wu, wd: fn(x, ids, g, wg, wu, wd, activation=activation,
+                                                checkpoint=policy)
+    raise ValueError(impl)
+
+
+# ------------------------------------------------------------------------------------------------
+# Inputs and reference
+# ------------------------------------------------------------------------------------------------
+
+
+def config_seed(args, cfg):
+    # same x, routing and weights for every activation and implementation of a configuration
+    return args.seed + zlib.crc32(cfg["name"].encode()) % 100000
+
+
+def make_inputs(cfg, activation, args):
+    T, d, h, E, k = cfg["T"], cfg["d"], cfg["h"], cfg["E"], cfg["k"]
+    dev = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    route_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    seed = config_seed(args, cfg)
+    torch.manual_seed(seed)
+    gen_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, device=dev, dtype=gen_dtype) * scale).to(dtype)
+
+    x = randn(T, d)
+    # routing per configs.json: logits ~ N(0,1), softmax, top-k, renormalised
+    logits = torch.randn(T, E, device=dev, dtype=torch.float32)
+    probs = torch.softmax(logits, dim=-1)
+    top, ids = torch.topk(probs, k, dim=-1)
+    g = (top / top.sum(dim=-1, keepdim=True)).to(route_dtype)
+    ids = ids.to(torch.int32).contiguous()
+    w_gate = randn(E, h, d, scale=d ** -0.5)
+    w_up = randn(E, h, d, scale=d ** -0.5) if baselines.is_gated(activation) else None
+    w_down = randn(E, d, h, scale=h ** -0.5)
+    dy = randn(T, d)
+    del logits, probs, top
+    return {"x": x, "ids": ids, "g": g.contiguous(), "w_gate": w_gate, "w_up": w_up,
+            "w_down": w_down, "dy": dy, "seed": seed}
+
+
+def leaves_of(inputs):
+    """Fresh leaf tensors that require grad, in GRAD_NAMES order (None for a missing w_up)."""
+    out = []
+    for name in ("x", "g", "w_gate", "w_up", "w_down"):
+        t = inputs[name]
+        out.append(None if t is None else t.detach().requires_grad_(True))
+    return out
+
+
+def reference(cfg, activation, inputs, args):
+    """fp32 (CUDA, TF32 off) / fp64 (CPU) loop baseline on upcast inputs, over token chunks."""
+    ref_dtype = torch.float64 if args.device == "cpu" else torch.float32
+    T, d, h, k = cfg["T"], cfg["d"], cfg["h"], cfg["k"]
+    elem = torch.finfo(ref_dtype).bits // 8
+    per_token = k * (d + 6 * h) * elem * 2  # autograd's saved tensors + transients, rough
+    chunk = max(1, min(T, int(args.ref_chunk_gib * (1 << 30) // per_token)))
+    up = {name: (None if inputs[name] is None else inputs[name].detach().to(ref_dtype, copy=True))
+          for name in ("x", "w_gate", "w_up", "w_down", "dy")}
+    g = inputs["g"].to(ref_dtype)
+    weights = [None if up[n] is None else up[n].requires_grad_(True)
+               for n in ("w_gate", "w_up", "w_down")]
+    ys, dxs, dgs = [], [], []
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        xc = up["x"][start:end].detach().requires_grad_(True)
+        gc_ = g[start:end].detach().requires_grad_(True)
+        yc = baselines.moe_loop(xc, inputs["ids"][start:end], gc_, weights[0], weights[1],
+                                weights[2], activation)
+        yc.backward(up["dy"][start:end])  # weight grads accumulate over chunks in ref_dtype
+        ys.append(yc.detach())
+        dxs.append(xc.grad)
+        dgs.append(gc_.grad)
+    ref = {"y": torch.cat(ys), "dx": torch.cat(dxs), "dg": torch.cat(dgs),
+           "dw_gate": weights[0].grad, "dw_up": None if weights[1] is None else weights[1].grad,
+           "dw_down": weights[2].grad}
+    return ref, {"dtype": str(ref_dtype).replace("torch.", ""), "chunk_tokens": chunk,
+                 "chunks": math.ceil(T / chunk)}
+
+
+def relative_error(out, ref):
+    """||out - ref|| / ||ref|| accumulated in fp64 over chunks (bounded temporary memory)."""
+    if out is None or ref is None:
+        return None
+    a = out.detach().reshape(-1)
+    b = ref.detach().reshape(-1)
+    if a.numel() != b.numel():
+        return float("nan")
+    num = 0.0
+    den = 0.0
+    step = 1 << 26
+    for s in range(0, a.numel(), step):
+        da = a[s:s + step].to(torch.float64)
+        db = b[s:s + step].to(torch.float64)
+        num += float(torch.sum((da - db) ** 2))
+        den += float(torch.sum(db ** 2))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return math.sqrt(num / den)
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurement
+# ------------------------------------------------------------------------------------------------
+
+
+def storage_key(t):
+    try:
+        s = t.untyped_storage()
+    except AttributeError:  # torch < 2.0
+        s = t.storage()
+    return s.data_ptr(), s.nbytes()
+
+
+class SavedTensorRecorder:
+    """Records the storages the forward saves for backward (data_ptr -> nbytes)."""
+
+    def __init__(self, exclude_ptrs):
+        self.exclude = set(exclude_ptrs)
+        self.storages = {}
+        self.count = 0
+
+    def pack(self, t):
+        self.count += 1
+        if t.numel() > 0:
+            ptr, nbytes = storage_key(t)
+            if ptr not in self.exclude:
+                self.storages[ptr] = max(nbytes, self.storages.get(ptr, 0))
+        # detach: returning the tensor itself would make a saved output keep its own grad_fn
+        return t.detach()
+
+    @staticmethod
+    def unpack(t):
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def total(self):
+        return sum(self.storages.values())
+
+
+def sync(args):
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def fwd_bwd(fn, inputs, leaves, hooks=None):
+    x, g, wg, wu, wd = leaves
+    if hooks is not None:
+        with hooks:
+            y = fn(x, inputs["ids"], g, wg, wu, wd)
+    else:
+        y = fn(x, inputs["ids"], g, wg, wu, wd)
+    wanted = [t for t in leaves if t is not None]
+    grads = torch.autograd.grad(y, wanted, inputs["dy"])
+    it = iter(grads)
+    return y.detach(), [None if t is None else next(it) for t in leaves]
+
+
+def time_reps(step, reps, args):
+    """Per-repetition times in ms; the L2 is flushed before each repetition."""
+    times = []
+    if args.device == "cuda":
+        flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            flush.zero_()
+            starts[i].record()
+            step()
+            ends[i].record()
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in zip(starts, ends)]
+        del flush
+    else:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            step()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def percentile(sorted_values, q):
+    if not sorted_values:
+        return None
+    pos = (len(sorted_values) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
+def is_sticky_cuda_error(error):
+    text = str(error)
+    return any(s in text for s in STICKY_CUDA_ERRORS)
+
+
+def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s):
+    """Measures one row; fills what it can and records the first error."""
+    T, d, h, E, k = cfg["T"], cfg["d"], cfg["h"], cfg["E"], cfg["k"]
+    flops = roofline.flops(cfg, activation)
+    elem = torch.finfo(DTYPES[args.dtype]).bits // 8
+    row = {"config": cfg["name"], "act": activation, "impl": impl, "policy": policy,
+           "T": T, "d": d, "h": h, "E": E, "k": k, "dtype": args.dtype, "flops": flops,
+           "ms": None, "tflops": None, "saved_bytes": None, "peak_bytes": None,
+           "rel_err": {name: None for name in ERR_NAMES},
+           "saved_bytes_model": roofline.saved_bytes_model(impl, policy, cfg, activation, elem),
+           "seed": inputs["seed"], "error": None}
+    if impl == "moeblaze":
+        row["impl_source"] = import_moeblaze(args)[1]
+    stage = "setup"
+    try:
+        _injected_fault(cfg, impl)
+        fn = make_impl(impl, policy, activation, args)
+        if impl == "moeblaze" and row["impl_source"].startswith("bindings"):
+            row["saved_bytes_library"] = library_saved_size(cfg, activation, policy, args)
+
+        stage = "warm-up"
+        leaves = leaves_of(inputs)
+        out = fwd_bwd(fn, inputs, leaves)
+        del out
+        sync(args)
+
+        stage = "memory"
+        gc.collect()
+        input_ptrs = [storage_key(t)[0] for t in (inputs["x"], inputs["ids"], inputs["g"],
+                                                  inputs["w_gate"], inputs["w_up"],
+                                                  inputs["w_down"], *leaves) if t is not None]
+        recorder = SavedTensorRecorder(input_ptrs)
+        if args.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        y, grads = fwd_bwd(fn, inputs, leaves, hooks=recorder.hooks())
+        sync(args)
+        if args.device == "cuda":
+            row["peak_bytes"] = torch.cuda.max_memory_allocated() - base
+        row["saved_bytes"] = recorder.total()
+        row["saved_tensors"] = recorder.count
+        row["saved_storages"] = len(recorder.storages)
+
+        stage = "accuracy"
+        outs = dict(zip(GRAD_NAMES, grads))
+        outs["y"] = y
+        nonfinite = []
+        if ref is not None:
+            for name in ERR_NAMES:
+                err = relative_error(outs[name], ref[name])
+                row["rel_err"][name] = err
+                if err is not None and not math.isfinite(err):
+                    nonfinite.append(name)
+            tol = ERR_TOLERANCE[args.dtype]
+            finite = [e for e in row["rel_err"].values() if e is not None]
+            row["max_rel_err"] = max(finite) if finite else None
+            row["err_ok"] = not nonfinite and all(e <= tol for e in finite)
+        else:
+            for name in ERR_NAMES:
+                t = outs[name]
+                if t is not None and not bool(torch.isfinite(t).all()):
+                    nonfinite.append(name)
+
+        stage = "repeat"
+        t0 = time.perf_counter()
+        y2, grads2 = fwd_bwd(fn, inputs, leaves)
+        sync(args)
+        est_ms = (time.perf_counter() - t0) * 1e3
+        row["bitwise_repeat"] = bool(torch.equal(y, y2)) and all(
+            a is None or torch.equal(a, b) for a, b in zip(grads, grads2))
+        del y, grads, y2, grads2, outs
+
+        if nonfinite:
+            row["rel_err"] = {n: (None if e is None or not math.isfinite(e) else e)
+                              for n, e in row["rel_err"].items()}
+            raise FloatingPointError(f"non-finite values in {', '.join(nonfinite)}")
+
+        stage = "timing"
+        reps = int(row_budget_s * 1e3 / max(est_ms, 1e-3))
+        # a very slow row still gets 3 repetitions, not min_reps, so it cannot eat the budget
+        reps = max(min(args.min_reps, 3) if reps < args.min_reps else args.min_reps,
+                   min(args.max_reps, reps))
+
+        def step():
+            fwd_bwd(fn, inputs, leaves)
+
+        if est_ms < 250:
+            step()  # one more warm-up right before timing (slow rows are warm enough by now)
+        times = sorted(time_reps(step, reps, args))
+        row["reps"] = reps
+        row["ms"] = statistics.median(times)
+        row["ms_min"] = times[0]
+        row["ms_p20"] = percentile(times, 0.2)
+        row["ms_p80"] = percentile(times, 0.8)
+        row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+    except Exception as error:  # noqa: BLE001 (recorded, the run goes on)
+        row["error"] = " ".join(f"{stage}: {type(error).__name__}: {error}".split())
+        row["error_trace"] = traceback.format_exc(limit=6)[-2000:]
+        if args.device == "cuda" and (is_sticky_cuda_error(error) or not cuda_still_usable()):
+            row["sticky_cuda_error"] = True
+    return row
+
+
+def cuda_still_usable():
+    """False once the CUDA context is broken (a sticky error: every later call fails)."""
+    try:
+        torch.cuda.synchronize()
+        torch.empty(1, device="cuda").add_(1)
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _injected_fault(cfg, impl):
+    """TESTS ONLY: MOEBLAZE_BENCH_FAULT=<crash|hang|raise>:<config>:<impl> makes that row kill its
+    process, hang, or raise, so the tests can check that other rows survive."""
+    spec = os.environ.get("MOEBLAZE_BENCH_FAULT", "")
+    if not spec:
+        return
+    kind, _, rest = spec.partition(":")
+    config, _, which = rest.partition(":")
+    if config != cfg["name"] or which != impl:
+        return
+    if kind == "crash":
+        os._exit(139)
+    if kind == "hang":
+        time.sleep(3600)
+    if kind == "raise":
+        raise RuntimeError("injected fault")
+
+
+def library_saved_size(cfg, activation, policy, args):
+    try:
+        import moeblaze._lib as mlib
+        import moeblaze.torch as mbt
+        layer = mbt.get_layer(torch.device(args.device), d_model=cfg["d"], d_ffn=cfg["h"],
+                              num_experts=cfg["E"], top_k=cfg["k"], activation=activation,
+                              dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
+                                     "fp64": "float64"}[args.dtype], checkpoint=policy)
+        return int(layer.saved_size(mlib.PASS_EXPERTS_FORWARD, cfg["T"]))
+    except Exception:  # noqa: BLE001 (a fact, not a requirement)
+        return None
+
+
+def free_memory(args):
+    gc.collect()
+    if args.device == "cuda":
+        try:
+            torch.cuda.empty_cache()
+        except Exception as error:  # noqa: BLE001 (the next row will report a broken context)
+            log(f"  empty_cache failed: {error}")
+
+
+# ------------------------------------------------------------------------------------------------
+# One process: configurations in order, rows streamed to a JSON-lines state file
+# ------------------------------------------------------------------------------------------------
+
+
+def error_row(cfg, activation, impl, policy, message, args):
+    return {"config": cfg["name"], "act": activation, "impl": impl, "policy": policy,
+            "T": cfg["T"], "d": cfg["d"], "h": cfg["h"], "E": cfg["E"], "k": cfg["k"],
+            "dtype": args.dtype, "flops": roofline.flops(cfg, activation), "ms": None,
+            "tflops": None, "saved_bytes": None, "peak_bytes": None,
+            "rel_err": {name: None for name in ERR_NAMES}, "error": message}
+
+
+def run_configs(configs, args, emit):
+    """Runs every configuration in this process; emit(event_dict) receives rows and markers.
+    Returns False if a sticky CUDA error ended the run early."""
+    torch.set_float32_matmul_precision("highest")  # the fp32 reference must not use TF32
+    plan = row_plan(args)
+    deadline = args.deadline or (time.time() + args.budget_s)
+    rows_left = len(configs) * len(args.acts) * len(plan)
+    for cfg in configs:
+        emit({"event": "config_start", "config": cfg["name"], "time": time.time()})
+        for activation in args.acts:
+            label = f"{cfg['name']}/{activation}"
+            if time.time() > deadline:
+                for impl, policy in plan:
+                    emit({"event": "row", "row": error_row(cfg, activation, impl, policy,
+                                                            "skipped: time budget exhausted",
+                                                            args)})
+                rows_left -= len(plan)
+                continue
+            try:
+                inputs = make_inputs(cfg, activation, args)
+            except Exception as error:  # noqa: BLE001
+                for impl, policy in plan:
+                    emit({"event": "row", "row": error_row(
+                        cfg, activation, impl, policy, f"inputs: {type(error).__name__}: {error}",
+                        args)})
+                rows_left -= len(plan)
+                free_memory(args)
+                continue
+            ref, ref_info = None, {"skipped": True}
+            if not args.no_ref:
+                t0 = time.time()
+                try:
+                    ref, ref_info = reference(cfg, activation, inputs, args)
+                    ref_info["seconds"] = round(time.time() - t0, 2)
+                    free_memory(args)  # the reference's fp32 activations
+                except Exception as error:  # noqa: BLE001
+                    ref_info = {"error": f"{type(error).__name__}: {error}"}
+                    log(f"  [{label}] reference failed: {ref_info['error']}")
+                    free_memory(args)
+            log(f"[{label}] T={cfg['T']} d={cfg['d']} h={cfg['h']} E={cfg['E']} k={cfg['k']} "
+                f"seed={inputs['seed']} reference={ref_info}")
+            for impl, policy in plan:
+                now = time.time()
+                if now > deadline:
+                    row = error_row(cfg, activation, impl, policy,
+                                    "skipped: time budget exhausted", args)
+                elif (impl == "grouped_mm" and not args.emulate_grouped_mm
+                      and not baselines.grouped_mm_available()):
+                    row = error_row(cfg, activation, impl, policy, None, args)
+                    row["skipped"] = (f"torch {torch.__version__} has no torch._grouped_mm / "
+                                      f"F.grouped_mm")
+                else:
+                    # half of a row's share goes to timed repetitions; warm-up, memory,
+                    # accuracy and repeat runs take the rest
+                    share = (deadline - now) / max(rows_left, 1)
+                    row = run_row(cfg, activation, impl, policy, inputs, ref, args,
+                                  row_budget_s=min(args.row_timing_s, 0.5 * share))
+                    row["reference"] = ref_info
+                rows_left -= 1
+                emit({"event": "row", "row": row})
+                log("  " + row_line(row))
+                if row.get("sticky_cuda_error"):
+                    log(f"  sticky CUDA error in {label} {impl}/{policy}: ending this process")
+                    return False
+                free_memory(args)
+            del inputs, ref
+            free_memory(args)
+        emit({"event": "config_done", "config": cfg["name"], "time": time.time()})
+    return True
+
+
+def row_line(row):
+    if row.get("error"):
+        return f"{row['impl']:>10}/{row['policy']:<11} ERROR {row['error'][:160]}"
+    if row.get("skipped"):
+        return f"{row['impl']:>10}/{row['policy']:<11} skipped: {row['skipped']}"
+    errs = row.get("max_rel_err")
+    mib = float(1 << 20)
+
+    def fmt(value, scale=1.0, spec=".1f"):
+        return "-" if value is None else format(value / scale, spec)
+
+    return (f"{row['impl']:>10}/{row['policy']:<11} {fmt(row['ms'], spec='.3f'):>9} ms "
+            f"{fmt(row['tflops']):>6} TFLOP/s  saved {fmt(row['saved_bytes'], mib):>8} MiB  "
+            f"peak {fmt(row['peak_bytes'], mib):>8} MiB  max_rel_err "
+            f"{'-' if errs is None else format(errs, '.2e')}  bitwise_repeat "
+            f"{row.get('bitwise_repeat')}  reps {row.get('reps')}")
+
+
+# ------------------------------------------------------------------------------------------------
+# Parent: one child process per stretch of configurations, restarted after a crash or hang
+# ------------------------------------------------------------------------------------------------
+
+
+def read_state(path):
+    events = []
+    if not os.path.exists(path):
+        return events
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                events.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut short by a kill
+    return events
+
+
+def child_argv(args, configs, state_path, deadline):
+    argv = [sys.executable, os.path.abspath(__file__), "--no-isolate", "--child-state", state_path,
+            "--configs", ",".join(c["name"] for c in configs), "--configs-file", args.configs_file,
+            "--acts", ",".join(args.acts), "--impls", ",".join(args.impls),
+            "--policies", ",".join(args.policies), "--device", args.device, "--dtype", args.dtype,
+            "--out", args.out, "--seed", str(args.seed), "--min-reps", str(args.min_reps),
+            "--max-reps", str(args.max_reps), "--ref-chunk-gib", str(args.ref_chunk_gib),
+            "--row-timing-s", repr(args.row_timing_s),
+            "--deadline", repr(deadline), "--budget-s", repr(max(1.0, deadline - time.time()))]
+    if args.config_timeout_s:
+        argv += ["--config-timeout-s", repr(args.config_timeout_s)]
+    if args.no_ref:
+        argv.append("--no-ref")
+    if args.allow_shim:
+        argv.append("--allow-shim")
+    if args.emulate_grouped_mm:
+        argv.append("--emulate-grouped-mm")
+    return argv
+
+
+def run_isolated(configs, args, on_rows):
+    """Runs configurations in child processes; returns all rows."""
+    plan = row_plan(args)
+    start = time.time()
+    deadline = start + args.budget_s
+    hard_stop = deadline + 45.0  # a child past this is killed; what it finished is kept
+    state_path = os.path.join(args.out, f".bench-state-{os.getpid()}.jsonl")
+    rows = []
+    remaining = list(configs)
+    while remaining:
+        if os.path.exists(state_path):
+            os.remove(state_path)
+        argv = child_argv(args, remaining, state_path, deadline)
+        log(f"== child process for {', '.join(c['name'] for c in remaining)}")
+        child = subprocess.Popen(argv, start_new_session=True)
+        seen = 0
+        current, current_start = None, time.time()
+        killed = None
+        while True:
+            rc = child.poll()
+            events = read_state(state_path)
+            for event in events[seen:]:
+                if event["event"] == "config_start":
+                    current, current_start = event["config"], time.time()
+                elif event["event"] == "config_done":
+                    current = None
+                elif event["event"] == "row":
+                    rows.append(event["row"])
+                    on_rows(rows)
+            seen = len(events)
+            if rc is not None:
+                break
+            now = time.time()
+            left = max(1, len([c for c in remaining if c["name"] not in done_configs(events)]))
+            per_config_limit = args.config_timeout_s or max(
+                90.0, 3.0 * (deadline - current_start) / left)
+            if now > hard_stop:
+                killed = "killed: past the run's hard stop"
+            elif current is not None and now - current_start > per_config_limit:
+                killed = f"killed: configuration ran over {per_config_limit:.0f} s"
+            if killed:
+                log(f"== {killed} ({current})")
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait()
+                rc = child.returncode
+                break
+            time.sleep(0.5)
+        events = read_state(state_path)
+        for event in events[seen:]:
+            if event["event"] == "row":
+                rows.append(event["row"])
+        done = done_configs(events)
+        started = [e["config"] for e in events if e["event"] == "config_start"]
+        crashed = [name for name in started if name not in done]
+        reason = killed or f"child process exited with status {rc}"
+        for name in crashed:
+            cfg = next(c for c in remaining if c["name"] == name)
+            have = {(r["act"], r["impl"], r["policy"]) for r in rows if r["config"] == name}
+            for activation in args.acts:
+                for impl, policy in plan:
+                    if (activation, impl, policy) not in have:
+                        rows.append(error_row(cfg, activation, impl, policy,
+                                              f"not measured: {reason}", args))
+        finished = set(done) | set(crashed)
+        if not started and rc != 0:
+            # the child died before starting anything (import error, no GPU): give up
+            for cfg in remaining:
+                for activation in args.acts:
+                    for impl, policy in plan:
+                        rows.append(error_row(cfg, activation, impl, policy,
+                                              f"not measured: {reason}", args))
+            finished = {c["name"] for c in remaining}
+        remaining = [c for c in remaining if c["name"] not in finished]
+        on_rows(rows)
+        if remaining and time.time() > hard_stop:
+            for cfg in remaining:
+                for activation in args.acts:
+                    for impl, policy in plan:
+                        rows.append(error_row(cfg, activation, impl, policy,
+                                              "skipped: time budget exhausted", args))
+            remaining = []
+    if os.path.exists(state_path):
+        os.remove(state_path)
+    return rows
+
+
+def done_configs(events):
+    return [e["config"] for e in events if e["event"] == "config_done"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Results
+# ------------------------------------------------------------------------------------------------
+
+
+def geomean(values):
+    values = [v for v in values if v is not None and v > 0]
+    if not values:
+        return None
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def annotate(rows):
+    """Adds speed-ups and memory ratios to moeblaze rows; returns a summary dict."""
+    index = {(r["config"], r["act"], r["impl"], r["policy"]): r for r in rows}
+    for r in rows:
+        if r["impl"] != "moeblaze":
+            continue
+        for base in ("grouped_mm", "loop"):
+            b = index.get((r["config"], r["act"], base, BASELINE_POLICY))
+            if b is None:
+                continue
+            if r.get("ms") and b.get("ms"):
+                r[f"speedup_vs_{base}"] = b["ms"] / r["ms"]
+            if r.get("saved_bytes") is not None and b.get("saved_bytes"):
+                r[f"saved_ratio_vs_{base}"] = r["saved_bytes"] / b["saved_bytes"]
+            if r.get("peak_bytes") is not None and b.get("peak_bytes"):
+                r[f"peak_ratio_vs_{base}"] = r["peak_bytes"] / b["peak_bytes"]
+    summary = {}
+    for act in sorted({r["act"] for r in rows}):
+        mb = [r for r in rows if r["act"] == act and r["impl"] == "moeblaze"
+              and r["policy"] == "save_preact"]
+        summary[act] = {
+            "geomean_speedup_vs_grouped_mm": geomean([r.get("speedup_vs_grouped_mm") for r in mb]),
+            "geomean_speedup_vs_loop": geomean([r.get("speedup_vs_loop") for r in mb]),
+            "max_saved_ratio_vs_grouped_mm": max(
+                [r["saved_ratio_vs_grouped_mm"] for r in mb if "saved_ratio_vs_grouped_mm" in r],
+                default=None),
+            "max_peak_ratio_vs_grouped_mm": max(
+                [r["peak_ratio_vs_grouped_mm"] for r in mb if "peak_ratio_vs_grouped_mm" in r],
+                default=None),
+            "min_tflops": min([r["tflops"] for r in mb if r.get("tflops")], default=None),
+        }
+    summary["rows_with_errors"] = sum(1 for r in rows if r.get("error"))
+    summary["rows_over_tolerance"] = sum(1 for r in rows if r.get("err_ok") is False)
+    return summary
+
+
+def results_path(args, device):
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return os.path.join(args.out, f"{date}-{device_slug(device)}.json")
+
+
+def finite_or_none(value):
+    """JSON has no NaN/Inf: non-finite floats become None (the row's error says why)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def write_results(path, header, rows):
+    rows = finite_or_none(rows)
+    doc = dict(header)
+    doc["summary"] = annotate(rows)
+    doc["rows"] = rows
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1, allow_nan=False, default=_json_default)
+    os.replace(tmp, path)
+    return doc
+
+
+def _json_default(value):
+    return str(value)
+
+
+def summary_table(doc):
+    """Compact: one line per configuration x activation."""
+    rows = doc["rows"]
+    index = {(r["config"], r["act"], r["impl"], r["policy"]): r for r in rows}
+    keys = []
+    for r in rows:
+        key = (r["config"], r["act"])
+        if key not in keys:
+            keys.append(key)
+    gib = float(1 << 30)
+
+    def ms(r):
+        return "-" if r is None or r.get("ms") is None else f"{r['ms']:.2f}"
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    lines = ["config/act            gmm ms  loop ms    mb ms  x_gmm  x_loop  mb TF/s  "
+             "saved GiB mb/gmm  peak GiB mb/gmm  mb max_err  errs"]
+    for cfg, act in keys:
+        g = index.get((cfg, act, "grouped_mm", BASELINE_POLICY))
+        lp = index.get((cfg, act, "loop", BASELINE_POLICY))
+        mb = index.get((cfg, act, "moeblaze", "save_preact"))
+        nerr = sum(1 for r in rows if r["config"] == cfg and r["act"] == act and r.get("error"))
+        mbs = mb or {}
+        saved = f"{fmt(_div(mbs.get('saved_bytes'), gib), '.2f')}/" \
+                f"{fmt(_div((g or {}).get('saved_bytes'), gib), '.2f')}"
+        peak = f"{fmt(_div(mbs.get('peak_bytes'), gib), '.2f')}/" \
+               f"{fmt(_div((g or {}).get('peak_bytes'), gib), '.2f')}"
+        lines.append(
+            f"{cfg + '/' + act:<20} {ms(g):>8} {ms(lp):>8} {ms(mb):>8} "
+            f"{fmt(mbs.get('speedup_vs_grouped_mm'), '.2f'):>6} "
+            f"{fmt(mbs.get('speedup_vs_loop'), '.2f'):>7} {fmt(mbs.get('tflops'), '.0f'):>8}  "
+            f"{saved:>16}  {peak:>15}  {fmt(mbs.get('max_rel_err'), '.1e'):>10}  {nerr:>4}")
+    s = doc["summary"]
+    for act, v in s.items():
+        if isinstance(v, dict):
+            lines.append(f"{act}: geomean speed-up vs grouped_mm "
+                         f"{fmt(v['geomean_speedup_vs_grouped_mm'], '.2f')}, vs loop "
+                         f"{fmt(v['geomean_speedup_vs_loop'], '.2f')}; max saved ratio "
+                         f"{fmt(v['max_saved_ratio_vs_grouped_mm'], '.2f')}, max peak ratio "
+                         f"{fmt(v['max_peak_ratio_vs_grouped_mm'], '.2f')}")
+    lines.append(f"rows with errors: {s['rows_with_errors']}; rows over the error tolerance: "
+                 f"{s['rows_over_tolerance']}")
+    if any(str(r.get("impl_source", "")).startswith("SHIM") for r in rows):
+        lines.append("WARNING: the moeblaze rows are the DEVELOPMENT SHIM (loop baseline), "
+                     "not moeblaze")
+    errors = [r for r in rows if r.get("error")]
+    for r in errors[:6]:  # device_check.sh shows the last 40 lines: keep the table in view
+        lines.append(f"  ERROR {r['config']}/{r['act']}/{r['impl']}/{r['policy']}: "
+                     f"{r['error'][:150]}")
+    if len(errors) > 6:
+        lines.append(f"  ... {len(errors) - 6} more errors in the JSON")
+    return "\n".join(lines)
+
+
+def _div(v, d):
+    return None if v is None else v / d
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    configs = load_configs(args)
+
+    if args.child_state:
+        with open(args.child_state, "a") as state:
+            def emit(event):
+                state.write(json.dumps(event, allow_nan=True, default=_json_default) + "\n")
+                state.flush()
+                os.fsync(state.fileno())
+            ok = run_configs(configs, args, emit)
+        return 0 if ok else EXIT_STICKY
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda but torch sees no GPU")
+    name = device_name(args.device)
+    header = {"device": name, "commit": git_commit(),
+              "command": " ".join(["python3"] + [os.path.relpath(os.path.abspath(__file__))] +
+                                  (sys.argv[1:] if argv is None else list(argv))),
+              "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                  timespec="seconds"),
+              "environment": environment(args),
+              "method": {"timing": "median of CUDA-event-timed fwd+bwd, L2 flushed before each "
+                                   "repetition" if args.device == "cuda" else
+                                   "median of host-timed fwd+bwd (CPU)",
+                         "flops": "18*T*k*d*h gated, 12*T*k*d*h otherwise",
+                         "saved_bytes": "unique storages via saved_tensors_hooks, inputs excluded",
+                         "peak_bytes": "max_memory_allocated during fwd+bwd minus allocated before",
+                         "reference": "loop baseline in fp32 (CUDA, TF32 off) / fp64 (CPU) on "
+                                      "upcast inputs, token chunks",
+                         "err_tolerance": ERR_TOLERANCE[args.dtype]}}
+    path = results_path(args, name)
+    log(f"moeblaze bench: {len(configs)} configuration(s) x {args.acts} x "
+        f"{[f'{i}/{p}' for i, p in row_plan(args)]} on {name}; budget {args.budget_s:.0f} s; "
+        f"results -> {path}")
+    log(f"moeblaze: {header['environment'].get('moeblaze')}; "
+        f"{header['environment'].get('moeblaze_build_info', '')}")
+
+    def save(rows):
+        write_results(path, header, rows)
+
+    rows = []
+    if (args.device == "cuda" or args.isolate) and not args.no_isolate:
+        rows = run_isolated(configs, args, save)
+    else:
+        def emit(event):
+            if event["event"] == "row":
+                rows.append(event["row"])
+                save(rows)
+        run_configs(configs, args, emit)
+    doc = write_results(path, header, rows)
+    log(f"wrote {path}")
+    if args.report:
+        try:
+            import make_report
+            make_report.report(path, out_dir=args.out, doc_path=None)
+        except Exception as error:  # noqa: BLE001 (the numbers are already saved)
+            log(f"report failed: {type(error).__name__}: {error}")
+    log("")
+    log(summary_table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""CPU smoke tests of the benchmark harness (no GPU needed; torch 1.13+).
+
+    /usr/bin/python3 -m pytest -q bench/test_bench_cpu.py
+
+The moeblaze checks use the CPU backend through bindings/python (library from $MOEBLAZE_LIBRARY or
+a build*/ tree) and are skipped, with the reason, when the library cannot be loaded.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import baselines  # noqa: E402
+import roofline  # noqa: E402
+import run_bench  # noqa: E402
+
+TINY = [
+    {"name": "tiny_a", "T": 48, "d": 32, "h": 48, "E": 4, "k": 2},
+    {"name": "tiny_b", "T": 37, "d": 16, "h": 40, "E": 8, "k": 3},
+]
+
+
+def random_problem(T, d, h, E, k, activation, dtype, seed):
+    print(f"seed={seed} T={T} d={d} h={h} E={E} k={k} act={activation} dtype={dtype}")
+    gen = torch.Generator().manual_seed(seed)
+    route = torch.float64 if dtype == torch.float64 else torch.float32
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype)
+
+    logits = torch.randn(T, E, generator=gen)
+    top, ids = torch.softmax(logits, -1).topk(k, -1)
+    g = (top / top.sum(-1, keepdim=True)).to(route)
+    gated = baselines.is_gated(activation)
+    return {"x": randn(T, d), "ids": ids.to(torch.int32), "g": g,
+            "w_gate": randn(E, h, d, scale=d ** -0.5),
+            "w_up": randn(E, h, d, scale=d ** -0.5) if gated else None,
+            "w_down": randn(E, d, h, scale=h ** -0.5), "dy": randn(T, d)}
+
+
+def forward_backward(fn, p, **kw):
+    leaves = [None if p[n] is None else p[n].detach().clone().requires_grad_(True)
+              for n in ("x", "g", "w_gate", "w_up", "w_down")]
+    x, g, wg, wu, wd = leaves
+    y = fn(x, p["ids"], g, wg, wu, wd, **kw)
+    wanted = [t for t in leaves if t is not None]
+    grads = iter(torch.autograd.grad(y, wanted, p["dy"]))
+    return [y.detach()] + [None if t is None else next(grads) for t in leaves]
+
+
+def rel(a, b):
+    if a is None and b is None:
+        return 0.0
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def grouped_emulated(*args, **kw):
+    return baselines.moe_grouped_mm(*args, grouped_mm=baselines.grouped_mm_emulated, **kw)
+
+
+def moeblaze_torch():
+    sys.path.insert(0, os.path.join(REPO, "bindings", "python"))
+    try:
+        import moeblaze
+        import moeblaze.torch as mbt
+        moeblaze.build_info()  # loads the library
+        return mbt
+    except Exception as error:  # noqa: BLE001
+        pytest.skip(f"moeblaze CPU library not loadable: {type(error).__name__}: {error}")
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("activation", baselines.ACTIVATIONS)
+def test_baselines_match_dense_reference(activation):
+    p = random_problem(29, 16, 24, 5, 2, activation, torch.float64, seed=11)
+    ref = forward_backward(baselines.moe_dense_reference, p, activation=activation)
+    for fn in (baselines.moe_loop, grouped_emulated):
+        out = forward_backward(fn, p, activation=activation)
+        for name, a, b in zip(("y",) + run_bench.GRAD_NAMES, out, ref):
+            assert (a is None) == (b is None), name
+            err = rel(a, b)
+            assert err < 1e-12, f"{fn.__name__} {activation} {name}: {err}"
+
+
+def test_comparison_can_fail():
+    """A wrong routing must show up as a large error (the checks above are not vacuous)."""
+    p = random_problem(29, 16, 24, 5, 2, "swiglu", torch.float64, seed=12)
+    ref = forward_backward(baselines.moe_dense_reference, p, activation="swiglu")
+    wrong = dict(p)
+    wrong["ids"] = (p["ids"] + 1) % 5
+    out = forward_backward(baselines.moe_loop, wrong, activation="swiglu")
+    assert rel(out[0], ref[0]) > 0.1
+
+
+def test_empty_experts_and_one_hot_routing():
+    """Every token on expert 0 (others empty): the loop and the grouped dataflow still agree."""
+    p = random_problem(20, 8, 16, 4, 1, "swiglu", torch.float64, seed=13)
+    p["ids"] = torch.zeros_like(p["ids"])
+    ref = forward_backward(baselines.moe_dense_reference, p, activation="swiglu")
+    for fn in (baselines.moe_loop, grouped_emulated):
+        out = forward_backward(fn, p, activation="swiglu")
+        assert all(rel(a, b) < 1e-12 for a, b in zip(out, ref))
+        assert float(out[3][1:].abs().max()) == 0.0  # no gradient for experts without tokens
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "silu", "geglu", "relu2"])
+def test_moeblaze_cpu_matches_baselines(activation):
+    mbt = moeblaze_torch()
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        p = random_problem(41, 16, 32, 6, 2, activation, dtype, seed=21)
+        ref = forward_backward(baselines.moe_loop, p, activation=activation)
+        results = {}
+        for policy in run_bench.ALL_POLICIES:
+            out = forward_backward(mbt.moe_experts, p, activation=activation, checkpoint=policy)
+            for name, a, b in zip(("y",) + run_bench.GRAD_NAMES, out, ref):
+                err = rel(a, b)
+                assert err < tol, f"{dtype} {policy} {name}: {err}"
+            results[policy] = out
+        # the numerics contract: every policy gives bitwise the same results
+        for policy in ("save_all", "recompute"):
+            for a, b in zip(results[policy], results["save_preact"]):
+                assert (a is None and b is None) or torch.equal(a, b), policy
+
+
+def test_moeblaze_cpu_bf16_against_fp64():
+    mbt = moeblaze_torch()
+    p = random_problem(64, 32, 64, 4, 2, "swiglu", torch.bfloat16, seed=31)
+    p64 = {n: (None if t is None or t.dtype == torch.int32 else t.double()) for n, t in p.items()}
+    p64["ids"] = p["ids"]
+    ref = forward_backward(baselines.moe_loop, p64, activation="swiglu")
+    for fn, kw in ((mbt.moe_experts, {"checkpoint": "save_preact"}), (baselines.moe_loop, {}),
+                   (grouped_emulated, {})):
+        out = forward_backward(fn, p, activation="swiglu", **kw)
+        for name, a, b in zip(("y",) + run_bench.GRAD_NAMES, out, ref):
+            err = rel(a, b)
+            assert err < 2e-2, f"{getattr(fn, '__name__', fn)} {name}: {err}"
+
+
+def test_saved_tensor_recorder_excludes_inputs_and_dedups_views():
+    w = torch.randn(8, 8, requires_grad=True)
+    x = torch.randn(4, 8, requires_grad=True)
+    key = run_bench.storage_key
+    rec = run_bench.SavedTensorRecorder([key(w)[0], key(x)[0]])
+    with rec.hooks():
+        h = x @ w.t()          # saves x and w (inputs: excluded)
+        z = torch.sigmoid(h)   # saves its output z
+        y = (z * z[:, :4].repeat(1, 2)).sum()  # saves z (again) and a new [4,8] tensor
+    assert rec.count >= 4
+    assert rec.total() == 2 * 4 * 8 * 4  # z and the repeat, fp32, once each
+    y.backward()
+    assert w.grad is not None
+
+
+def test_roofline_formulas():
+    cfgs = {c["name"]: c for c in roofline.load_configs()}
+    c = cfgs["conf1"]
+    assert roofline.flops(c, "swiglu") == 18 * c["T"] * c["k"] * c["d"] * c["h"]
+    assert roofline.flops(c, "silu") == 12 * c["T"] * c["k"] * c["d"] * c["h"]
+    # peers.md section 3.4: Mixtral at T=16384 22.3 GB; Qwen3-30B-A3B at T=32768 9.9 GB
+    assert abs(roofline.fused_bytes(cfgs["mixtral"], "swiglu") / 1e9 - 22.3) < 0.05
+    assert abs(roofline.fused_bytes(cfgs["qwen3-30b-a3b"], "swiglu") / 1e9 - 9.93) < 0.05
+    assert roofline.strict_min_bytes(c, "swiglu") < roofline.fused_bytes(c, "swiglu")
+
+
+def _run_harness(tmp_path, extra, env=None):
+    cfg_path = tmp_path / "tiny.json"
+    cfg_path.write_text(json.dumps({"configs": TINY}))
+    out = tmp_path / "out"
+    argv = [sys.executable, os.path.join(HERE, "run_bench.py"), "--device", "cpu",
+            "--configs-file", str(cfg_path), "--quick", "--out", str(out),
+            "--emulate-grouped-mm"] + extra
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=full_env)
+    print(proc.stdout[-4000:], proc.stderr[-4000:])
+    assert proc.returncode == 0
+    files = list(out.glob("*-cpu.json"))
+    assert len(files) == 1
+    return json.loads(files[0].read_text()), proc.stdout
+
+
+def test_harness_smoke(tmp_path):
+    doc, stdout = _run_harness(tmp_path, ["--acts", "swiglu,silu"])
+    assert stdout.rindex("config/act") > stdout.rindex("wrote ")  # the summary table comes last
+    for key in ("device", "commit", "command", "rows", "summary", "environment"):
+        assert key in doc
+    rows = doc["rows"]
+    assert len(rows) == len(TINY) * 2 * 5
+    have_moeblaze = doc["environment"]["moeblaze"].startswith("bindings")
+    for r in rows:
+        assert set(r["rel_err"]) == {"y", "dx", "dw_gate", "dw_up", "dw_down", "dg"}
+        if r["impl"] == "moeblaze" and not have_moeblaze:
+            assert r["error"]
+            continue
+        assert r["error"] is None, r
+        assert r["ms"] > 0 and r["tflops"] > 0
+        assert r["saved_bytes"] > 0 and r["peak_bytes"] is None  # no peak on CPU
+        errs = r["rel_err"]
+        assert (errs["dw_up"] is None) == (r["act"] == "silu")
+        assert all(v < 3e-2 for v in errs.values() if v is not None), r
+        assert r["err_ok"] is True and r["bitwise_repeat"] is True
+    for r in rows:
+        if r["impl"] == "moeblaze" and have_moeblaze:
+            assert r["saved_bytes"] == r["saved_bytes_library"]
+            assert "speedup_vs_grouped_mm" in r and "saved_ratio_vs_grouped_mm" in r
+    if have_moeblaze:
+        by = {(r["config"], r["act"], r["policy"]): r["saved_bytes"] for r in rows
+              if r["impl"] == "moeblaze"}
+        for c in TINY:
+            for act in ("swiglu", "silu"):
+                assert by[(c["name"], act, "recompute")] < by[(c["name"], act, "save_preact")] \
+                    < by[(c["name"], act, "save_all")]
+
+
+def test_harness_survives_a_crashing_configuration(tmp_path):
+    doc, _ = _run_harness(tmp_path, ["--acts", "swiglu", "--isolate", "--impls", "loop,grouped_mm"],
+                          env={"MOEBLAZE_BENCH_FAULT": "crash:tiny_a:loop"})
+    rows = {(r["config"], r["impl"]): r for r in doc["rows"]}
+    assert rows[("tiny_a", "grouped_mm")]["error"] is None  # ran before the crash
+    assert "not measured" in rows[("tiny_a", "loop")]["error"]
+    assert rows[("tiny_b", "loop")]["error"] is None  # the next configuration still ran
+    assert rows[("tiny_b", "grouped_mm")]["error"] is None
+
+
+def test_harness_records_a_raising_row(tmp_path):
+    doc, _ = _run_harness(tmp_path, ["--acts", "silu", "--impls", "loop,grouped_mm"],
+                          env={"MOEBLAZE_BENCH_FAULT": "raise:tiny_b:grouped_mm"})
+    rows = {(r["config"], r["impl"]): r for r in doc["rows"]}
+    assert "injected fault" in rows[("tiny_b", "grouped_mm")]["error"]
+    assert rows[("tiny_b", "loop")]["error"] is None
+
+
+def test_make_report_fills_markers(tmp_path):
+    doc, _ = _run_harness(tmp_path, ["--acts", "swiglu", "--impls", "loop,grouped_mm"])
+    import make_report
+    path = tmp_path / "r.json"
+    path.write_text(json.dumps(doc))
+    md = tmp_path / "perf.md"
+    md.write_text(f"# x\n{make_report.RESULTS_BEGIN}\nold\n{make_report.RESULTS_END}\ntail\n")
+    make_report.report(str(path), str(tmp_path), str(md))
+    text = md.read_text()
+    assert "old" not in text and "tail" in text and "| tiny_a | swiglu |" in text
