@@ -95,9 +95,9 @@
 /* Versions and export                                                                              */
 /* ------------------------------------------------------------------------------------------------ */
 
-#define MOEBLAZE_VERSION_MAJOR 0
-#define MOEBLAZE_VERSION_MINOR 1
-#define MOEBLAZE_VERSION_PATCH 0
+#define MOEBLAZE_VERSION_MAJOR 0 /*!< major version of this header */
+#define MOEBLAZE_VERSION_MINOR 1 /*!< minor version of this header */
+#define MOEBLAZE_VERSION_PATCH 0 /*!< patch version of this header */
 /*! The version as one integer: major * 10000 + minor * 100 + patch. */
 #define MOEBLAZE_VERSION \
   (MOEBLAZE_VERSION_MAJOR * 10000 + MOEBLAZE_VERSION_MINOR * 100 + MOEBLAZE_VERSION_PATCH)
@@ -138,6 +138,7 @@ MOEBLAZE_API const char* moeblaze_get_build_info(void);
 /*! Returned by every function; one of ::moeblaze_status_code. The values are frozen. */
 typedef int32_t moeblaze_status_t;
 
+/*! The values a ::moeblaze_status_t takes. */
 enum moeblaze_status_code {
   MOEBLAZE_OK = 0,                         /*!< success */
   MOEBLAZE_ERR_INVALID_ARGUMENT = 1,       /*!< an argument is NULL, out of range or inconsistent */
@@ -223,8 +224,8 @@ enum moeblaze_pass_code {
 };
 
 /*! Limits checked by moeblaze_layer_create(). */
-#define MOEBLAZE_MAX_EXPERTS 1024
-#define MOEBLAZE_MAX_TOP_K 32
+#define MOEBLAZE_MAX_EXPERTS 1024 /*!< largest `num_experts` */
+#define MOEBLAZE_MAX_TOP_K 32     /*!< largest `top_k` */
 
 /* ------------------------------------------------------------------------------------------------ */
 /* Contexts: a backend bound to a device                                                            */
@@ -452,7 +453,7 @@ typedef struct moeblaze_forward_args {
                            backward is possible) */
   size_t saved_bytes; /*!< size of `saved` */
   void* workspace;    /*!< moeblaze_layer_workspace_size() bytes of scratch */
-  size_t workspace_bytes;
+  size_t workspace_bytes; /*!< size of `workspace` */
 } moeblaze_forward_args_t;
 
 /*! Flag for ::moeblaze_backward_args_t: add weight gradients to `dw_*` instead of overwriting. */
@@ -476,7 +477,7 @@ typedef struct moeblaze_backward_args {
   const int32_t* ids;   /*!< [T,k] int32; experts backward only */
   const void* g;        /*!< [T,k] routing dtype; experts backward only */
   const void* saved;    /*!< the saved buffer the forward pass filled */
-  size_t saved_bytes;
+  size_t saved_bytes;   /*!< size of `saved` */
   /* outputs (each optional) */
   void* dx;         /*!< [T,d] dtype, overwritten (the layer backward includes the router's path) */
   void* dw_router;  /*!< [E,d] dtype; layer backward only */
@@ -486,7 +487,7 @@ typedef struct moeblaze_backward_args {
   void* dg;         /*!< [T,k] routing dtype; experts backward: dLoss/dg */
   void* d_logits;   /*!< [T,E] routing dtype; layer backward, optional */
   void* workspace;  /*!< moeblaze_layer_workspace_size() bytes of scratch */
-  size_t workspace_bytes;
+  size_t workspace_bytes; /*!< size of `workspace` */
 } moeblaze_backward_args_t;
 
 /*! \brief Fills `*args` with zeros/NULLs and sets `struct_size`. Same rules as

@@ -1,0 +1,20 @@
+# ctest -R api_docs: builds the API reference into OUT with the project's Doxyfile; fails on any
+# doxygen warning (WARN_AS_ERROR) and prints them.
+file(REMOVE_RECURSE "${OUT}")
+file(MAKE_DIRECTORY "${OUT}")
+file(READ "${DOXYFILE}" _config)
+# FAIL_ON_WARNINGS: same verdict as WARN_AS_ERROR=YES, but lists every warning, not the first.
+string(APPEND _config "\nOUTPUT_DIRECTORY = ${OUT}\nWARN_LOGFILE = ${OUT}/doxygen-warnings.log\nWARN_AS_ERROR = FAIL_ON_WARNINGS\n")
+file(WRITE "${OUT}/Doxyfile" "${_config}")
+execute_process(COMMAND "${DOXYGEN}" "${OUT}/Doxyfile" RESULT_VARIABLE _rc WORKING_DIRECTORY "${OUT}")
+set(_warnings "")
+if(EXISTS "${OUT}/doxygen-warnings.log")
+  file(READ "${OUT}/doxygen-warnings.log" _warnings)
+endif()
+if(NOT _rc EQUAL 0 OR NOT _warnings STREQUAL "")
+  message(FATAL_ERROR "doxygen failed (rc ${_rc}); warnings:\n${_warnings}")
+endif()
+if(NOT EXISTS "${OUT}/html/index.html")
+  message(FATAL_ERROR "doxygen wrote no ${OUT}/html/index.html")
+endif()
+message(STATUS "API reference built without warnings: ${OUT}/html/index.html")

@@ -1,0 +1,121 @@
+# Driven by examples/CMakeLists.txt (ctest -L examples). One MODE per test:
+#   install       cmake --install the build tree (runtime + development components) into PREFIX and
+#                 check the files a consumer needs are there
+#   find_package  configure/build/run examples/consumer with -DCMAKE_PREFIX_PATH=PREFIX
+#   build_tree    the same against the build tree's export (-Dmoeblaze_DIR=BUILD_DIR)
+#   pkg_config    pkg-config --cflags --libs moeblaze from PREFIX, compile main.c by hand, run it
+cmake_minimum_required(VERSION 3.16)
+
+function(run)
+  string(REPLACE ";" " " _line "${ARGN}")
+  message(STATUS "$ ${_line}")
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE _rc)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "failed (${_rc}): ${_line}")
+  endif()
+endfunction()
+
+# Builds and runs the consumer project; the found package must come from `expected_dir`.
+function(build_consumer name expected_dir)
+  set(_bin "${WORK_DIR}/${name}")
+  file(REMOVE_RECURSE "${_bin}")
+  run(${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${_bin}" -G "${GENERATOR}"
+      -DCMAKE_C_COMPILER=${C_COMPILER} -DCMAKE_BUILD_TYPE=Release
+      -DCMAKE_FIND_USE_PACKAGE_REGISTRY=OFF ${ARGN})
+  file(STRINGS "${_bin}/CMakeCache.txt" _dir_line REGEX "^moeblaze_DIR:")
+  string(REGEX REPLACE "^moeblaze_DIR:[A-Z]+=" "" _found "${_dir_line}")
+  file(REAL_PATH "${_found}" _found)
+  file(REAL_PATH "${expected_dir}" _expected)
+  string(FIND "${_found}" "${_expected}" _at)
+  if(NOT _at EQUAL 0)
+    message(FATAL_ERROR "find_package(moeblaze) found ${_found}, expected a package under ${_expected}")
+  endif()
+  message(STATUS "found the package at ${_found}")
+  run(${CMAKE_COMMAND} --build "${_bin}")
+  run("${_bin}/moeblaze_consumer")
+endfunction()
+
+if(MODE STREQUAL "install")
+  file(REMOVE_RECURSE "${PREFIX}")
+  set(_config_args "")
+  if(CONFIG)
+    set(_config_args --config ${CONFIG})
+  endif()
+  foreach(_component runtime development)
+    run(${CMAKE_COMMAND} --install "${BUILD_DIR}" --prefix "${PREFIX}" --component ${_component}
+        ${_config_args})
+  endforeach()
+  file(GLOB_RECURSE _installed RELATIVE "${PREFIX}" "${PREFIX}/*")
+  list(SORT _installed)
+  string(REPLACE ";" "\n  " _listing "${_installed}")
+  message(STATUS "installed:\n  ${_listing}")
+  foreach(_pattern "include/moeblaze.h" "lib*/libmoeblaze.so" "lib*/libmoeblaze.so.${ABI_VERSION}"
+                   "lib*/libmoeblaze.so.${VERSION}" "lib*/cmake/moeblaze/moeblazeConfig.cmake"
+                   "lib*/cmake/moeblaze/moeblazeConfigVersion.cmake"
+                   "lib*/cmake/moeblaze/moeblazeTargets.cmake" "lib*/pkgconfig/moeblaze.pc")
+    file(GLOB _match "${PREFIX}/${_pattern}")
+    if(NOT _match)
+      message(FATAL_ERROR "the install has no ${_pattern}")
+    endif()
+  endforeach()
+  # Consumers must not need CUDA: the package may not ask for it.
+  file(GLOB _package_files "${PREFIX}/lib*/cmake/moeblaze/*.cmake")
+  foreach(_f ${_package_files})
+    file(READ "${_f}" _text)
+    if(_text MATCHES "CUDA::|CUDAToolkit|find_dependency")
+      message(FATAL_ERROR "${_f} makes consumers depend on something: ${CMAKE_MATCH_0}")
+    endif()
+  endforeach()
+  message(STATUS "install check passed")
+
+elseif(MODE STREQUAL "find_package")
+  build_consumer(find_package "${PREFIX}" -DCMAKE_PREFIX_PATH=${PREFIX})
+
+elseif(MODE STREQUAL "build_tree")
+  build_consumer(build_tree "${BUILD_DIR}" -Dmoeblaze_DIR=${BUILD_DIR})
+
+elseif(MODE STREQUAL "pkg_config")
+  file(GLOB _pc_dirs LIST_DIRECTORIES true "${PREFIX}/lib*/pkgconfig")
+  if(NOT _pc_dirs)
+    message(FATAL_ERROR "no lib*/pkgconfig folder under ${PREFIX}")
+  endif()
+  set(ENV{PKG_CONFIG_PATH} "${_pc_dirs}")
+  # PKG_CONFIG_LIBDIR alone would hide the system's modules; moeblaze needs none of them.
+  set(ENV{PKG_CONFIG_LIBDIR} "${_pc_dirs}")
+  execute_process(COMMAND ${PKG_CONFIG} --modversion moeblaze OUTPUT_VARIABLE _version
+                  OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc)
+  if(NOT _rc EQUAL 0 OR NOT _version STREQUAL VERSION)
+    message(FATAL_ERROR "pkg-config --modversion moeblaze gave '${_version}' (rc ${_rc}), expected ${VERSION}")
+  endif()
+  execute_process(COMMAND ${PKG_CONFIG} --cflags --libs moeblaze OUTPUT_VARIABLE _flags
+                  OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _rc)
+  if(NOT _rc EQUAL 0)
+    message(FATAL_ERROR "pkg-config --cflags --libs moeblaze failed")
+  endif()
+  message(STATUS "pkg-config --cflags --libs moeblaze: ${_flags}")
+  file(REAL_PATH "${PREFIX}" _real_prefix)
+  separate_arguments(_flag_list UNIX_COMMAND "${_flags}")
+  set(_lib_dir "")
+  set(_has_include OFF)
+  foreach(_flag ${_flag_list})
+    if(_flag MATCHES "^-L(.*)")
+      file(REAL_PATH "${CMAKE_MATCH_1}" _lib_dir)
+    elseif(_flag MATCHES "^-I(.*)")
+      file(REAL_PATH "${CMAKE_MATCH_1}" _inc)
+      if(_inc STREQUAL "${_real_prefix}/include")
+        set(_has_include ON)
+      endif()
+    endif()
+  endforeach()
+  if(NOT _has_include OR NOT _lib_dir MATCHES "^${_real_prefix}/lib" OR NOT _flags MATCHES "-lmoeblaze")
+    message(FATAL_ERROR "pkg-config flags do not point into ${_real_prefix}: ${_flags}")
+  endif()
+  set(_bin "${WORK_DIR}/pkg_config")
+  file(REMOVE_RECURSE "${_bin}")
+  file(MAKE_DIRECTORY "${_bin}")
+  run(${C_COMPILER} -std=c99 -Wall -Wextra -pedantic -Werror "${SOURCE_DIR}/main.c"
+      -o "${_bin}/moeblaze_consumer" ${_flag_list} "-Wl,-rpath,${_lib_dir}")
+  run("${_bin}/moeblaze_consumer")
+else()
+  message(FATAL_ERROR "unknown MODE '${MODE}'")
+endif()
