@@ -18,8 +18,11 @@
 namespace moeblaze {
 namespace act_math {
 
+// `using std::exp` (and erf) so float arguments pick the float overloads on the host too: the math
+// is then done in the accumulation type, exactly as on the GPU, not silently in double.
 template <typename T>
 MB_HOST_DEVICE T sigmoid(T a) {
+  using std::exp;
   return T(1) / (T(1) + exp(-a));
 }
 
@@ -37,11 +40,14 @@ MB_HOST_DEVICE T silu_grad(T a) {
 // Exact GELU: a * Phi(a), Phi the standard normal CDF.
 template <typename T>
 MB_HOST_DEVICE T gelu(T a) {
+  using std::erf;
   return T(0.5) * a * (T(1) + erf(a * T(0.70710678118654752440)));
 }
 
 template <typename T>
 MB_HOST_DEVICE T gelu_grad(T a) {
+  using std::erf;
+  using std::exp;
   const T cdf = T(0.5) * (T(1) + erf(a * T(0.70710678118654752440)));
   const T pdf = T(0.39894228040143267794) * exp(T(-0.5) * a * a);
   return cdf + a * pdf;

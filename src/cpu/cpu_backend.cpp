@@ -1,0 +1,86 @@
+// The CPU reference backend: plain loops, accumulation in float (double for F64 layers), threaded
+// with a static partition over output elements. It is the oracle the CUDA backend is tested
+// against, so clarity beats speed here. Host memory only; `stream` arguments are ignored and every
+// call is synchronous.
+#include <cstring>
+#include <memory>
+
+#include "cpu/cpu_kernels.hpp"
+
+namespace moeblaze {
+namespace {
+
+class CpuBackend final : public Backend {
+ public:
+  CpuBackend() = default;
+
+  int32_t kind() const override { return MOEBLAZE_BACKEND_CPU; }
+  int32_t device() const override { return 0; }
+
+  void check_supported(const LayerDesc& desc) const override {
+    MB_REQUIRE(desc.k <= MOEBLAZE_MAX_TOP_K, MOEBLAZE_ERR_NOT_SUPPORTED,
+               "CPU backend: top_k = %lld exceeds %d", (long long)desc.k, MOEBLAZE_MAX_TOP_K);
+  }
+
+  size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T) const override {
+    Carver measure;
+    switch (pass) {
+      case Pass::RouterForward: cpu::carve_router_forward_scratch(measure, desc, T); break;
+      case Pass::RouterBackward: cpu::carve_router_backward_scratch(measure, desc, T); break;
+      case Pass::RoutingBuild: cpu::carve_routing_scratch(measure, desc, T); break;
+      case Pass::ExpertsForward: cpu::carve_experts_forward_scratch(measure, desc, T); break;
+      case Pass::ExpertsBackward: cpu::carve_experts_backward_scratch(measure, desc, T); break;
+      case Pass::RouterProjectForward:
+      case Pass::RouterProjectBackward: break;  // stack tiles only
+      case Pass::LayerForward:
+      case Pass::LayerBackward:
+        fail(MOEBLAZE_ERR_INTERNAL,
+             "CPU backend: workspace_size(pass %d) is composed by the API layer", int(pass));
+    }
+    return measure.size();
+  }
+
+  void router_forward(const LayerDesc& desc, const RouterForwardCall& call) override {
+    cpu::router_forward(desc, call, pool_);
+  }
+  void router_backward(const LayerDesc& desc, const RouterBackwardCall& call) override {
+    cpu::router_backward(desc, call, pool_);
+  }
+  void routing_build(const LayerDesc& desc, const RoutingBuildCall& call) override {
+    Carver carver(call.workspace.ptr);
+    const cpu::RoutingScratch scratch = cpu::carve_routing_scratch(carver, desc, call.T);
+    cpu::build_routing(desc, call.T, call.ids, call.expert_offsets, call.expert_token_indices,
+                       call.token_index_map, scratch, pool_);
+  }
+  void router_project_forward(const LayerDesc& desc,
+                              const RouterProjectForwardCall& call) override {
+    cpu::router_project_forward(desc, call, pool_);
+  }
+  void router_project_backward(const LayerDesc& desc,
+                               const RouterProjectBackwardCall& call) override {
+    cpu::router_project_backward(desc, call, pool_);
+  }
+  void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call) override {
+    cpu::experts_forward(desc, call, pool_);
+  }
+  void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call) override {
+    cpu::experts_backward(desc, call, pool_);
+  }
+
+  void copy(void* dst, const void* src, size_t bytes, void* stream) override {
+    if (bytes > 0 && dst != src) std::memmove(dst, src, bytes);
+  }
+
+  void set_num_threads(int32_t num_threads) override { pool_.set_num_threads(num_threads); }
+
+ private:
+  cpu::ThreadPool pool_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend() {
+  return std::make_unique<CpuBackend>();
+}
+
+}  // namespace moeblaze
