@@ -1,0 +1,67 @@
+package com.moeblaze;
+
+import java.nio.ByteBuffer;
+import java.nio.ByteOrder;
+
+/** Direct, native-order, 64-byte-aligned host buffers (what the CPU backend reads and writes). */
+public final class Buffers {
+  private Buffers() {}
+
+  public static final int ALIGNMENT = 64;
+
+  /** A zero-filled direct buffer of {@code bytes} bytes, aligned to {@link #ALIGNMENT}. */
+  public static ByteBuffer allocate(long bytes) {
+    if (bytes < 0 || bytes > Integer.MAX_VALUE - 2 * ALIGNMENT) {
+      throw new IllegalArgumentException("buffer size " + bytes + " out of range");
+    }
+    // alignedSlice rounds the start up and the end down: leave room for both.
+    long rounded = (bytes + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT;
+    ByteBuffer raw = ByteBuffer.allocateDirect((int) rounded + ALIGNMENT);
+    ByteBuffer aligned = raw.alignedSlice(ALIGNMENT);
+    aligned.limit((int) bytes);
+    return aligned.slice().order(ByteOrder.nativeOrder());
+  }
+
+  public static ByteBuffer of(float... values) {
+    ByteBuffer buffer = allocate(4L * values.length);
+    buffer.asFloatBuffer().put(values);
+    return buffer;
+  }
+
+  public static ByteBuffer of(double... values) {
+    ByteBuffer buffer = allocate(8L * values.length);
+    buffer.asDoubleBuffer().put(values);
+    return buffer;
+  }
+
+  public static ByteBuffer ofInts(int... values) {
+    ByteBuffer buffer = allocate(4L * values.length);
+    buffer.asIntBuffer().put(values);
+    return buffer;
+  }
+
+  public static float[] toFloats(ByteBuffer buffer) {
+    float[] out = new float[buffer.capacity() / 4];
+    buffer.duplicate().order(ByteOrder.nativeOrder()).asFloatBuffer().get(out);
+    return out;
+  }
+
+  public static double[] toDoubles(ByteBuffer buffer) {
+    double[] out = new double[buffer.capacity() / 8];
+    buffer.duplicate().order(ByteOrder.nativeOrder()).asDoubleBuffer().get(out);
+    return out;
+  }
+
+  public static int[] toInts(ByteBuffer buffer) {
+    int[] out = new int[buffer.capacity() / 4];
+    buffer.duplicate().order(ByteOrder.nativeOrder()).asIntBuffer().get(out);
+    return out;
+  }
+
+  /** The native address of a direct buffer (its start, whatever its position). */
+  public static long address(ByteBuffer buffer) {
+    if (buffer == null) return 0;
+    if (!buffer.isDirect()) throw new IllegalArgumentException("not a direct buffer");
+    return com.moeblaze.internal.moeblaze.moeblaze_java_buffer_address(buffer);
+  }
+}

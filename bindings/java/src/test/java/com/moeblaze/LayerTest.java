@@ -1,0 +1,248 @@
+package com.moeblaze;
+
+import static org.junit.Assert.assertArrayEquals;
+import static org.junit.Assert.assertEquals;
+import static org.junit.Assert.assertFalse;
+import static org.junit.Assert.assertNotNull;
+import static org.junit.Assert.assertNull;
+import static org.junit.Assert.assertTrue;
+import static org.junit.Assert.fail;
+
+import java.nio.ByteBuffer;
+import java.util.Random;
+import org.junit.Test;
+
+public class LayerTest {
+  private static final int T = 6, D = 5, H = 4, E = 4, K = 2;
+
+  private static long seed(String test) {
+    String fixed = System.getenv("MOEBLAZE_TEST_SEED");
+    long seed = fixed != null ? Long.parseLong(fixed) : System.nanoTime();
+    System.out.println("[" + test + "] seed = " + seed);
+    return seed;
+  }
+
+  private static double[] random(Random rng, int n, double scale) {
+    double[] out = new double[n];
+    for (int i = 0; i < n; i++) out[i] = (rng.nextDouble() * 2 - 1) * scale;
+    return out;
+  }
+
+  private static double silu(double a) {
+    return a / (1 + Math.exp(-a));
+  }
+
+  /** Per-token reference of the experts (SwiGLU) given ids and g. */
+  private static double[] referenceExperts(double[] x, int[] ids, double[] g, double[] wGate,
+      double[] wUp, double[] wDown) {
+    double[] y = new double[T * D];
+    for (int t = 0; t < T; t++) {
+      for (int j = 0; j < K; j++) {
+        int e = ids[t * K + j];
+        double[] u = new double[H];
+        for (int r = 0; r < H; r++) {
+          double a = 0, b = 0;
+          for (int c = 0; c < D; c++) {
+            a += wGate[(e * H + r) * D + c] * x[t * D + c];
+            b += wUp[(e * H + r) * D + c] * x[t * D + c];
+          }
+          u[r] = silu(a) * b;
+        }
+        for (int c = 0; c < D; c++) {
+          double acc = 0;
+          for (int r = 0; r < H; r++) acc += wDown[(e * D + c) * H + r] * u[r];
+          y[t * D + c] += g[t * K + j] * acc;
+        }
+      }
+    }
+    return y;
+  }
+
+  @Test
+  public void versionsMatchHeader() {
+    assertEquals(com.moeblaze.internal.moeblazeConstants.MOEBLAZE_VERSION, Library.version());
+    assertEquals(com.moeblaze.internal.moeblazeConstants.MOEBLAZE_ABI_VERSION,
+        Library.abiVersion());
+    assertTrue(Library.buildInfo().contains("moeblaze"));
+    assertTrue(Library.backendAvailable(Enums.Backend.CPU));
+  }
+
+  @Test
+  public void forwardMatchesReferenceAndGradientsMatchFiniteDifferences() {
+    Random rng = new Random(seed("forward_fd"));
+    double[] x = random(rng, T * D, 1), wRouter = random(rng, E * D, 1);
+    double[] wGate = random(rng, E * H * D, 0.5), wUp = random(rng, E * H * D, 0.5);
+    double[] wDown = random(rng, E * D * H, 0.5), r = random(rng, T * D, 1);
+    try (Context context = Context.cpu();
+        Layer layer = new Layer(context,
+            new LayerConfig(D, H, E, K).dtype(Enums.DType.F64).losses(0.5f, 0.25f))) {
+      Layer.ForwardResult out = layer.forward(Buffers.of(x), Buffers.of(wRouter),
+          Buffers.of(wGate), Buffers.of(wUp), Buffers.of(wDown), true);
+      double[] y = Buffers.toDoubles(out.y);
+      double[] expected = referenceExperts(x, Buffers.toInts(out.ids), Buffers.toDoubles(out.g),
+          wGate, wUp, wDown);
+      assertArrayEquals(expected, y, 1e-12);
+      int[] counts = Buffers.toInts(out.expertCounts);
+      int total = 0;
+      for (int c : counts) total += c;
+      assertEquals(T * K, total);
+
+      ByteBuffer dLosses = Buffers.of(0.7, 1.3);
+      Layer.Gradients grads = layer.backward(out, Buffers.of(r), Buffers.of(x),
+          Buffers.of(wRouter), Buffers.of(wGate), Buffers.of(wUp), Buffers.of(wDown), dLosses);
+      double[][] params = {x, wRouter, wGate, wUp, wDown};
+      ByteBuffer[] analytic = {grads.dx, grads.dwRouter, grads.dwGate, grads.dwUp, grads.dwDown};
+      double eps = 1e-6;
+      for (int p = 0; p < params.length; p++) {
+        double[] g = Buffers.toDoubles(analytic[p]);
+        for (int i = 0; i < params[p].length; i += 3) {
+          double orig = params[p][i];
+          params[p][i] = orig + eps;
+          double plus = loss(layer, params, r);
+          params[p][i] = orig - eps;
+          double minus = loss(layer, params, r);
+          params[p][i] = orig;
+          double numeric = (plus - minus) / (2 * eps);
+          assertEquals("param " + p + " [" + i + "]", numeric, g[i],
+              1e-6 * (1 + Math.abs(numeric)));
+        }
+      }
+    }
+  }
+
+  private static double loss(Layer layer, double[][] p, double[] r) {
+    Layer.ForwardResult out = layer.forward(Buffers.of(p[0]), Buffers.of(p[1]),
+        Buffers.of(p[2]), Buffers.of(p[3]), Buffers.of(p[4]), false);
+    assertNull(out.saved);
+    double[] y = Buffers.toDoubles(out.y);
+    double[] losses = Buffers.toDoubles(out.losses);
+    double sum = 0.7 * losses[0] + 1.3 * losses[1];
+    for (int i = 0; i < y.length; i++) sum += y[i] * r[i];
+    return sum;
+  }
+
+  @Test
+  public void badConfigThrowsWithLibraryMessage() {
+    try (Context context = Context.cpu()) {
+      try {
+        new Layer(context, new LayerConfig(0, 4, 4, 1));
+        fail("expected MoeblazeException");
+      } catch (MoeblazeException error) {
+        assertEquals(MoeblazeException.INVALID_ARGUMENT, error.getStatus());
+        assertEquals("MOEBLAZE_ERR_INVALID_ARGUMENT", error.getStatusName());
+        assertTrue(error.getMessage(), error.getMessage().contains("d_model"));
+      }
+    }
+  }
+
+  @Test
+  public void cudaWithoutCudaIsNotSupported() {
+    if (Library.backendAvailable(Enums.Backend.CUDA)) return;
+    try {
+      new Context(Enums.Backend.CUDA, 0).close();
+      fail("expected MoeblazeException");
+    } catch (MoeblazeException error) {
+      assertEquals(MoeblazeException.NOT_SUPPORTED, error.getStatus());
+      assertFalse(error.getMessage().isEmpty());
+    }
+  }
+
+  @Test
+  public void routingBuildAndBadIds() {
+    try (Context context = Context.cpu(); Layer layer = new Layer(context,
+        new LayerConfig(D, H, E, K))) {
+      ByteBuffer[] r = layer.routingBuild(Buffers.ofInts(0, 1, 1, 2, 3, 0));
+      assertArrayEquals(new int[] {0, 2, 4, 5, 6}, Buffers.toInts(r[0]));
+      try {
+        layer.routingBuild(Buffers.ofInts(0, 9));
+        fail("expected MoeblazeException");
+      } catch (MoeblazeException error) {
+        assertEquals(MoeblazeException.INVALID_ARGUMENT, error.getStatus());
+      }
+    }
+  }
+
+  @Test
+  public void truncatedSavedBufferIsInsufficient() {
+    try (Context context = Context.cpu(); Layer layer = new Layer(context,
+        new LayerConfig(D, H, E, K))) {
+      ByteBuffer x = Buffers.allocate(4L * T * D);
+      ByteBuffer wRouter = Buffers.allocate(4L * E * D), wGate = Buffers.allocate(4L * E * H * D);
+      ByteBuffer wUp = Buffers.allocate(4L * E * H * D), wDown = Buffers.allocate(4L * E * D * H);
+      Layer.ForwardResult out = layer.forward(x, wRouter, wGate, wUp, wDown, true);
+      assertNotNull(out.saved);
+      out.saved = Buffers.allocate(out.saved.capacity() - 16);
+      try {
+        layer.backward(out, x, x, wRouter, wGate, wUp, wDown, null);
+        fail("expected MoeblazeException");
+      } catch (MoeblazeException error) {
+        assertEquals(MoeblazeException.INSUFFICIENT_WORKSPACE, error.getStatus());
+      }
+    }
+  }
+
+  @Test
+  public void closedHandlesAreRejected() {
+    Context context = Context.cpu();
+    Layer layer = new Layer(context, new LayerConfig(D, H, E, K));
+    context.close(); // the layer keeps what it needs
+    assertTrue(layer.savedSize(Enums.Pass.LAYER_FORWARD, 3) > 0);
+    layer.close();
+    layer.close();
+    try {
+      layer.savedSize(Enums.Pass.LAYER_FORWARD, 3);
+      fail("expected IllegalStateException");
+    } catch (IllegalStateException expected) {
+      // closed
+    }
+  }
+
+  @Test
+  public void rawArgsStructMatchesHostApi() {
+    Random rng = new Random(seed("raw_args"));
+    try (Context context = Context.cpu(); Layer layer = new Layer(context,
+        new LayerConfig(D, H, E, K))) {
+      ByteBuffer x = Buffers.of(toFloats(random(rng, T * D, 1)));
+      ByteBuffer wRouter = Buffers.of(toFloats(random(rng, E * D, 1)));
+      ByteBuffer wGate = Buffers.of(toFloats(random(rng, E * H * D, 0.5)));
+      ByteBuffer wUp = Buffers.of(toFloats(random(rng, E * H * D, 0.5)));
+      ByteBuffer wDown = Buffers.of(toFloats(random(rng, E * D * H, 0.5)));
+      float[] expected = Buffers.toFloats(layer.forward(x, wRouter, wGate, wUp, wDown, false).y);
+      ByteBuffer y = Buffers.allocate(4L * T * D);
+      long workspaceBytes = layer.workspaceSize(Enums.Pass.LAYER_FORWARD, T);
+      ByteBuffer workspace = Buffers.allocate(workspaceBytes);
+      com.moeblaze.internal.moeblaze_forward_args_t args =
+          new com.moeblaze.internal.moeblaze_forward_args_t();
+      try {
+        assertTrue(args.getStruct_size() > 0); // set by moeblaze_forward_args_init
+        args.setNum_tokens(T);
+        args.setX(Buffers.address(x));
+        args.setW_router(Buffers.address(wRouter));
+        args.setW_gate(Buffers.address(wGate));
+        args.setW_up(Buffers.address(wUp));
+        args.setW_down(Buffers.address(wDown));
+        args.setY(Buffers.address(y));
+        args.setWorkspace(Buffers.address(workspace));
+        args.setWorkspace_bytes(workspaceBytes);
+        layer.forwardRaw(args, 0);
+        assertArrayEquals(expected, Buffers.toFloats(y), 0f);
+        args.setY(0);
+        try {
+          layer.forwardRaw(args, 0);
+          fail("expected MoeblazeException");
+        } catch (MoeblazeException error) {
+          assertEquals(MoeblazeException.INVALID_ARGUMENT, error.getStatus());
+          assertTrue(error.getMessage(), error.getMessage().contains("y"));
+        }
+      } finally {
+        args.delete();
+      }
+    }
+  }
+
+  private static float[] toFloats(double[] values) {
+    float[] out = new float[values.length];
+    for (int i = 0; i < values.length; i++) out[i] = (float) values[i];
+    return out;
+  }
+}

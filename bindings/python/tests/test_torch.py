@@ -1,0 +1,224 @@
+"""moeblaze.torch against the plain-PyTorch reference: outputs, gradients, gradcheck, the module."""
+
+import pytest
+
+torch = pytest.importorskip("torch")  # the reference implementation is PyTorch
+
+import moeblaze as mb
+import reference as ref
+from moeblaze import torch as mbt
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda unavailable")
+
+
+def experts_problem(seed, T, d, h, E, k, act, dtype, device="cpu"):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=gen, dtype=torch.float64)
+    _, w_gate, w_up, w_down = ref.random_weights(E, d, h, act, generator=gen)
+    ids, g = ref.random_routing(T, E, k, generator=gen)
+    cast = lambda t: None if t is None else t.to(dtype=dtype, device=device)  # noqa: E731
+    return (cast(x), ids.to(device), g.to(device=device, dtype=mbt.routing_dtype(dtype)),
+            cast(w_gate), cast(w_up), cast(w_down))
+
+
+TOLERANCES = {torch.float64: (1e-10, 1e-12), torch.float32: (1e-4, 1e-5),
+              torch.bfloat16: (5e-2, 5e-2), torch.float16: (1e-2, 1e-2)}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("act", ["swiglu", "gelu", "reglu"])
+def test_moe_experts_matches_reference(seed, device, dtype, act):
+    if device == "cuda" and dtype == torch.float64:
+        pytest.skip("float64 is CPU only")
+    T, d, h, E, k = 10, 16, 8, 4, 2
+    inputs = experts_problem(seed, T, d, h, E, k, act, dtype, device)
+    leaves = [t.clone().requires_grad_(t.is_floating_point()) if t is not None else None
+              for t in inputs]
+    x, ids, g, w_gate, w_up, w_down = leaves
+    y = mbt.moe_experts(x, ids, g, w_gate, w_up, w_down, activation=act)
+    assert y.dtype == dtype and y.device.type == device
+    dy = torch.randn(T, d, generator=torch.Generator().manual_seed(seed + 1),
+                     dtype=torch.float64)
+    y.backward(dy.to(dtype=dtype, device=device))
+
+    ref_leaves = [t.detach().cpu().double().requires_grad_(t.is_floating_point())
+                  if t is not None else None for t in inputs]
+    rx, rids, rg, rw_gate, rw_up, rw_down = ref_leaves
+    y_ref = ref.experts(rx, rids, rg, rw_gate, rw_up, rw_down, act)
+    (y_ref * dy).sum().backward()
+    rtol, atol = TOLERANCES[dtype]
+    scale = max(1.0, float(y_ref.detach().abs().max()))
+    torch.testing.assert_close(y.detach().cpu().double(), y_ref.detach(), rtol=rtol,
+                               atol=atol * scale)
+    for name, mine, theirs in (("x", x, rx), ("g", g, rg), ("w_gate", w_gate, rw_gate),
+                               ("w_up", w_up, rw_up), ("w_down", w_down, rw_down)):
+        if mine is None:
+            continue
+        grad_scale = max(1.0, float(theirs.grad.abs().max()))
+        torch.testing.assert_close(mine.grad.cpu().double(), theirs.grad, rtol=rtol,
+                                   atol=atol * grad_scale, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("act", ["swiglu", "silu", "relu2"])
+@pytest.mark.parametrize("checkpoint", ["save_all", "save_preact", "recompute"])
+def test_moe_experts_gradcheck_float64(seed, act, checkpoint):
+    torch.manual_seed(seed)
+    x, ids, g, w_gate, w_up, w_down = experts_problem(seed, 3, 4, 3, 3, 2, act, torch.float64)
+    leaves = [t.requires_grad_(True) if t is not None else None
+              for t in (x, g, w_gate, w_up, w_down)]
+    x, g, w_gate, w_up, w_down = leaves
+
+    def fn(x, g, w_gate, w_up, w_down):
+        return mbt.moe_experts(x, ids, g, w_gate, w_up, w_down, activation=act,
+                               checkpoint=checkpoint)
+
+    assert torch.autograd.gradcheck(fn, (x, g, w_gate, w_up, w_down), eps=1e-6, atol=1e-7,
+                                    rtol=1e-5)
+
+
+def test_moe_layer_gradcheck_float64(seed):
+    torch.manual_seed(seed)
+    T, d, h, E, k = 4, 5, 3, 4, 2
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, d, generator=gen, dtype=torch.float64, requires_grad=True)
+    weights = [w.requires_grad_(True) for w in ref.random_weights(E, d, h, "swiglu",
+                                                                  generator=gen)]
+
+    def fn(x, w_router, w_gate, w_up, w_down):
+        y, losses, _, _, _ = mbt.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=k,
+                                           aux_loss_coeff=0.5, z_loss_coeff=0.25)
+        return y, losses
+
+    assert torch.autograd.gradcheck(fn, (x, *weights), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_needs_input_grad_passes_null():
+    x, ids, g, w_gate, w_up, w_down = experts_problem(0, 5, 4, 3, 3, 2, "swiglu", torch.float64)
+    w_down.requires_grad_(True)
+    y = mbt.moe_experts(x, ids, g, w_gate, w_up, w_down)
+    y.sum().backward()
+    assert w_down.grad is not None and x.grad is None and w_gate.grad is None
+    # No grad required at all: inference path (no saved buffer), same values.
+    with torch.no_grad():
+        y2 = mbt.moe_experts(x, ids, g, w_gate, w_up, w_down.detach())
+    torch.testing.assert_close(y.detach(), y2, rtol=0, atol=0)
+
+
+def test_saved_buffer_goes_through_saved_tensor_hooks():
+    x, ids, g, w_gate, w_up, w_down = experts_problem(1, 6, 8, 4, 3, 2, "swiglu", torch.float32)
+    x.requires_grad_(True)
+    packed = []
+
+    def pack(tensor):
+        packed.append((tensor.dtype, tensor.numel()))
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = mbt.moe_experts(x, ids, g, w_gate, w_up, w_down)
+    layer = mbt.get_layer(torch.device("cpu"), d_model=8, d_ffn=4, num_experts=3, top_k=2,
+                          activation="swiglu", dtype="float32", checkpoint="save_preact")
+    saved_size = layer.saved_size(mb._lib.PASS_EXPERTS_FORWARD, 6)
+    assert (torch.uint8, saved_size) in packed
+    y.sum().backward()
+    assert x.grad is not None
+
+
+def test_moe_experts_rejects_bad_input():
+    x, ids, g, w_gate, w_up, w_down = experts_problem(0, 5, 4, 3, 3, 2, "swiglu", torch.float32)
+    with pytest.raises(TypeError, match="g"):
+        mbt.moe_experts(x, ids, g.double(), w_gate, w_up, w_down)
+    with pytest.raises(ValueError, match="w_up"):
+        mbt.moe_experts(x, ids, g, w_gate, None, w_down)
+    bad_ids = ids.clone()
+    bad_ids[0, 0] = 7
+    with pytest.raises(mb.InvalidArgumentError) as info:
+        mbt.moe_experts(x, bad_ids, g, w_gate, w_up, w_down)
+    assert info.value.message  # carries the library's text
+
+
+def test_unaligned_views_are_handled():
+    x, ids, g, w_gate, w_up, w_down = experts_problem(2, 6, 8, 4, 3, 2, "swiglu", torch.float32)
+    big = torch.cat([torch.zeros(1, 8), x])
+    view = big[1:]  # contiguous, 32 bytes in: fine; make one that is 4 bytes off
+    odd = torch.cat([torch.zeros(1), x.reshape(-1)])[1:].view(6, 8)
+    assert odd.data_ptr() % 16 != 0
+    y_odd = mbt.moe_experts(odd, ids, g, w_gate, w_up, w_down)
+    y = mbt.moe_experts(view, ids, g, w_gate, w_up, w_down)
+    torch.testing.assert_close(y_odd, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("act", ["swiglu", "relu"])
+def test_moe_module_matches_reference(seed, device, act):
+    torch.manual_seed(seed)
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    module = mbt.MoE(8, 6, 4, top_k=2, activation=act, aux_loss_coeff=0.01, z_loss_coeff=0.001,
+                     dtype=dtype, device=device)
+    assert (module.w_up is None) == (act not in ref.GATED)
+    assert float(module.w_gate.detach().abs().max()) <= 1 / 8 ** 0.5
+    x = torch.randn(2, 5, 8, dtype=dtype, device=device, requires_grad=True)
+    y, aux, z = module(x)
+    assert y.shape == x.shape and aux.dim() == 0 and z.dim() == 0
+    loss = y.square().sum() + aux + z
+    loss.backward()
+
+    params = [p.detach().cpu().double().requires_grad_(True) if p is not None else None
+              for p in (module.w_router, module.w_gate, module.w_up, module.w_down)]
+    rx = x.detach().cpu().double().reshape(-1, 8).requires_grad_(True)
+    coeffs = (float(torch.tensor(0.01, dtype=torch.float32)),
+              float(torch.tensor(0.001, dtype=torch.float32)))
+    y_ref, aux_ref, z_ref, _, _ = ref.layer(rx, *params, top_k=2, act=act,
+                                            aux_loss_coeff=coeffs[0], z_loss_coeff=coeffs[1])
+    (y_ref.square().sum() + aux_ref + z_ref).backward()
+    tol = dict(rtol=1e-9, atol=1e-10) if dtype == torch.float64 else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y.detach().cpu().double().reshape(-1, 8), y_ref.detach(), **tol)
+    torch.testing.assert_close(aux.detach().cpu().double(), aux_ref.detach(), **tol)
+    torch.testing.assert_close(z.detach().cpu().double(), z_ref.detach(), **tol)
+    torch.testing.assert_close(x.grad.cpu().double().reshape(-1, 8), rx.grad, **tol)
+    for mine, theirs in zip((module.w_router, module.w_gate, module.w_up, module.w_down), params):
+        if mine is not None:
+            torch.testing.assert_close(mine.grad.cpu().double(), theirs.grad, **tol)
+    assert int(module.last_expert_counts.sum()) == 10 * 2
+
+
+def test_moe_module_trains():
+    torch.manual_seed(0)
+    teacher = mbt.MoE(8, 16, 4, top_k=2)
+    student = mbt.MoE(8, 16, 4, top_k=2)
+    optimizer = torch.optim.SGD(student.parameters(), lr=10.0)
+    x = torch.randn(64, 8)
+    with torch.no_grad():
+        target, _, _ = teacher(x)
+    losses = []
+    for _ in range(60):
+        y, aux, z = student(x)
+        loss = torch.nn.functional.mse_loss(y, target)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_caches_reuse_plans():
+    device = torch.device("cpu")
+    a = mbt.get_layer(device, d_model=4, d_ffn=4, num_experts=2, top_k=1)
+    b = mbt.get_layer(device, d_model=4, d_ffn=4, num_experts=2, top_k=1)
+    c = mbt.get_layer(device, d_model=4, d_ffn=4, num_experts=2, top_k=2)
+    assert a is b and a is not c
+    assert mbt.get_context(device) is a.context
+
+
+@needs_cuda
+def test_cuda_uses_current_stream():
+    x, ids, g, w_gate, w_up, w_down = experts_problem(3, 64, 32, 16, 4, 2, "swiglu",
+                                                      torch.float32, "cuda")
+    y_default = mbt.moe_experts(x, ids, g, w_gate, w_up, w_down)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        y_side = mbt.moe_experts(x, ids, g, w_gate, w_up, w_down)
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.testing.assert_close(y_side, y_default, rtol=0, atol=0)

@@ -1,0 +1,121 @@
+// Shared helpers of the CUDA backend: status checks that throw moeblaze::Error, the current-device
+// guard, and the storage-dtype conversions every kernel uses.
+#pragma once
+
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/layer_desc.hpp"
+#include "common/status.hpp"
+
+namespace moeblaze {
+namespace cuda {
+
+[[noreturn]] inline void throw_cuda(cudaError_t err, const char* what) {
+  fail(MOEBLAZE_ERR_CUDA, "%s: %s: %s", what, cudaGetErrorName(err), cudaGetErrorString(err));
+}
+
+inline void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) throw_cuda(err, what);
+}
+
+// After every launch: configuration errors surface here, asynchronous faults in a later call.
+inline void check_launch(const char* kernel) {
+  check(cudaGetLastError(), kernel);
+}
+
+inline void check_lt(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS) {
+    fail(MOEBLAZE_ERR_CUDA, "%s: cuBLASLt status %d", what, static_cast<int>(status));
+  }
+}
+
+// Every entry point runs on the backend's device and gives the caller's device back on exit.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() {
+    int current = -1;
+    if (cudaGetDevice(&current) == cudaSuccess && current != previous_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+inline cudaStream_t as_stream(void* stream) {
+  return static_cast<cudaStream_t>(stream);
+}
+
+inline unsigned blocks_for(int64_t n, int threads) {
+  return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
+// ---- storage dtype conversions (round-to-nearest-even) ------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) {
+  return __half2float(v);
+}
+
+template <typename T>
+__device__ __forceinline__ T from_f32(float v);
+template <>
+__device__ __forceinline__ float from_f32<float>(float v) {
+  return v;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
+  return __float2bfloat16_rn(v);
+}
+template <>
+__device__ __forceinline__ __half from_f32<__half>(float v) {
+  return __float2half_rn(v);
+}
+
+// The value a float has once stored in T and read back.
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_f32<T>(from_f32<T>(v));
+}
+
+// Calls f.template operator()<T>() with T the storage type of `dtype` (F64 never reaches CUDA).
+#define MB_CUDA_DISPATCH_DTYPE(dtype, ...)                                                     \
+  switch (dtype) {                                                                             \
+    case ::moeblaze::Dtype::F32: {                                                             \
+      using scalar_t = float;                                                                  \
+      __VA_ARGS__;                                                                             \
+    } break;                                                                                   \
+    case ::moeblaze::Dtype::BF16: {                                                            \
+      using scalar_t = __nv_bfloat16;                                                          \
+      __VA_ARGS__;                                                                             \
+    } break;                                                                                   \
+    case ::moeblaze::Dtype::F16: {                                                             \
+      using scalar_t = __half;                                                                 \
+      __VA_ARGS__;                                                                             \
+    } break;                                                                                   \
+    default:                                                                                   \
+      ::moeblaze::fail(MOEBLAZE_ERR_NOT_SUPPORTED, "dtype not supported by the CUDA backend"); \
+  }
+
+}  // namespace cuda
+}  // namespace moeblaze

@@ -1,0 +1,66 @@
+"""Per-kernel GPU time of one moeblaze experts forward + backward (torch.profiler), for tuning.
+
+Usage: MOEBLAZE_LIBRARY=build/src/libmoeblaze.so python3 tests/cuda/profile_kernels.py \
+           [--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act swiglu --policy save_preact]
+Needs a GPU, PyTorch and the Python bindings (bindings/python, found relative to this file).
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "python"))
+import moeblaze.torch as mbt  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--T", type=int, default=65536)
+    p.add_argument("--d", type=int, default=1024)
+    p.add_argument("--h", type=int, default=4096)
+    p.add_argument("--E", type=int, default=16)
+    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--act", default="swiglu")
+    p.add_argument("--policy", default="save_preact")
+    p.add_argument("--rows", type=int, default=25)
+    a = p.parse_args()
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    gated = a.act in ("swiglu", "geglu", "reglu")
+    x = torch.randn(a.T, a.d, device=dev, dtype=dt, requires_grad=True)
+    logits = torch.randn(a.T, a.E, device=dev)
+    top, ids = torch.topk(torch.softmax(logits, -1), a.k, dim=-1)
+    g = (top / top.sum(-1, keepdim=True)).requires_grad_(True)
+    ids = ids.to(torch.int32).contiguous()
+    wg = (torch.randn(a.E, a.h, a.d, device=dev) / a.d ** 0.5).to(dt).requires_grad_(True)
+    wu = (torch.randn(a.E, a.h, a.d, device=dev) / a.d ** 0.5).to(dt).requires_grad_(True) if gated else None
+    wd = (torch.randn(a.E, a.d, a.h, device=dev) / a.h ** 0.5).to(dt).requires_grad_(True)
+    dy = torch.randn(a.T, a.d, device=dev, dtype=dt)
+
+    def step():
+        y = mbt.moe_experts(x, ids, g, wg, wu, wd, activation=a.act, checkpoint=a.policy)
+        y.backward(dy)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / 5
+    flops = (18 if gated else 12) * a.T * a.k * a.d * a.h
+    print(f"fwd+bwd {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s "
+          f"(T={a.T} d={a.d} h={a.h} E={a.E} k={a.k} {a.act} {a.policy})")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=90))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,711 @@
+// The CUDA backend against the CPU reference backend, through the public API only (host copies of
+// device buffers): router, routing indices (structure for structure), experts and whole layer
+// forward/backward for every activation, dtype and checkpoint policy, odd and ragged shapes,
+// bitwise reproducibility, and a whole layer captured in a CUDA graph. Without CUDA or a GPU every
+// test prints "SKIPPED: no CUDA GPU" and passes (doctest marks nothing failed).
+//
+// MOEBLAZE_TEST_QUICK=1 runs a reduced case set (used under compute-sanitizer).
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#include "support/test_support.hpp"
+
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+#include <cuda_runtime.h>
+#endif
+
+using namespace mbtest;
+
+namespace {
+
+[[maybe_unused]] bool quick() {
+  const char* env = std::getenv("MOEBLAZE_TEST_QUICK");
+  return env && env[0] && env[0] != '0';
+}
+
+bool have_gpu() {
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+  return moeblaze_backend_available(MOEBLAZE_BACKEND_CUDA) == 1;
+#else
+  return false;
+#endif
+}
+
+#define SKIP_WITHOUT_GPU()                                                \
+  do {                                                                    \
+    if (!have_gpu()) {                                                    \
+      MESSAGE("SKIPPED: no CUDA GPU (or the CUDA backend is not built)"); \
+      return;                                                             \
+    }                                                                     \
+  } while (0)
+
+}  // namespace
+
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+namespace {
+
+#define CUDA_OK(call)                                                                             \
+  do {                                                                                            \
+    const cudaError_t cuda_ok_err_ = (call);                                                      \
+    REQUIRE_MESSAGE(cuda_ok_err_ == cudaSuccess, #call ": " << cudaGetErrorString(cuda_ok_err_)); \
+  } while (0)
+
+// A device allocation (RAII).
+class DevBuf {
+ public:
+  DevBuf() = default;
+  ~DevBuf() { reset(); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  void alloc(size_t bytes) {
+    reset();
+    bytes_ = bytes;
+    if (bytes) CUDA_OK(cudaMalloc(&ptr_, bytes));
+  }
+  void reset() {
+    if (ptr_) cudaFree(ptr_);
+    ptr_ = nullptr;
+    bytes_ = 0;
+  }
+  void* get() const { return ptr_; }
+  size_t size() const { return bytes_; }
+  void upload(const void* host, size_t bytes) {
+    if (bytes_ != bytes) alloc(bytes);
+    if (bytes) CUDA_OK(cudaMemcpy(ptr_, host, bytes, cudaMemcpyHostToDevice));
+  }
+  void download(void* host, size_t bytes) const {
+    REQUIRE(bytes <= bytes_);
+    if (bytes) CUDA_OK(cudaMemcpy(host, ptr_, bytes, cudaMemcpyDeviceToHost));
+  }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+void up(DevBuf& dev, const HostTensor& t) {
+  dev.upload(t.data(), t.bytes());
+}
+void down(const DevBuf& dev, HostTensor& t) {
+  dev.download(t.data(), t.bytes());
+}
+void up(DevBuf& dev, const std::vector<int32_t>& v) {
+  dev.upload(v.data(), v.size() * 4);
+}
+void down(const DevBuf& dev, std::vector<int32_t>& v) {
+  dev.download(v.data(), v.size() * 4);
+}
+
+// Device mirror of a LayerRun: inputs are uploaded from it, outputs downloaded into it. `enqueue_*`
+// only enqueue (capturable); `sync_download()` waits and copies the outputs back.
+struct DeviceRun {
+  LayerRun& r;
+  DevBuf x, w_router, w_gate, w_up, w_down, dy, ids, g, d_losses;
+  DevBuf y, dx, dw_router, dw_gate, dw_up, dw_down, logits, g_out, dg, d_logits, losses;
+  DevBuf ids_out, counts, saved, ws_fwd, ws_bwd;
+  int32_t forward_pass = MOEBLAZE_PASS_EXPERTS_FORWARD;
+  bool with_saved = true;
+
+  explicit DeviceRun(LayerRun& run) : r(run) {}
+
+  void upload_all() {
+    up(x, r.x);
+    up(w_router, r.w_router);
+    up(w_gate, r.w_gate);
+    up(w_up, r.w_up);
+    up(w_down, r.w_down);
+    up(dy, r.dy);
+    up(ids, r.ids);
+    up(g, r.g);
+    up(d_losses, r.d_losses);
+    up(y, r.y);
+    up(dx, r.dx);
+    up(dw_router, r.dw_router);
+    up(dw_gate, r.dw_gate);
+    up(dw_up, r.dw_up);
+    up(dw_down, r.dw_down);
+    up(logits, r.logits);
+    up(g_out, r.g_out);
+    up(dg, r.dg);
+    up(d_logits, r.d_logits);
+    up(losses, r.losses);
+    up(ids_out, r.ids_out);
+    up(counts, r.expert_counts);
+  }
+
+  void sync_download() {
+    CUDA_OK(cudaDeviceSynchronize());
+    down(y, r.y);
+    down(dx, r.dx);
+    down(dw_router, r.dw_router);
+    down(dw_gate, r.dw_gate);
+    down(dw_up, r.dw_up);
+    down(dw_down, r.dw_down);
+    down(logits, r.logits);
+    down(g_out, r.g_out);
+    down(dg, r.dg);
+    down(d_logits, r.d_logits);
+    down(losses, r.losses);
+    down(ids_out, r.ids_out);
+    down(counts, r.expert_counts);
+  }
+
+  // Allocates workspaces (filled with garbage) and the saved buffer for these passes.
+  void prepare(int32_t fwd_pass, bool saved_buffer) {
+    forward_pass = fwd_pass;
+    with_saved = saved_buffer;
+    const int32_t bwd_pass = fwd_pass == MOEBLAZE_PASS_LAYER_FORWARD
+                                 ? MOEBLAZE_PASS_LAYER_BACKWARD
+                                 : MOEBLAZE_PASS_EXPERTS_BACKWARD;
+    ws_fwd.alloc(r.layer.workspace_size(fwd_pass, r.T));
+    ws_bwd.alloc(r.layer.workspace_size(bwd_pass, r.T));
+    if (ws_fwd.size()) CUDA_OK(cudaMemset(ws_fwd.get(), 0xff, ws_fwd.size()));
+    if (ws_bwd.size()) CUDA_OK(cudaMemset(ws_bwd.get(), 0xff, ws_bwd.size()));
+    saved.alloc(saved_buffer ? r.layer.saved_size(fwd_pass, r.T) : 0);
+  }
+
+  moeblaze_status_t enqueue_forward(cudaStream_t stream) {
+    moeblaze_forward_args_t a;
+    moeblaze_forward_args_init(&a, sizeof a);
+    a.num_tokens = r.T;
+    a.x = x.get();
+    a.w_router = w_router.get();
+    a.w_gate = w_gate.get();
+    a.w_up = r.gated ? w_up.get() : nullptr;
+    a.w_down = w_down.get();
+    a.y = y.get();
+    a.expert_counts = static_cast<int32_t*>(counts.get());
+    a.saved = with_saved ? saved.get() : nullptr;
+    a.saved_bytes = with_saved ? saved.size() : 0;
+    a.workspace = ws_fwd.get();
+    a.workspace_bytes = ws_fwd.size();
+    if (forward_pass == MOEBLAZE_PASS_LAYER_FORWARD) {
+      a.logits_out = logits.get();
+      a.ids_out = static_cast<int32_t*>(ids_out.get());
+      a.g_out = g_out.get();
+      a.losses = losses.get();
+      return moeblaze_layer_forward(r.layer.get(), &a, stream);
+    }
+    a.ids = static_cast<const int32_t*>(ids.get());
+    a.g = g.get();
+    return moeblaze_experts_forward(r.layer.get(), &a, stream);
+  }
+
+  moeblaze_status_t enqueue_backward(cudaStream_t stream, BackwardOutputs out = BackwardOutputs(),
+                                     uint32_t flags = 0) {
+    moeblaze_backward_args_t a;
+    moeblaze_backward_args_init(&a, sizeof a);
+    a.flags = flags;
+    a.num_tokens = r.T;
+    a.dy = dy.get();
+    a.d_losses = r.use_d_losses ? d_losses.get() : nullptr;
+    a.x = x.get();
+    a.w_router = w_router.get();
+    a.w_gate = w_gate.get();
+    a.w_up = r.gated ? w_up.get() : nullptr;
+    a.w_down = w_down.get();
+    a.saved = saved.get();
+    a.saved_bytes = saved.size();
+    a.dx = out.dx ? dx.get() : nullptr;
+    a.dw_gate = out.dw_gate ? dw_gate.get() : nullptr;
+    a.dw_up = out.dw_up && r.gated ? dw_up.get() : nullptr;
+    a.dw_down = out.dw_down ? dw_down.get() : nullptr;
+    a.workspace = ws_bwd.get();
+    a.workspace_bytes = ws_bwd.size();
+    if (forward_pass == MOEBLAZE_PASS_LAYER_FORWARD) {
+      a.dw_router = out.dw_router ? dw_router.get() : nullptr;
+      a.d_logits = out.d_logits ? d_logits.get() : nullptr;
+      return moeblaze_layer_backward(r.layer.get(), &a, stream);
+    }
+    a.ids = static_cast<const int32_t*>(ids.get());
+    a.g = g.get();
+    a.dg = out.dg ? dg.get() : nullptr;
+    return moeblaze_experts_backward(r.layer.get(), &a, stream);
+  }
+};
+
+void copy_inputs(const LayerRun& from, LayerRun& to) {
+  to.x = from.x;
+  to.w_router = from.w_router;
+  to.w_gate = from.w_gate;
+  to.w_up = from.w_up;
+  to.w_down = from.w_down;
+  to.dy = from.dy;
+  to.g = from.g;
+  to.ids = from.ids;
+  to.d_losses = from.d_losses;
+  to.use_d_losses = from.use_d_losses;
+}
+
+double max_abs(const std::vector<double>& v) {
+  double m = 0;
+  for (double x : v) m = std::max(m, std::fabs(x));
+  return m;
+}
+
+// Compares a GPU output with the CPU's; the tolerance scales with the reduction length and the
+// reference's magnitude.
+void check_close(const char* name, const HostTensor& got, const HostTensor& want, int32_t dtype,
+                 int64_t reduction) {
+  const std::vector<double> ref = want.to_vector();
+  Tolerance tol = tolerance_for(dtype, reduction, std::max(1e-3, max_abs(ref)));
+  if (dtype == MOEBLAZE_DTYPE_F32) tol.rtol = 1e-4;  // different summation orders, expf vs std::exp
+  compare(name, got, ref, tol);
+}
+
+struct Case {
+  int32_t dtype;
+  int64_t d, h, E, k, T;
+  int32_t activation = MOEBLAZE_ACTIVATION_SWIGLU;
+  int32_t checkpoint = MOEBLAZE_CHECKPOINT_SAVE_PREACT;
+  const char* routing = "random";  // random | one_expert | skewed | empty_experts
+};
+
+void apply_routing(LayerRun& run, const char* routing, Rng& rng) {
+  const std::string kind = routing;
+  if (kind == "one_expert") {
+    // Every token's first pick is the last expert; others random distinct.
+    for (int64_t t = 0; t < run.T; ++t) {
+      std::vector<int32_t> perm;
+      for (int32_t e = 0; e < run.E - 1; ++e) perm.push_back(e);
+      std::shuffle(perm.begin(), perm.end(), rng.engine());
+      run.ids[size_t(t * run.k)] = int32_t(run.E - 1);
+      for (int64_t j = 1; j < run.k; ++j) run.ids[size_t(t * run.k + j)] = perm[size_t(j - 1)];
+    }
+  } else if (kind == "skewed" || kind == "empty_experts") {
+    // Skewed: expert ids drawn with weight 2^-e (experts past k+1 mostly empty); empty_experts:
+    // only experts 0..k used.
+    for (int64_t t = 0; t < run.T; ++t) {
+      std::vector<int32_t> chosen;
+      while (int64_t(chosen.size()) < run.k) {
+        int32_t e;
+        if (kind == "empty_experts") {
+          e = int32_t(rng.uniform_int(0, std::min<int64_t>(run.k, run.E - 1)));
+        } else {
+          e = 0;
+          while (e < run.E - 1 && rng.uniform(0, 1) < 0.5) ++e;
+        }
+        if (std::find(chosen.begin(), chosen.end(), e) == chosen.end()) chosen.push_back(e);
+      }
+      for (int64_t j = 0; j < run.k; ++j) run.ids[size_t(t * run.k + j)] = chosen[size_t(j)];
+    }
+  }
+}
+
+// Experts forward + backward on CPU and GPU from the same inputs; everything compared.
+void check_experts_case(const Context& cpu, const Context& gpu, const Case& c, Rng& rng,
+                        bool accumulate = false) {
+  moeblaze_layer_config_t cfg = make_config(c.dtype, c.d, c.h, c.E, c.k);
+  cfg.activation = c.activation;
+  cfg.checkpoint = c.checkpoint;
+  CAPTURE(describe(cfg));
+  CAPTURE(c.T);
+  CAPTURE(c.routing);
+  CAPTURE(accumulate);
+  Layer lc(cpu, cfg), lg(gpu, cfg);
+  LayerRun rc(lc, c.T), rg(lg, c.T);
+  rc.init_random(rng);
+  apply_routing(rc, c.routing, rng);
+  copy_inputs(rc, rg);
+  rc.clear_outputs();
+  rg.clear_outputs();
+  const uint32_t flags = accumulate ? MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD : 0u;
+  if (accumulate) {
+    for (LayerRun* run : {&rc, &rg}) {
+      run->dw_gate.fill(0.25);
+      run->dw_up.fill(-0.5);
+      run->dw_down.fill(1.0);
+    }
+  }
+  MB_CHECK(rc.experts_forward());
+  MB_CHECK(rc.experts_backward({}, flags));
+
+  DeviceRun dev(rg);
+  dev.upload_all();
+  dev.prepare(MOEBLAZE_PASS_EXPERTS_FORWARD, true);
+  MB_CHECK(dev.enqueue_forward(nullptr));
+  MB_CHECK(dev.enqueue_backward(nullptr, BackwardOutputs(), flags));
+  dev.sync_download();
+
+  check_close("y", rg.y, rc.y, c.dtype, c.h * c.k);
+  check_close("dx", rg.dx, rc.dx, c.dtype, 2 * c.h * c.k);
+  check_close("dw_gate", rg.dw_gate, rc.dw_gate, c.dtype, c.T);
+  if (rg.gated) check_close("dw_up", rg.dw_up, rc.dw_up, c.dtype, c.T);
+  check_close("dw_down", rg.dw_down, rc.dw_down, c.dtype, c.T);
+  check_close("dg", rg.dg, rc.dg, c.dtype, c.h + c.d);
+  CHECK(rg.expert_counts == rc.expert_counts);
+}
+
+struct Gpu {
+  Context cpu;
+  Context gpu{MOEBLAZE_BACKEND_CUDA, 0};
+};
+
+}  // namespace
+#endif  // MOEBLAZE_TESTS_WITH_CUDA
+
+TEST_SUITE("cuda") {
+  TEST_CASE("cuda: backend availability and build info") {
+    MESSAGE("build: " << moeblaze_get_build_info());
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    cudaDeviceProp prop{};
+    CUDA_OK(cudaGetDeviceProperties(&prop, 0));
+    MESSAGE("device 0: " << prop.name << " (sm_" << prop.major << prop.minor << ")");
+    Context gpu(MOEBLAZE_BACKEND_CUDA, 0);
+    int32_t backend = 0, device = -1;
+    MB_CHECK(moeblaze_context_get_info(gpu.get(), &backend, &device));
+    CHECK(backend == MOEBLAZE_BACKEND_CUDA);
+    CHECK(device == 0);
+    // F64 is CPU-only.
+    moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_F64, 8, 8, 2, 1);
+    moeblaze_layer_t layer = nullptr;
+    MB_CHECK_STATUS(moeblaze_layer_create(&layer, gpu.get(), &cfg), MOEBLAZE_ERR_NOT_SUPPORTED);
+    moeblaze_layer_destroy(layer);
+#endif
+  }
+
+  TEST_CASE("cuda: router forward and backward match the CPU (every score function, losses)") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    Gpu ctx;
+    Rng rng(test_seed(9101));
+    struct RouterCase {
+      int64_t E, k, T;
+    };
+    std::vector<RouterCase> cases = {{8, 2, 300}, {5, 5, 17}, {64, 6, 129}, {1, 1, 3}};
+    if (!quick()) cases.push_back({256, 8, 1000});
+    for (const RouterCase& rcase : cases) {
+      for (int32_t fn :
+           {MOEBLAZE_SCORE_SOFTMAX_TOPK, MOEBLAZE_SCORE_TOPK_SOFTMAX, MOEBLAZE_SCORE_SIGMOID}) {
+        for (int renorm : {0, 1}) {
+          moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_F32, 16, 16, rcase.E, rcase.k);
+          cfg.score_function = fn;
+          cfg.renormalize = renorm;
+          cfg.aux_loss_coeff = 0.01f;
+          cfg.z_loss_coeff = 0.001f;
+          CAPTURE(describe(cfg));
+          CAPTURE(rcase.T);
+          Layer lc(ctx.cpu, cfg), lg(ctx.gpu, cfg);
+          const int64_t T = rcase.T, E = rcase.E, k = rcase.k;
+          HostTensor logits(MOEBLAZE_DTYPE_F32, {T, E}), dg(MOEBLAZE_DTYPE_F32, {T, k});
+          fill_normal(logits, rng, 2.0);
+          fill_normal(dg, rng, 1.0);
+          HostTensor dl(MOEBLAZE_DTYPE_F32, {2});
+          dl.set(0, 0.7);
+          dl.set(1, -1.3);
+          // CPU
+          HostTensor g_c(MOEBLAZE_DTYPE_F32, {T, k}), losses_c(MOEBLAZE_DTYPE_F32, {2});
+          HostTensor dlog_c(MOEBLAZE_DTYPE_F32, {T, E});
+          std::vector<int32_t> ids_c(static_cast<size_t>(T * k)), counts_c(static_cast<size_t>(E));
+          AlignedBytes ws(lc.workspace_size(MOEBLAZE_PASS_ROUTER_FORWARD, T));
+          MB_CHECK(moeblaze_router_forward(lc.get(), T, logits.data(), ids_c.data(), g_c.data(),
+                                           counts_c.data(), losses_c.data(), ws.data(), ws.size(),
+                                           nullptr));
+          AlignedBytes wsb(lc.workspace_size(MOEBLAZE_PASS_ROUTER_BACKWARD, T));
+          MB_CHECK(moeblaze_router_backward(lc.get(), T, logits.data(), ids_c.data(), dg.data(),
+                                            dl.data(), dlog_c.data(), wsb.data(), wsb.size(),
+                                            nullptr));
+          // GPU
+          DevBuf d_logits_in, d_ids, d_g, d_counts, d_losses, d_dg, d_dl, d_dlog, d_ws, d_wsb;
+          up(d_logits_in, logits);
+          d_ids.alloc(size_t(T * k) * 4);
+          d_g.alloc(size_t(T * k) * 4);
+          d_counts.alloc(size_t(E) * 4);
+          d_losses.alloc(8);
+          up(d_dg, dg);
+          up(d_dl, dl);
+          d_dlog.alloc(size_t(T * E) * 4);
+          d_ws.alloc(lg.workspace_size(MOEBLAZE_PASS_ROUTER_FORWARD, T));
+          d_wsb.alloc(lg.workspace_size(MOEBLAZE_PASS_ROUTER_BACKWARD, T));
+          MB_CHECK(moeblaze_router_forward(lg.get(), T, d_logits_in.get(),
+                                           static_cast<int32_t*>(d_ids.get()), d_g.get(),
+                                           static_cast<int32_t*>(d_counts.get()), d_losses.get(),
+                                           d_ws.get(), d_ws.size(), nullptr));
+          // Backward from the CPU's ids so that both differentiate the same selection.
+          up(d_ids, ids_c);
+          MB_CHECK(moeblaze_router_backward(
+              lg.get(), T, d_logits_in.get(), static_cast<const int32_t*>(d_ids.get()), d_dg.get(),
+              d_dl.get(), d_dlog.get(), d_wsb.get(), d_wsb.size(), nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          // (ids were overwritten by the upload: recompute the forward's for comparison.)
+          std::vector<int32_t> ids_g(static_cast<size_t>(T * k)), counts_g(static_cast<size_t>(E));
+          HostTensor g_g(MOEBLAZE_DTYPE_F32, {T, k}), losses_g(MOEBLAZE_DTYPE_F32, {2});
+          HostTensor dlog_g(MOEBLAZE_DTYPE_F32, {T, E});
+          MB_CHECK(moeblaze_router_forward(lg.get(), T, d_logits_in.get(),
+                                           static_cast<int32_t*>(d_ids.get()), d_g.get(),
+                                           static_cast<int32_t*>(d_counts.get()), d_losses.get(),
+                                           d_ws.get(), d_ws.size(), nullptr));
+          CUDA_OK(cudaDeviceSynchronize());
+          down(d_ids, ids_g);
+          down(d_counts, counts_g);
+          down(d_g, g_g);
+          down(d_losses, losses_g);
+          down(d_dlog, dlog_g);
+          CHECK(ids_g == ids_c);
+          CHECK(counts_g == counts_c);
+          compare("g", g_g, g_c.to_vector(), {1e-6, 1e-5});
+          compare("losses", losses_g, losses_c.to_vector(), {1e-6, 1e-4});
+          compare("d_logits", dlog_g, dlog_c.to_vector(), {1e-6, 1e-4});
+        }
+      }
+    }
+#endif
+  }
+
+  TEST_CASE("cuda: routing_build matches the CPU structure for structure") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    Gpu ctx;
+    Rng rng(test_seed(9202));
+    struct RCase {
+      int64_t E, k, T;
+      const char* routing;
+    };
+    const std::vector<RCase> cases = {{8, 2, 1000, "random"},  {8, 2, 1000, "one_expert"},
+                                      {16, 4, 777, "skewed"},  {16, 2, 300, "empty_experts"},
+                                      {5, 5, 33, "random"},    {3, 1, 1, "random"},
+                                      {300, 8, 600, "random"}, {1024, 32, 257, "random"}};
+    for (const RCase& rc : cases) {
+      CAPTURE(rc.E);
+      CAPTURE(rc.k);
+      CAPTURE(rc.T);
+      CAPTURE(rc.routing);
+      moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_BF16, 8, 8, rc.E, rc.k);
+      Layer lc(ctx.cpu, cfg), lg(ctx.gpu, cfg);
+      LayerRun run(lc, rc.T);
+      run.init_random(rng);
+      apply_routing(run, rc.routing, rng);
+      const int64_t N = rc.T * rc.k;
+      std::vector<int32_t> off_c(static_cast<size_t>(rc.E + 1)), eti_c(static_cast<size_t>(N)),
+          tim_c(static_cast<size_t>(N));
+      AlignedBytes ws(lc.workspace_size(MOEBLAZE_PASS_ROUTING_BUILD, rc.T));
+      MB_CHECK(moeblaze_routing_build(lc.get(), rc.T, run.ids.data(), off_c.data(), eti_c.data(),
+                                      tim_c.data(), ws.data(), ws.size(), nullptr));
+      DevBuf d_ids, d_off, d_eti, d_tim, d_ws;
+      up(d_ids, run.ids);
+      d_off.alloc(off_c.size() * 4);
+      d_eti.alloc(size_t(N) * 4 + 4);
+      d_tim.alloc(size_t(N) * 4 + 4);
+      d_ws.alloc(lg.workspace_size(MOEBLAZE_PASS_ROUTING_BUILD, rc.T));
+      std::vector<int32_t> off_g(off_c.size()), eti_g(static_cast<size_t>(N)),
+          tim_g(static_cast<size_t>(N));
+      for (int rep = 0; rep < 2; ++rep) {
+        MB_CHECK(moeblaze_routing_build(
+            lg.get(), rc.T, static_cast<const int32_t*>(d_ids.get()),
+            static_cast<int32_t*>(d_off.get()), static_cast<int32_t*>(d_eti.get()),
+            static_cast<int32_t*>(d_tim.get()), d_ws.get(), d_ws.size(), nullptr));
+        CUDA_OK(cudaDeviceSynchronize());
+        down(d_off, off_g);
+        down(d_eti, eti_g);
+        down(d_tim, tim_g);
+        CHECK(off_g == off_c);
+        CHECK(eti_g == eti_c);
+        CHECK(tim_g == tim_c);
+      }
+    }
+#endif
+  }
+
+  TEST_CASE("cuda: experts forward/backward match the CPU (activations x dtypes x policies)") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    Gpu ctx;
+    Rng rng(test_seed(9303));
+    const std::vector<int32_t> dtypes = {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F16,
+                                         MOEBLAZE_DTYPE_F32};
+    for (int32_t dtype : dtypes) {
+      for (int32_t act = 0; act <= MOEBLAZE_ACTIVATION_RELU2; ++act) {
+        for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_SAVE_PREACT,
+                             MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+          if (quick() && ckpt != MOEBLAZE_CHECKPOINT_SAVE_PREACT && act != 0) continue;
+          Case c{dtype, 64, 96, 4, 2, 150};
+          c.activation = act;
+          c.checkpoint = ckpt;
+          check_experts_case(ctx.cpu, ctx.gpu, c, rng);
+        }
+      }
+    }
+#endif
+  }
+
+  TEST_CASE("cuda: experts edge shapes (odd sizes, ragged, T=0, T=1, k=E, tensor-core tiles)") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    Gpu ctx;
+    Rng rng(test_seed(9404));
+    std::vector<Case> cases;
+    for (int32_t dtype : {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F16, MOEBLAZE_DTYPE_F32}) {
+      cases.push_back({dtype, 33, 70, 5, 3, 61});                          // odd
+      cases.push_back({dtype, 64, 64, 8, 2, 300, 0, 1, "one_expert"});     // all on one
+      cases.push_back({dtype, 64, 64, 8, 2, 300, 0, 1, "empty_experts"});  // empty
+      cases.push_back({dtype, 40, 48, 6, 3, 257, 3, 1, "skewed"});         // skewed
+      cases.push_back({dtype, 32, 32, 4, 4, 37});                          // k = E
+      cases.push_back({dtype, 32, 48, 4, 2, 1});                           // T = 1
+      cases.push_back({dtype, 32, 48, 4, 2, 0});                           // T = 0
+      if (!quick()) {
+        cases.push_back({dtype, 256, 384, 8, 2, 700});                  // several 128x128 tiles
+        cases.push_back({dtype, 136, 200, 3, 1, 515, 5, 2, "skewed"});  // ReLU, recompute
+      }
+      if (!quick() && dtype == MOEBLAZE_DTYPE_BF16) {
+        cases.push_back({dtype, 512, 1024, 4, 2, 1024});  // long K in every GEMM
+      }
+    }
+    for (const Case& c : cases) check_experts_case(ctx.cpu, ctx.gpu, c, rng);
+    // Accumulating weight gradients.
+    check_experts_case(ctx.cpu, ctx.gpu, {MOEBLAZE_DTYPE_BF16, 64, 64, 4, 2, 100}, rng, true);
+    check_experts_case(ctx.cpu, ctx.gpu, {MOEBLAZE_DTYPE_F32, 33, 70, 5, 2, 0}, rng, true);
+#endif
+  }
+
+  TEST_CASE(
+      "cuda: experts match the CPU with every GEMM on the 2x2-warp (64x64) tensor-core layout") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    setenv("MOEBLAZE_CUDA_MMA_WARPS", "4", 1);
+    {
+      Gpu ctx;
+      Rng rng(test_seed(9707));
+      for (int32_t dtype : {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F16}) {
+        for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_RELU}) {
+          for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+            if (quick() && ckpt == MOEBLAZE_CHECKPOINT_SAVE_ALL) continue;
+            // Quick (sanitizer) runs: still several tiles in m and n, far less work.
+            Case c = quick() ? Case{dtype, 136, 200, 3, 2, 150} : Case{dtype, 256, 384, 8, 2, 700};
+            c.activation = act;
+            c.checkpoint = ckpt;
+            check_experts_case(ctx.cpu, ctx.gpu, c, rng);
+          }
+        }
+        check_experts_case(ctx.cpu, ctx.gpu, {dtype, 64, 64, 8, 2, 300, 0, 1, "one_expert"}, rng);
+      }
+    }
+    unsetenv("MOEBLAZE_CUDA_MMA_WARPS");
+    Gpu reset;  // the next backend created reads the default layouts again
+#endif
+  }
+
+  TEST_CASE(
+      "cuda: whole layer forward/backward matches the CPU; bitwise reproducible; CUDA graph") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    Gpu ctx;
+    Rng rng(test_seed(9505));
+    for (int32_t dtype : {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F32}) {
+      moeblaze_layer_config_t cfg = make_config(dtype, 128, 192, 8, 2);
+      cfg.renormalize = 1;
+      cfg.aux_loss_coeff = 0.01f;
+      cfg.z_loss_coeff = 0.001f;
+      CAPTURE(describe(cfg));
+      const int64_t T = 333;
+      Layer lc(ctx.cpu, cfg), lg(ctx.gpu, cfg);
+      LayerRun rc(lc, T), rg(lg, T);
+      rc.init_random(rng);
+      rc.use_d_losses = true;
+      copy_inputs(rc, rg);
+      rc.clear_outputs();
+      rg.clear_outputs();
+      MB_CHECK(rc.layer_forward());
+      MB_CHECK(rc.layer_backward());
+
+      DeviceRun dev(rg);
+      dev.upload_all();
+      dev.prepare(MOEBLAZE_PASS_LAYER_FORWARD, true);
+      MB_CHECK(dev.enqueue_forward(nullptr));
+      MB_CHECK(dev.enqueue_backward(nullptr));
+      dev.sync_download();
+      CHECK(rg.ids_out == rc.ids_out);
+      CHECK(rg.expert_counts == rc.expert_counts);
+      check_close("logits", rg.logits, rc.logits, dtype, cfg.d_model);
+      check_close("g", rg.g_out, rc.g_out, MOEBLAZE_DTYPE_F32, cfg.num_experts);
+      check_close("losses", rg.losses, rc.losses, MOEBLAZE_DTYPE_F32, T);
+      check_close("y", rg.y, rc.y, dtype, cfg.d_ffn * cfg.top_k);
+      check_close("dx", rg.dx, rc.dx, dtype, 2 * cfg.d_ffn * cfg.top_k + cfg.num_experts);
+      check_close("dw_gate", rg.dw_gate, rc.dw_gate, dtype, T);
+      check_close("dw_up", rg.dw_up, rc.dw_up, dtype, T);
+      check_close("dw_down", rg.dw_down, rc.dw_down, dtype, T);
+      // d_logits is a function of dg, which carries the storage dtype's rounding (a, b, u).
+      check_close("d_logits", rg.d_logits, rc.d_logits, dtype, cfg.d_ffn);
+      // dw_router is a reduction over T of d_logits * x; d_logits is rounded to the storage dtype.
+      check_close("dw_router", rg.dw_router, rc.dw_router, dtype, T);
+
+      // Bitwise identical across runs.
+      const LayerRun first = rg;
+      for (int rep = 0; rep < 2; ++rep) {
+        rg.clear_outputs();
+        dev.upload_all();
+        MB_CHECK(dev.enqueue_forward(nullptr));
+        MB_CHECK(dev.enqueue_backward(nullptr));
+        dev.sync_download();
+        CHECK(rg.y.bitwise_equal(first.y));
+        CHECK(rg.dx.bitwise_equal(first.dx));
+        CHECK(rg.dw_gate.bitwise_equal(first.dw_gate));
+        CHECK(rg.dw_up.bitwise_equal(first.dw_up));
+        CHECK(rg.dw_down.bitwise_equal(first.dw_down));
+        CHECK(rg.dw_router.bitwise_equal(first.dw_router));
+        CHECK(rg.d_logits.bitwise_equal(first.d_logits));
+        CHECK(rg.losses.bitwise_equal(first.losses));
+      }
+
+      // The whole layer forward + backward captured in a CUDA graph, replayed: same bits.
+      cudaStream_t stream;
+      CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      rg.clear_outputs();
+      dev.upload_all();
+      cudaGraph_t graph = nullptr;
+      CUDA_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      const moeblaze_status_t fs = dev.enqueue_forward(stream);
+      const moeblaze_status_t bs = dev.enqueue_backward(stream);
+      const cudaError_t end = cudaStreamEndCapture(stream, &graph);
+      MB_CHECK(fs);
+      MB_CHECK(bs);
+      CUDA_OK(end);
+      cudaGraphExec_t exec = nullptr;
+      CUDA_OK(cudaGraphInstantiate(&exec, graph, 0));
+      for (int rep = 0; rep < 2; ++rep) {
+        CUDA_OK(cudaGraphLaunch(exec, stream));
+        CUDA_OK(cudaStreamSynchronize(stream));
+      }
+      dev.sync_download();
+      CHECK(rg.y.bitwise_equal(first.y));
+      CHECK(rg.dx.bitwise_equal(first.dx));
+      CHECK(rg.dw_gate.bitwise_equal(first.dw_gate));
+      CHECK(rg.dw_down.bitwise_equal(first.dw_down));
+      CHECK(rg.dw_router.bitwise_equal(first.dw_router));
+      CHECK(rg.d_logits.bitwise_equal(first.d_logits));
+      cudaGraphExecDestroy(exec);
+      cudaGraphDestroy(graph);
+      cudaStreamDestroy(stream);
+    }
+#endif
+  }
+
+  TEST_CASE("cuda: inference forward (no saved buffer) gives the training y") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    Gpu ctx;
+    Rng rng(test_seed(9606));
+    for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+      moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_BF16, 64, 128, 4, 2);
+      cfg.checkpoint = ckpt;
+      Layer lg(ctx.gpu, cfg);
+      LayerRun rg(lg, 200);
+      rg.init_random(rng);
+      DeviceRun dev(rg);
+      dev.upload_all();
+      dev.prepare(MOEBLAZE_PASS_EXPERTS_FORWARD, true);
+      MB_CHECK(dev.enqueue_forward(nullptr));
+      dev.sync_download();
+      const HostTensor trained = rg.y;
+      rg.y.fill(NAN);
+      dev.upload_all();
+      dev.prepare(MOEBLAZE_PASS_EXPERTS_FORWARD, false);
+      MB_CHECK(dev.enqueue_forward(nullptr));
+      dev.sync_download();
+      CHECK(rg.y.bitwise_equal(trained));
+    }
+#endif
+  }
+
+}  // TEST_SUITE("cuda")
