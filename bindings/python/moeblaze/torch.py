@@ -337,12 +337,23 @@ class MoE(torch.nn.Module):
     """A token-choice MoE layer: router (no bias) + `num_experts` expert MLPs, top-k routing.
 
     forward(x [..., d_model]) -> (y [..., d_model], aux_loss, z_loss). The losses are already scaled
-    by their coefficients (0 when a coefficient is 0); add them to the training objective."""
+    by their coefficients (0 when a coefficient is 0); add them to the training objective.
+
+    With `process_group=pg` the layer is expert parallel: `MoE(...)` returns a
+    `moeblaze.distributed.ExpertParallelMoE` whose experts are split contiguously over the ranks
+    of `pg` and whose tokens travel to them through torch.distributed."""
+
+    def __new__(cls, *args, process_group=None, **kwargs):
+        if cls is MoE and process_group is not None:
+            from .distributed import ExpertParallelMoE
+            return ExpertParallelMoE(*args, process_group=process_group, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, d_model: int, d_ffn: int, num_experts: int, top_k: int = 1, *,
                  activation: str = "swiglu", checkpoint: str = "save_preact",
                  score_function: str = "softmax_topk", renormalize: bool = False,
-                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, dtype=None, device=None):
+                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, dtype=None, device=None,
+                 process_group=None):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.d_model, self.d_ffn, self.num_experts, self.top_k = d_model, d_ffn, num_experts, top_k
