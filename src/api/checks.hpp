@@ -32,8 +32,9 @@ inline void require_tensor(const Backend& backend, const void* ptr, bool require
                  "%s (%p) is not aligned to its element size (%zu bytes)", argument, ptr,
                  element_size);
   MB_REQUIRE_ARG(backend.pointer_usable(ptr),
-                 "%s (%p) is not memory the context's device can use (a host pointer passed to "
-                 "the CUDA backend?)",
+                 "%s (%p) is not memory the context's device can use (a host pointer given to "
+                 "the CUDA backend, a GPU pointer given to the CPU backend, or memory of another "
+                 "GPU)",
                  argument, ptr);
 }
 

@@ -159,5 +159,9 @@ std::unique_ptr<Backend> make_cpu_backend();
 std::unique_ptr<Backend> make_cuda_backend(int32_t device);
 bool cuda_backend_available();  // compiled in and a usable GPU present; never throws
 const char* cuda_build_info();  // "CUDA 13.0, sm_80 sm_90a" or "CUDA backend not built"
+// True only when `ptr` is known to be device memory of some GPU (not host, pinned or managed memory):
+// the CPU backend rejects such pointers instead of dereferencing them. False when CUDA is not built,
+// no GPU is present, or the runtime cannot tell. Never throws.
+bool cuda_pointer_is_device_memory(const void* ptr);
 
 }  // namespace moeblaze

@@ -17,6 +17,11 @@ class CpuBackend final : public Backend {
   int32_t kind() const override { return MOEBLAZE_BACKEND_CPU; }
   int32_t device() const override { return 0; }
 
+  // Device memory handed to the CPU backend would be dereferenced on the host: refuse it.
+  bool pointer_usable(const void* ptr) const override {
+    return !cuda_pointer_is_device_memory(ptr);
+  }
+
   void check_supported(const LayerDesc& desc) const override {
     MB_REQUIRE(desc.k <= MOEBLAZE_MAX_TOP_K, MOEBLAZE_ERR_NOT_SUPPORTED,
                "CPU backend: top_k = %lld exceeds %d", (long long)desc.k, MOEBLAZE_MAX_TOP_K);

@@ -323,7 +323,9 @@ class CudaBackend final : public Backend {
       (void)cudaGetLastError();  // clear the sticky error; cannot tell
       return true;
     }
-    return attr.type == cudaMemoryTypeDevice || attr.type == cudaMemoryTypeManaged;
+    // Managed memory is reachable from any device; device memory only from the context's own.
+    if (attr.type == cudaMemoryTypeManaged) return true;
+    return attr.type == cudaMemoryTypeDevice && attr.device == device_;
   }
 
  private:
@@ -363,6 +365,23 @@ std::unique_ptr<Backend> make_cuda_backend(int32_t device) {
              "CUDA device %d has compute capability %d.x; moeblaze needs 8.0 or newer", int(device),
              major);
   return std::make_unique<cuda::CudaBackend>(device);
+}
+
+bool cuda_pointer_is_device_memory(const void* ptr) {
+  // Asked on every CPU-backend call: only touch the CUDA runtime when a GPU exists (decided once).
+  static const bool have_gpu = [] {
+    int count = 0;
+    const bool ok = cudaGetDeviceCount(&count) == cudaSuccess && count > 0;
+    (void)cudaGetLastError();
+    return ok;
+  }();
+  if (!have_gpu || ptr == nullptr) return false;
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return attr.type == cudaMemoryTypeDevice;
 }
 
 bool cuda_backend_available() {

@@ -1,5 +1,5 @@
-// Compiled instead of src/cuda/ when the build has no CUDA compiler: the CUDA backend reports itself
-// unavailable with a reason instead of existing as a stub.
+// Compiled instead of src/cuda/ when the build has no CUDA compiler: the CUDA backend reports
+// itself unavailable with a reason instead of existing as a stub.
 #include "common/backend.hpp"
 #include "common/status.hpp"
 
@@ -12,8 +12,17 @@ std::unique_ptr<Backend> make_cuda_backend(int32_t device) {
        "PATH, or -DMOEBLAZE_CUDA=ON)");
 }
 
-bool cuda_backend_available() { return false; }
+bool cuda_backend_available() {
+  return false;
+}
 
-const char* cuda_build_info() { return "CUDA backend not built"; }
+const char* cuda_build_info() {
+  return "CUDA backend not built";
+}
+
+bool cuda_pointer_is_device_memory(const void* ptr) {
+  (void)ptr;
+  return false;
+}
 
 }  // namespace moeblaze

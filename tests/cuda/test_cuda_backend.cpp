@@ -7,6 +7,7 @@
 // MOEBLAZE_TEST_QUICK=1 runs a reduced case set (used under compute-sanitizer).
 #include <cstdlib>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "support/test_support.hpp"
@@ -705,6 +706,44 @@ TEST_SUITE("cuda") {
       dev.sync_download();
       CHECK(rg.y.bitwise_equal(trained));
     }
+#endif
+  }
+
+  TEST_CASE("cuda: pointers from the wrong memory space are refused, not dereferenced") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    Gpu ctx;
+    moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_F32, 8, 8, 4, 2);
+    Layer lc(ctx.cpu, cfg);
+    Layer lg(ctx.gpu, cfg);
+    const int64_t T = 3;
+    std::vector<float> host_logits(T * 4, 0.5f), host_g(T * 2);
+    std::vector<int32_t> host_ids(T * 2);
+    DevBuf dev_logits, dev_ids, dev_g;
+    dev_logits.upload(host_logits.data(), host_logits.size() * sizeof(float));
+    dev_ids.alloc(host_ids.size() * sizeof(int32_t));
+    dev_g.alloc(host_g.size() * sizeof(float));
+    size_t ws = 0;
+    MB_CHECK(moeblaze_layer_workspace_size(lc.get(), MOEBLAZE_PASS_ROUTER_FORWARD, T, &ws));
+    std::vector<double> host_ws(ws / sizeof(double) + 2);
+    // A GPU pointer given to the CPU backend.
+    CHECK(moeblaze_router_forward(lc.get(), T, dev_logits.get(), host_ids.data(), host_g.data(),
+                                  nullptr, nullptr, host_ws.data(), ws,
+                                  nullptr) == MOEBLAZE_ERR_INVALID_ARGUMENT);
+    CHECK(std::string(moeblaze_last_error()).find("logits") != std::string::npos);
+    // A host pointer given to the CUDA backend.
+    MB_CHECK(moeblaze_layer_workspace_size(lg.get(), MOEBLAZE_PASS_ROUTER_FORWARD, T, &ws));
+    DevBuf dev_ws;
+    dev_ws.alloc(ws);
+    CHECK(moeblaze_router_forward(
+              lg.get(), T, host_logits.data(), static_cast<int32_t*>(dev_ids.get()), dev_g.get(),
+              nullptr, nullptr, dev_ws.get(), ws, nullptr) == MOEBLAZE_ERR_INVALID_ARGUMENT);
+    CHECK(std::string(moeblaze_last_error()).find("logits") != std::string::npos);
+    // The right spaces work.
+    MB_CHECK(moeblaze_router_forward(lg.get(), T, dev_logits.get(),
+                                     static_cast<int32_t*>(dev_ids.get()), dev_g.get(), nullptr,
+                                     nullptr, dev_ws.get(), ws, nullptr));
+    CUDA_OK(cudaDeviceSynchronize());
 #endif
   }
 
