@@ -4,7 +4,7 @@
 # the benchmark (bench/run_bench.py) if it exists. Full logs go to $OUT (default ./device-check-out);
 # a short summary table is printed last.
 #
-# Usage: tools/device_check.sh [--no-bench] [--no-sanitizer] [--no-profile] [--jobs N]
+# Usage: tools/device_check.sh [--no-bench] [--no-sanitizer] [--no-profile] [--no-sass] [--jobs N]
 #                              [-- <run_bench.py args>]
 # The profile step runs tests/cuda/profile_kernels.py (torch.profiler, per-kernel times of one
 # experts fwd+bwd) once per tensor-core warp layout (MOEBLAZE_CUDA_MMA_WARPS=4 and 8).
@@ -22,12 +22,14 @@ JOBS="$(nproc 2>/dev/null || echo 8)"
 RUN_BENCH=1
 RUN_SANITIZER=1
 RUN_PROFILE=1
+RUN_SASS=1
 BENCH_ARGS=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) RUN_BENCH=0 ;;
     --no-sanitizer) RUN_SANITIZER=0 ;;
     --no-profile) RUN_PROFILE=0 ;;
+    --no-sass) RUN_SASS=0 ;;
     --jobs) JOBS="$2"; shift ;;
     --) shift; BENCH_ARGS=("$@"); break ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
@@ -134,7 +136,7 @@ if [ "$BUILD_OK" = 1 ] && [ "$RUN_SANITIZER" = 1 ]; then
 fi
 
 # ---- SASS facts ------------------------------------------------------------------------------------
-if [ "$BUILD_OK" = 1 ]; then
+if [ "$BUILD_OK" = 1 ] && [ "$RUN_SASS" = 1 ]; then
   {
     section "SASS: tensor-core instructions per architecture"
     echo "all HMMA instructions: $(cuobjdump --dump-sass "$LIB" 2>/dev/null | grep -c HMMA)"

@@ -14,6 +14,7 @@
 #include "cuda/experts.hpp"
 #include "cuda/gemm.cuh"
 #include "cuda/kernels.hpp"
+#include "cuda/sm90/f1_gemm.hpp"
 
 #ifndef MOEBLAZE_CUDA_VERSION
 #define MOEBLAZE_CUDA_VERSION "unknown"
@@ -114,6 +115,7 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device_);
     check_lt(cublasLtCreate(&lt_), "cublasLtCreate");
     gemm_init_attributes();
+    sm90_f1_prepare_device(device_);  // Hopper F1 kernel attributes, outside any graph capture
     // Tuning switch (read here, never on an execute path): the tensor-core warp layout.
     const char* warps = std::getenv("MOEBLAZE_CUDA_MMA_WARPS");
     gemm_set_mma_warps(warps ? std::atoi(warps) : 0);

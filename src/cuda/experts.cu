@@ -2,13 +2,15 @@
 // reductions) on top of the grouped GEMM engine. Transients (never saved): u unless SAVE_ALL, the
 // fp32 [N,d] outputs of F2 and B4 (reduced per token in fixed j order and rounded once, so y and dx
 // are deterministic without atomics), da|db and g*u in the storage dtype, B1's per-n-tile dg
-// partials.
+// partials. In the backward, B4's fp32 rows reuse g*u's region and RECOMPUTE's a, b live in da|db's
+// (see experts_backward).
 #include "cuda/experts.hpp"
 
 #include "common/saved_layout.hpp"
 #include "cuda/cuda_util.cuh"
 #include "cuda/gemm.cuh"
 #include "cuda/kernels.hpp"
+#include "cuda/sm90/f1_gemm.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -105,6 +107,7 @@ GemmParams f1_params(const LayerDesc& desc, const int32_t* offsets, int32_t* mti
   p.ep.gated = desc.gated();
   p.ep.h = desc.h;
   p.ep.d = desc.d;
+  p.ep.ab_ld = desc.h;
   return p;
 }
 
@@ -147,7 +150,16 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   f1.ep.out_a = save_preact ? call.saved.a : nullptr;
   f1.ep.out_b = save_preact && desc.gated() ? call.saved.b : nullptr;
   f1.ep.out_u = u;
-  launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), stream);
+  int cc_major = 0, cc_minor = 0;
+  sm90_current_device_cc(&cc_major, &cc_minor);
+  if (sm90_f1_enabled() && sm90_f1_supported(desc, T, cc_major, cc_minor, call.x, call.w_gate,
+                                             call.w_up, f1.ep.out_a, f1.ep.out_b, f1.ep.out_u,
+                                             f1.ep.ab_ld)) {
+    sm90_f1_launch(desc, T, call.x, offsets, eti, call.w_gate, call.w_up, f1.ep.out_a,
+                   f1.ep.out_b, f1.ep.out_u, f1.ep.ab_ld, stream);
+  } else {
+    launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), stream);
+  }
 
   GemmParams f2;
   f2.E = int(E);
@@ -181,15 +193,15 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   const int64_t b1_tiles = max_b1_ntiles(desc);
   int32_t* row_pair = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
   int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
-  void* dadb = ws.carve(es * size_t(N) * size_t(dadb_ld));
-  void* gu = ws.carve(es * size_t(N) * size_t(h));
-  float* dg_part = ws.carve<float>(sizeof(float) * size_t(b1_tiles) * size_t(N));
-  // One region for what is dead by the time B4 runs: RECOMPUTE's a, b (read by B1 only), then B4's
-  // fp32 rows.
-  const size_t ab_bytes = recompute ? es * size_t(N) * size_t(h) * (gated ? 2 : 1) : 0;
+  const size_t gu_bytes = es * size_t(N) * size_t(h);
   const size_t dxr_bytes = sizeof(float) * size_t(N) * size_t(d);
-  unsigned char* shared_region =
-      ws.carve<unsigned char>(ab_bytes > dxr_bytes ? ab_bytes : dxr_bytes);
+  // B4's fp32 rows reuse g*u's region when they fit: g*u is written by B1 and last read by B2, and
+  // all kernels run in order on one stream. (RECOMPUTE's a, b need no region: see below.)
+  const bool dxr_in_gu = dxr_bytes <= gu_bytes;
+  void* dadb = ws.carve(es * size_t(N) * size_t(dadb_ld));
+  void* gu = ws.carve(gu_bytes);
+  float* dg_part = ws.carve<float>(sizeof(float) * size_t(b1_tiles) * size_t(N));
+  float* dxr_own = ws.carve<float>(dxr_in_gu ? 0 : dxr_bytes);
   if (!run) return;
   cudaStream_t stream = as_stream(call.stream);
   const SavedView& sv = call.saved;
@@ -201,17 +213,31 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   const void* a_src = sv.a;
   const void* b_src = sv.b;
   const void* u_src = desc.checkpoint == Checkpoint::SaveAll ? sv.u : nullptr;
+  int64_t ab_ld = h;
   if (recompute) {
-    void* a_ws = shared_region;
-    void* b_ws = gated ? shared_region + es * size_t(N) * size_t(h) : nullptr;
+    // The recomputed a, b go where B1 writes da, db (a at [r, 0, h), b at [r, h, 2h) of row r of
+    // da|db): B1 reads every a, b element exactly once, in the thread that then overwrites that
+    // same element with da or db, and no other thread touches it.
+    void* a_ws = dadb;
+    void* b_ws = gated ? static_cast<unsigned char*>(dadb) + es * size_t(h) : nullptr;
     GemmParams f1 = f1_params(desc, sv.expert_offsets, mtile, sv.expert_token_indices, call.x,
                               call.w_gate, call.w_up);
     f1.ep.out_a = a_ws;
     f1.ep.out_b = b_ws;
-    launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), stream);
+    f1.ep.ab_ld = dadb_ld;
+    int cc_major = 0, cc_minor = 0;
+    sm90_current_device_cc(&cc_major, &cc_minor);
+    if (sm90_f1_enabled() && sm90_f1_supported(desc, T, cc_major, cc_minor, call.x, call.w_gate,
+                                               call.w_up, a_ws, b_ws, nullptr, f1.ep.ab_ld)) {
+      sm90_f1_launch(desc, T, call.x, sv.expert_offsets, sv.expert_token_indices, call.w_gate,
+                     call.w_up, a_ws, b_ws, nullptr, f1.ep.ab_ld, stream);
+    } else {
+      launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), stream);
+    }
     a_src = a_ws;
     b_src = b_ws;
     u_src = nullptr;
+    ab_ld = dadb_ld;
   }
 
   // B1: v = dy[tok] . w_down[e]  ([rows, d] x [d, h]); epilogue -> dg partials, da|db, g*u.
@@ -235,6 +261,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   b1.ep.total_rows = N;
   b1.ep.a_src = a_src;
   b1.ep.b_src = b_src;
+  b1.ep.ab_ld = ab_ld;
   b1.ep.u_src = u_src;
   b1.ep.g = static_cast<const float*>(call.g);
   b1.ep.row_pair = row_pair;
@@ -297,7 +324,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
 
   // B4: dx rows = [da|db]_r . [w_gate; w_up][e] (K = 2h), then the per-token reduction.
   if (call.dx) {
-    float* dxr = reinterpret_cast<float*>(shared_region);
+    float* dxr = dxr_in_gu ? static_cast<float*>(gu) : dxr_own;
     GemmParams b4;
     b4.E = int(E);
     b4.N = int(d);

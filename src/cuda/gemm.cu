@@ -3,6 +3,9 @@
 // on the SIMT path (35 kernels; the whole CUDA part builds in about a minute on 2 cores).
 #include "cuda/gemm.cuh"
 
+#include <cstdlib>
+#include <cstring>
+
 namespace moeblaze {
 namespace cuda {
 namespace {
@@ -31,6 +34,7 @@ __global__ void __launch_bounds__(1024)
 }
 
 int g_mma_warps = 0;  // 0: per epilogue (see launch_typed); 4 or 8: forced
+bool g_b1_legacy = false;  // MOEBLAZE_CUDA_B1_EPILOGUE=legacy (read at backend creation)
 
 template <typename T, Epi EPI>
 void launch_typed(bool use_mma, const GemmParams& p, unsigned grid, cudaStream_t stream) {
@@ -104,6 +108,9 @@ size_t gemm_tile_scratch_ints(int64_t N, int64_t E) {
 void gemm_init_attributes() {
   set_attributes<__nv_bfloat16>();
   set_attributes<__half>();
+  // Tuning/isolation switch, read here (backend creation), never on an execute path.
+  const char* b1 = std::getenv("MOEBLAZE_CUDA_B1_EPILOGUE");
+  g_b1_legacy = b1 != nullptr && std::strcmp(b1, "legacy") == 0;
 }
 
 // p.mtile_start must point at gemm_tile_scratch_ints(N, E) int32 of scratch for rows-M problems;
@@ -111,6 +118,7 @@ void gemm_init_attributes() {
 void launch_gemm(Dtype dtype, Epi epi, bool use_mma, GemmParams p, int rows_m_total,
                  cudaStream_t stream) {
   if (dtype == Dtype::F32) use_mma = false;
+  p.ep.b1_legacy = g_b1_legacy;
   const int bm = use_mma ? kMmaBM : kSimtBM;
   const int bn = use_mma ? kMmaBN : kSimtBN;
   const int logical_bn = p.dual ? bn / 2 : bn;

@@ -66,6 +66,10 @@ struct EpilogueArgs {
   // B1
   const void* a_src = nullptr;
   const void* b_src = nullptr;
+  // Row stride (elements) of F1's out_a/out_b and B1's a_src/b_src; 0 means h. RECOMPUTE's backward
+  // keeps a, b inside the da|db buffer (stride 2h): B1 reads each a, b element once, in the thread
+  // that then overwrites it with da, db.
+  int64_t ab_ld = 0;
   const void* u_src = nullptr;  // SAVE_ALL: u as saved; else recomputed from a, b
   const float* g = nullptr;     // [T*k]
   const int32_t* row_pair = nullptr;
@@ -78,6 +82,9 @@ struct EpilogueArgs {
   int64_t out_ld = 0, out_expert_stride = 0;
   int32_t out_split = 0;
   bool accumulate = false;
+  // B1 on tensor cores: true selects tile_epilogue's row-at-a-time loop instead of the batched one
+  // (MOEBLAZE_CUDA_B1_EPILOGUE=legacy; the two give bitwise identical results).
+  bool b1_legacy = false;
 };
 
 struct GemmParams {
@@ -235,8 +242,9 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
         const float b0 = ep.gated ? round_to<T>(crow[c + logical_bn]) : 0.f;
         const float b1 = ep.gated ? round_to<T>(crow[c + 1 + logical_bn]) : 0.f;
         const int64_t at = grow * ep.h + n;
-        if (ep.out_a) store2(static_cast<T*>(ep.out_a) + at, both, vec, a0, a1);
-        if (ep.out_b) store2(static_cast<T*>(ep.out_b) + at, both, vec, b0, b1);
+        const int64_t at_ab = grow * (ep.ab_ld ? ep.ab_ld : ep.h) + n;
+        if (ep.out_a) store2(static_cast<T*>(ep.out_a) + at_ab, both, vec, a0, a1);
+        if (ep.out_b) store2(static_cast<T*>(ep.out_b) + at_ab, both, vec, b0, b1);
         if (ep.out_u)
           store2(static_cast<T*>(ep.out_u) + at, both, vec, act_math::forward(ep.act, a0, b0),
                  act_math::forward(ep.act, a1, b1));
@@ -261,9 +269,10 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
         const bool both = n + 1 < ep.h;
         const float v0 = crow[c], v1 = both ? crow[c + 1] : 0.f;
         const int64_t at = grow * ep.h + n;
+        const int64_t at_ab = grow * (ep.ab_ld ? ep.ab_ld : ep.h) + n;
         float a0, a1, b0 = 0.f, b1 = 0.f, u0, u1;
-        load2(static_cast<const T*>(ep.a_src) + at, both, vec, a0, a1);
-        if (ep.gated) load2(static_cast<const T*>(ep.b_src) + at, both, vec, b0, b1);
+        load2(static_cast<const T*>(ep.a_src) + at_ab, both, vec, a0, a1);
+        if (ep.gated) load2(static_cast<const T*>(ep.b_src) + at_ab, both, vec, b0, b1);
         if (ep.u_src) {
           load2(static_cast<const T*>(ep.u_src) + at, both, vec, u0, u1);
         } else {
@@ -533,6 +542,124 @@ struct TileLoader {
   }
 };
 
+// Packed pairs of the 16-bit storage types.
+template <typename T>
+struct Pair16;
+template <>
+struct Pair16<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ type zero() { return __float2bfloat162_rn(0.f); }
+};
+template <>
+struct Pair16<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 to_float2(type v) { return __half22float2(v); }
+  static __device__ __forceinline__ type zero() { return __float2half2_rn(0.f); }
+};
+
+// B1's epilogue on the tensor-core tile. tile_epilogue<B1> handles one row at a time and waits for
+// that row's loads (row_pair, then g; a, b and u) before it can issue the next row's, so a warp
+// pays about three global-memory latencies per row, 16 rows in a row. Here a warp issues the loads
+// of kBatch rows first and only then computes and stores them: about three latencies per batch.
+// Everything else is as in tile_epilogue<B1>: the rows a warp owns (warp, warp + nwarps, ...), the
+// columns a lane owns (2*lane, 2*lane + 1, + 64*j), each element's arithmetic, the order of the
+// per-lane dot product and of the warp sum, so results are bitwise identical. The tensor-core
+// engine runs only with h % 8 == 0, so every column pair inside h is whole and 4-byte aligned
+// (tile_epilogue's `both` and `vec` are always true there); B1 is never dual.
+template <typename T, int NWARPS>
+__device__ __forceinline__ void b1_epilogue_batched(const GemmParams& p, const TileInfo& ti,
+                                                    const float* cs) {
+  using P = Pair16<T>;
+  using T2 = typename P::type;
+  constexpr int kRowsPerWarp = kMmaBM / NWARPS;
+  constexpr int kBatch = kRowsPerWarp < 8 ? kRowsPerWarp : 8;
+  constexpr int kPairs = kMmaBN / 64;  // column pairs per lane and row: c = 2*lane + 64*j
+  static_assert(kRowsPerWarp % kBatch == 0, "whole batches");
+  const EpilogueArgs& ep = p.ep;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int n0 = ti.nt * kMmaBN;
+  const int64_t dadb_ld = ep.gated ? 2 * ep.h : ep.h;
+  const int64_t ab_ld = ep.ab_ld ? ep.ab_ld : ep.h;
+  const T* a_src = static_cast<const T*>(ep.a_src);
+  const T* b_src = static_cast<const T*>(ep.b_src);
+  const T* u_src = static_cast<const T*>(ep.u_src);
+  for (int batch = 0; batch < kRowsPerWarp; batch += kBatch) {
+    if (ti.m0 + warp + batch * NWARPS >= ti.rows) break;  // rows ascend: the rest are past too
+    int32_t pair[kBatch];
+    T2 ra[kBatch][kPairs], rb[kBatch][kPairs], ru[kBatch][kPairs];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int m = ti.m0 + warp + (batch + i) * NWARPS;
+      const bool row_ok = m < ti.rows;
+      const int64_t grow = int64_t(ti.off_e) + m;
+      pair[i] = row_ok ? __ldg(ep.row_pair + grow) : 0;
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        const int64_t n = n0 + 2 * lane + 64 * j;
+        const bool ok = row_ok && n < ep.h;
+        const int64_t at = grow * ep.h + n;
+        const int64_t at_ab = grow * ab_ld + n;
+        // Plain (coherent) loads: with RECOMPUTE, a and b live in the da|db buffer this kernel
+        // writes (each element is overwritten only after this, its one read, by this thread).
+        ra[i][j] = ok ? *reinterpret_cast<const T2*>(a_src + at_ab) : P::zero();
+        rb[i][j] = ok && ep.gated ? *reinterpret_cast<const T2*>(b_src + at_ab) : P::zero();
+        ru[i][j] = ok && u_src ? *reinterpret_cast<const T2*>(u_src + at) : P::zero();
+      }
+    }
+    float gval[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int m = ti.m0 + warp + (batch + i) * NWARPS;
+      gval[i] = m < ti.rows ? __ldg(ep.g + pair[i]) : 0.f;
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int r = warp + (batch + i) * NWARPS;
+      const int m = ti.m0 + r;
+      if (m >= ti.rows) break;  // warp-uniform
+      const int64_t grow = int64_t(ti.off_e) + m;
+      const float* crow = cs + r * kMmaCsLd;
+      float dot = 0.f;
+#pragma unroll
+      for (int j = 0; j < kPairs; ++j) {
+        const int c = 2 * lane + 64 * j;
+        const int64_t n = n0 + c;
+        if (n >= ep.h) break;
+        const float v0 = crow[c], v1 = crow[c + 1];
+        const int64_t at = grow * ep.h + n;
+        const float2 af = P::to_float2(ra[i][j]);
+        const float a0 = af.x, a1 = af.y;
+        float b0 = 0.f, b1 = 0.f, u0, u1;
+        if (ep.gated) {
+          const float2 bf = P::to_float2(rb[i][j]);
+          b0 = bf.x;
+          b1 = bf.y;
+        }
+        if (u_src) {
+          const float2 uf = P::to_float2(ru[i][j]);
+          u0 = uf.x;
+          u1 = uf.y;
+        } else {
+          u0 = round_to<T>(act_math::forward(ep.act, a0, b0));
+          u1 = round_to<T>(act_math::forward(ep.act, a1, b1));
+        }
+        dot += v0 * u0;
+        dot += v1 * u1;
+        float da0, db0, da1, db1;
+        act_math::backward(ep.act, a0, b0, gval[i] * v0, &da0, &db0);
+        act_math::backward(ep.act, a1, b1, gval[i] * v1, &da1, &db1);
+        T* drow = static_cast<T*>(ep.dadb) + grow * dadb_ld;
+        store2(drow + n, true, true, da0, da1);
+        if (ep.gated) store2(drow + ep.h + n, true, true, db0, db1);
+        store2(static_cast<T*>(ep.gu) + at, true, true, gval[i] * u0, gval[i] * u1);
+      }
+      dot = warp_sum_f(dot);
+      if (lane == 0) ep.dg_part[int64_t(ti.nt) * ep.total_rows + grow] = dot;
+    }
+  }
+}
+
 template <typename T, Epi EPI, int WARPS_N>
 __global__ void __launch_bounds__(MmaLayout<WARPS_N>::threads) mma_gemm_kernel(const GemmParams p) {
   using Tr = EpiTraits<EPI>;
@@ -669,6 +796,12 @@ __global__ void __launch_bounds__(MmaLayout<WARPS_N>::threads) mma_gemm_kernel(c
           make_float2(acc[i][j][2], acc[i][j][3]);
     }
   __syncthreads();
+  if constexpr (EPI == Epi::B1) {
+    if (!p.ep.b1_legacy) {
+      b1_epilogue_batched<T, kMmaThreads / 32>(p, ti, cs);
+      return;
+    }
+  }
   tile_epilogue<T, EPI>(p, ti, cs, kMmaCsLd, kMmaBM, kMmaBN);
 }
 

@@ -747,4 +747,64 @@ TEST_SUITE("cuda") {
 #endif
   }
 
+  // The batched B1 epilogue must give the legacy loop's bits, and RECOMPUTE (a, b recomputed into
+  // the da|db buffer) and SAVE_ALL must give SAVE_PREACT's bits.
+  TEST_CASE("cuda: B1 epilogue variants and checkpoint policies give bitwise identical layers") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    Rng rng(test_seed(9808));
+    // The whole layer forward + backward of `run` on its layer's backend.
+    auto run_layer = [](LayerRun& run) {
+      run.clear_outputs();
+      DeviceRun dev(run);
+      dev.upload_all();
+      dev.prepare(MOEBLAZE_PASS_LAYER_FORWARD, true);
+      MB_CHECK(dev.enqueue_forward(nullptr));
+      MB_CHECK(dev.enqueue_backward(nullptr));
+      dev.sync_download();
+    };
+    for (int32_t dtype : {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F16, MOEBLAZE_DTYPE_F32}) {
+      for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_GELU}) {
+        moeblaze_layer_config_t base = make_config(dtype, 256, 384, 8, 2);
+        base.activation = act;
+        base.checkpoint = MOEBLAZE_CHECKPOINT_SAVE_PREACT;
+        CAPTURE(describe(base));
+        const int64_t T = quick() ? 150 : 700;
+        Gpu ctx;
+        Layer l0(ctx.gpu, base);
+        LayerRun r0(l0, T);
+        r0.init_random(rng);
+        run_layer(r0);
+        auto check_same = [&](const LayerRun& r) {
+          CHECK(r.y.bitwise_equal(r0.y));
+          CHECK(r.dx.bitwise_equal(r0.dx));
+          CHECK(r.dw_gate.bitwise_equal(r0.dw_gate));
+          if (r.gated) CHECK(r.dw_up.bitwise_equal(r0.dw_up));
+          CHECK(r.dw_down.bitwise_equal(r0.dw_down));
+          CHECK(r.dw_router.bitwise_equal(r0.dw_router));
+          CHECK(r.d_logits.bitwise_equal(r0.d_logits));
+        };
+        for (int legacy = 0; legacy <= 1; ++legacy) {
+          if (legacy) setenv("MOEBLAZE_CUDA_B1_EPILOGUE", "legacy", 1);
+          Gpu variant;  // a fresh backend reads MOEBLAZE_CUDA_B1_EPILOGUE
+          for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_SAVE_PREACT,
+                               MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+            CAPTURE(legacy);
+            CAPTURE(ckpt);
+            moeblaze_layer_config_t c = base;
+            c.checkpoint = ckpt;
+            Layer l(variant.gpu, c);
+            LayerRun r(l, T);
+            copy_inputs(r0, r);
+            run_layer(r);
+            check_same(r);
+          }
+          if (legacy) unsetenv("MOEBLAZE_CUDA_B1_EPILOGUE");
+        }
+      }
+    }
+    Gpu reset;  // the next backend created reads the default settings again
+#endif
+  }
+
 }  // TEST_SUITE("cuda")

@@ -1,0 +1,61 @@
+// F1 (the forward first GEMM of the expert MLP) for Hopper: a persistent, warp-specialised
+// TMA + cp.async-gather + wgmma kernel (dev/cuda/sm90_gather_gemm.cu, version 1, promoted).
+//
+// For expert e and routed rows r in [expert_offsets[e], expert_offsets[e+1]):
+//   a_r = x[tok_r] . w_gate[e]^T, b_r = x[tok_r] . w_up[e]^T (gated only), fp32 accumulation;
+//   a, b rounded to the storage dtype once; u = act(a, b) in fp32 from the ROUNDED a, b
+//   (act_math::forward), rounded once. The same epilogue arithmetic as the mma.sync engine's F1
+//   (gemm.cuh tile_epilogue), so equal fp32 accumulators give bitwise equal a, b, u. The fp32
+//   accumulation order differs from the mma.sync engine (k-steps of 16 inside 64-wide stages vs
+//   32-wide stages), so a, b (and through them u) can differ from that engine in the last bit;
+//   within this kernel every run is bitwise identical (fixed tile -> CTA assignment per element,
+//   no atomics, fixed k order).
+//
+// Rows past expert_offsets[E] (dropped pairs) are not written, as in the mma.sync engine.
+// No host sync, no allocation, no workspace: the tile schedule is built by every CTA in shared
+// memory from the device-side expert_offsets; the two TMA descriptors are kernel parameters
+// encoded on the host per call, so the launch can be captured in a CUDA graph.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/layer_desc.hpp"
+
+namespace moeblaze {
+namespace cuda {
+
+// False when the environment variable MOEBLAZE_CUDA_SM90 is "0" (read once per process).
+bool sm90_f1_enabled();
+
+// Optional warm-up, e.g. in the backend's constructor: queries the device, checks the kernel
+// images and sets the kernels' shared-memory opt-in once, so that no such runtime call happens on
+// a first launch inside a CUDA graph capture. Never throws; done lazily otherwise.
+void sm90_f1_prepare_device(int device);
+
+// Compute capability of the current device (cached per device after the first query).
+void sm90_current_device_cc(int* cc_major, int* cc_minor);
+
+// True when sm90_f1_launch can compute this F1: compute capability 9.0 with an sm_90a image of
+// the kernel in the library, dtype BF16 or F16, any of the 7 activations, d % 8 == 0,
+// h % 8 == 0, 1 <= E <= 1024, 16-byte aligned tensors (nullptr outputs and, for non-gated
+// activations, w_up and out_b are ignored), ab_ld == 0 or (ab_ld >= h and ab_ld % 8 == 0), and
+// every count inside int range.
+bool sm90_f1_supported(const LayerDesc& desc, int64_t T, int cc_major, int cc_minor, const void* x,
+                       const void* w_gate, const void* w_up, const void* out_a, const void* out_b,
+                       const void* out_u, int64_t ab_ld);
+
+// Enqueues F1 on `stream`. x [T, d]; expert_offsets [E+1] and expert_token_indices [N] on the
+// device (N = T*k, an upper bound of expert_offsets[E]); w_gate, w_up [E, h, d] (w_up unused for
+// non-gated activations); out_a, out_b: row r at out + r * ab_ld (ab_ld 0 = h; the recompute
+// path of the backward writes a, b into the rows of da|db with ab_ld = 2h, as gemm.cuh's
+// EpilogueArgs::ab_ld); out_u [N, h]. Each output is optional (nullptr = not stored; out_b is
+// ignored for non-gated activations). Precondition: sm90_f1_supported(...) was true.
+// Throws moeblaze::Error (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.
+void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32_t* expert_offsets,
+                    const int32_t* expert_token_indices, const void* w_gate, const void* w_up,
+                    void* out_a, void* out_b, void* out_u, int64_t ab_ld, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace moeblaze
