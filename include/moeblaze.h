@@ -52,8 +52,8 @@
  * \section memory Memory model
  *
  * moeblaze never allocates memory on an execute path. Every execute call takes a caller-owned
- * `workspace` (scratch for that call only) and, for training, a caller-owned `saved` buffer that the
- * forward pass fills and the matching backward pass reads (the cuDNN workSpace / reserveSpace
+ * `workspace` (scratch for that call only) and, for training, a caller-owned `saved` buffer that
+ * the forward pass fills and the matching backward pass reads (the cuDNN workSpace / reserveSpace
  * model). Both sizes are pure functions of (layer, pass, num_tokens), queried before anything runs
  * with moeblaze_layer_workspace_size() and moeblaze_layer_saved_size(). Buffers must be 16-byte
  * aligned. Tensors live on the layer's device: host memory for the CPU backend, device memory of
@@ -64,8 +64,8 @@
  * A `stream` argument is a `cudaStream_t` passed as `void*` (NULL = the legacy default stream); the
  * CPU backend ignores it and runs synchronously. CUDA execute calls only enqueue work: they never
  * synchronise with the host and never allocate, so a whole forward and backward may be captured in
- * a CUDA graph. Inputs must be ready on `stream`; outputs are valid when `stream` reaches the end of
- * the call. Asynchronous CUDA faults may surface in a later call as ::MOEBLAZE_ERR_CUDA.
+ * a CUDA graph. Inputs must be ready on `stream`; outputs are valid when `stream` reaches the end
+ * of the call. Asynchronous CUDA faults may surface in a later call as ::MOEBLAZE_ERR_CUDA.
  *
  * \section errors Errors
  *
@@ -91,9 +91,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Versions and export                                                                              */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Versions and export                                                                            */
+/* ---------------------------------------------------------------------------------------------- */
 
 #define MOEBLAZE_VERSION_MAJOR 0 /*!< major version of this header */
 #define MOEBLAZE_VERSION_MINOR 1 /*!< minor version of this header */
@@ -131,9 +131,9 @@ MOEBLAZE_API int32_t moeblaze_get_abi_version(void);
  *  CUDA backend was compiled in, its CUDA version and GPU architectures. Never NULL. */
 MOEBLAZE_API const char* moeblaze_get_build_info(void);
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Status codes and errors                                                                          */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Status codes and errors                                                                        */
+/* ---------------------------------------------------------------------------------------------- */
 
 /*! Returned by every function; one of ::moeblaze_status_code. The values are frozen. */
 typedef int32_t moeblaze_status_t;
@@ -168,9 +168,9 @@ MOEBLAZE_API const char* moeblaze_last_error(void);
  *  \return the size needed for the whole message including the terminating NUL. */
 MOEBLAZE_API size_t moeblaze_copy_last_error(char* buffer, size_t buffer_size);
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Enumerations (values are frozen; new values are only appended)                                   */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Enumerations (values are frozen; new values are only appended)                                 */
+/* ---------------------------------------------------------------------------------------------- */
 
 /*! Where a context runs. Values follow DLPack's device codes. */
 enum moeblaze_backend_code {
@@ -227,9 +227,9 @@ enum moeblaze_pass_code {
 #define MOEBLAZE_MAX_EXPERTS 1024 /*!< largest `num_experts` */
 #define MOEBLAZE_MAX_TOP_K 32     /*!< largest `top_k` */
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Contexts: a backend bound to a device                                                            */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Contexts: a backend bound to a device                                                          */
+/* ---------------------------------------------------------------------------------------------- */
 
 /*! An execution context: one backend on one device. Opaque; create with
  *  moeblaze_context_create(). */
@@ -268,9 +268,9 @@ MOEBLAZE_API moeblaze_status_t moeblaze_context_get_info(moeblaze_context_t cont
 MOEBLAZE_API moeblaze_status_t moeblaze_context_set_num_threads(moeblaze_context_t context,
                                                                 int32_t num_threads);
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Layer configuration and plan                                                                     */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Layer configuration and plan                                                                   */
+/* ---------------------------------------------------------------------------------------------- */
 
 /*! \brief The shape and options of one MoE layer. Versioned: always fill it with
  *  moeblaze_layer_config_init(), then set fields.
@@ -311,8 +311,8 @@ typedef struct moeblaze_layer_s* moeblaze_layer_t;
 /*! \brief Validates `config` and creates a layer plan on `context`.
  *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (a field out of range: the message names
  *          it); ::MOEBLAZE_ERR_INVALID_HANDLE; ::MOEBLAZE_ERR_VERSION_MISMATCH /
- *          ::MOEBLAZE_ERR_NOT_SUPPORTED (see ::moeblaze_layer_config_t); ::MOEBLAZE_ERR_NOT_SUPPORTED
- *          (e.g. F64 on CUDA); ::MOEBLAZE_ERR_OUT_OF_MEMORY. */
+ *          ::MOEBLAZE_ERR_NOT_SUPPORTED (see ::moeblaze_layer_config_t);
+ * ::MOEBLAZE_ERR_NOT_SUPPORTED (e.g. F64 on CUDA); ::MOEBLAZE_ERR_OUT_OF_MEMORY. */
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_create(moeblaze_layer_t* out,
                                                      moeblaze_context_t context,
                                                      const moeblaze_layer_config_t* config);
@@ -332,7 +332,8 @@ MOEBLAZE_API moeblaze_status_t moeblaze_layer_get_config(moeblaze_layer_t layer,
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_workspace_size(moeblaze_layer_t layer, int32_t pass,
                                                              int64_t num_tokens, size_t* bytes);
 
-/*! \brief Bytes of the saved buffer that the forward pass `pass` (::MOEBLAZE_PASS_EXPERTS_FORWARD or
+/*! \brief Bytes of the saved buffer that the forward pass `pass` (::MOEBLAZE_PASS_EXPERTS_FORWARD
+ * or
  *  ::MOEBLAZE_PASS_LAYER_FORWARD) writes for its backward pass, for `num_tokens` tokens.
  *
  *  The buffer holds a small header, the routing indices (3*N + E + 1 int32) and, by checkpoint
@@ -341,9 +342,9 @@ MOEBLAZE_API moeblaze_status_t moeblaze_layer_workspace_size(moeblaze_layer_t la
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_saved_size(moeblaze_layer_t layer, int32_t pass,
                                                          int64_t num_tokens, size_t* bytes);
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Router: logits -> top-k ids and weights, load-balancing and z losses, and their gradients        */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Router: logits -> top-k ids and weights, load-balancing and z losses, and their gradients      */
+/* ---------------------------------------------------------------------------------------------- */
 
 /*! \brief Routes every token: score function, top-k (ties to the lower expert id), optional
  *  renormalisation, per-expert counts and the router losses.
@@ -387,16 +388,15 @@ MOEBLAZE_API moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, i
  *                     losses were added to the training objective as returned.
  *  \param d_logits    [T,E] routing dtype, out (overwritten).
  *  \return as moeblaze_router_forward(). */
-MOEBLAZE_API moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer,
-                                                        int64_t num_tokens, const void* logits,
-                                                        const int32_t* ids, const void* dg,
-                                                        const void* d_losses, void* d_logits,
-                                                        void* workspace, size_t workspace_bytes,
-                                                        void* stream);
+MOEBLAZE_API moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_tokens,
+                                                        const void* logits, const int32_t* ids,
+                                                        const void* dg, const void* d_losses,
+                                                        void* d_logits, void* workspace,
+                                                        size_t workspace_bytes, void* stream);
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Token routing index structures                                                                   */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Token routing index structures                                                                 */
+/* ---------------------------------------------------------------------------------------------- */
 
 /*! \brief Builds the index structures the expert kernels use instead of a permuted token copy.
  *  The experts calls build these themselves; this call exposes them for inspection and tests.
@@ -421,9 +421,9 @@ MOEBLAZE_API moeblaze_status_t moeblaze_routing_build(moeblaze_layer_t layer, in
                                                       int32_t* token_index_map, void* workspace,
                                                       size_t workspace_bytes, void* stream);
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Experts and whole layer: arguments                                                               */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Experts and whole layer: arguments                                                             */
+/* ---------------------------------------------------------------------------------------------- */
 
 /*! \brief Arguments of moeblaze_experts_forward() and moeblaze_layer_forward(). Versioned: fill
  *  with moeblaze_forward_args_init(), then set the pointers the call uses. Unused fields are
@@ -449,10 +449,10 @@ typedef struct moeblaze_forward_args {
   void* losses;           /*!< [2] routing dtype; layer forward, optional: {aux, z} as in
                                moeblaze_router_forward() */
   /* buffers */
-  void* saved;        /*!< moeblaze_layer_saved_size() bytes, out; NULL for inference (then no
-                           backward is possible) */
-  size_t saved_bytes; /*!< size of `saved` */
-  void* workspace;    /*!< moeblaze_layer_workspace_size() bytes of scratch */
+  void* saved;            /*!< moeblaze_layer_saved_size() bytes, out; NULL for inference (then no
+                               backward is possible) */
+  size_t saved_bytes;     /*!< size of `saved` */
+  void* workspace;        /*!< moeblaze_layer_workspace_size() bytes of scratch */
   size_t workspace_bytes; /*!< size of `workspace` */
 } moeblaze_forward_args_t;
 
@@ -479,14 +479,14 @@ typedef struct moeblaze_backward_args {
   const void* saved;    /*!< the saved buffer the forward pass filled */
   size_t saved_bytes;   /*!< size of `saved` */
   /* outputs (each optional) */
-  void* dx;         /*!< [T,d] dtype, overwritten (the layer backward includes the router's path) */
-  void* dw_router;  /*!< [E,d] dtype; layer backward only */
-  void* dw_gate;    /*!< [E,h,d] dtype */
-  void* dw_up;      /*!< [E,h,d] dtype; gated activations only */
-  void* dw_down;    /*!< [E,d,h] dtype */
-  void* dg;         /*!< [T,k] routing dtype; experts backward: dLoss/dg */
-  void* d_logits;   /*!< [T,E] routing dtype; layer backward, optional */
-  void* workspace;  /*!< moeblaze_layer_workspace_size() bytes of scratch */
+  void* dx;        /*!< [T,d] dtype, overwritten (the layer backward includes the router's path) */
+  void* dw_router; /*!< [E,d] dtype; layer backward only */
+  void* dw_gate;   /*!< [E,h,d] dtype */
+  void* dw_up;     /*!< [E,h,d] dtype; gated activations only */
+  void* dw_down;   /*!< [E,d,h] dtype */
+  void* dg;        /*!< [T,k] routing dtype; experts backward: dLoss/dg */
+  void* d_logits;  /*!< [T,E] routing dtype; layer backward, optional */
+  void* workspace; /*!< moeblaze_layer_workspace_size() bytes of scratch */
   size_t workspace_bytes; /*!< size of `workspace` */
 } moeblaze_backward_args_t;
 
@@ -499,9 +499,9 @@ MOEBLAZE_API moeblaze_status_t moeblaze_forward_args_init(moeblaze_forward_args_
 MOEBLAZE_API moeblaze_status_t moeblaze_backward_args_init(moeblaze_backward_args_t* args,
                                                            size_t struct_size);
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Experts: given ids and g                                                                          */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Experts: given ids and g                                                                       */
+/* ---------------------------------------------------------------------------------------------- */
 
 /*! \brief Expert MLPs and weighted combine for tokens already routed (`ids`, `g`).
  *
@@ -528,9 +528,9 @@ MOEBLAZE_API moeblaze_status_t moeblaze_experts_backward(moeblaze_layer_t layer,
                                                          const moeblaze_backward_args_t* args,
                                                          void* stream);
 
-/* ------------------------------------------------------------------------------------------------ */
-/* Whole layer: router projection + router + experts                                                */
-/* ------------------------------------------------------------------------------------------------ */
+/* ---------------------------------------------------------------------------------------------- */
+/* Whole layer: router projection + router + experts                                              */
+/* ---------------------------------------------------------------------------------------------- */
 
 /*! \brief The whole layer: logits = x . w_router^T (in the routing dtype), routing as
  *  moeblaze_router_forward(), then moeblaze_experts_forward().

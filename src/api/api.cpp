@@ -22,7 +22,8 @@ using namespace moeblaze::api;
 #define MB_STRINGIFY2(x) #x
 #define MB_STRINGIFY(x) MB_STRINGIFY2(x)
 
-// ---- errors ---------------------------------------------------------------------------------------
+// ---- errors
+// ---------------------------------------------------------------------------------------
 
 namespace moeblaze {
 namespace api {
@@ -37,24 +38,30 @@ void set_last_error(const char* function, moeblaze_status_t status, const std::s
   }
 }
 
-void clear_last_error() { t_last_error.clear(); }
+void clear_last_error() {
+  t_last_error.clear();
+}
 
 }  // namespace api
 }  // namespace moeblaze
 
 extern "C" {
 
-int32_t moeblaze_get_version(void) { return MOEBLAZE_VERSION; }
+int32_t moeblaze_get_version(void) {
+  return MOEBLAZE_VERSION;
+}
 
-int32_t moeblaze_get_abi_version(void) { return MOEBLAZE_ABI_VERSION; }
+int32_t moeblaze_get_abi_version(void) {
+  return MOEBLAZE_ABI_VERSION;
+}
 
 const char* moeblaze_get_build_info(void) {
-  static const std::string info = std::string("moeblaze ") +
-                                  MB_STRINGIFY(MOEBLAZE_VERSION_MAJOR) "." MB_STRINGIFY(
-                                      MOEBLAZE_VERSION_MINOR) "." MB_STRINGIFY(MOEBLAZE_VERSION_PATCH) +
-                                  " (git " MOEBLAZE_GIT_REVISION "), ABI " +
-                                  MB_STRINGIFY(MOEBLAZE_ABI_VERSION) ", backends: CPU; " +
-                                  cuda_build_info();
+  static const std::string info =
+      std::string("moeblaze ") +
+      MB_STRINGIFY(MOEBLAZE_VERSION_MAJOR) "." MB_STRINGIFY(
+          MOEBLAZE_VERSION_MINOR) "." MB_STRINGIFY(MOEBLAZE_VERSION_PATCH) +
+      " (git " MOEBLAZE_GIT_REVISION "), ABI " +
+      MB_STRINGIFY(MOEBLAZE_ABI_VERSION) ", backends: CPU; " + cuda_build_info();
   return info.c_str();
 }
 
@@ -90,7 +97,9 @@ const char* moeblaze_status_string(moeblaze_status_t status) {
   }
 }
 
-const char* moeblaze_last_error(void) { return t_last_error.c_str(); }
+const char* moeblaze_last_error(void) {
+  return t_last_error.c_str();
+}
 
 size_t moeblaze_copy_last_error(char* buffer, size_t buffer_size) {
   const size_t needed = t_last_error.size() + 1;
@@ -102,7 +111,8 @@ size_t moeblaze_copy_last_error(char* buffer, size_t buffer_size) {
   return needed;
 }
 
-// ---- contexts -------------------------------------------------------------------------------------
+// ---- contexts
+// -------------------------------------------------------------------------------------
 
 int32_t moeblaze_backend_available(int32_t backend) {
   if (backend == MOEBLAZE_BACKEND_CPU) return 1;
@@ -169,7 +179,8 @@ moeblaze_status_t moeblaze_context_set_num_threads(moeblaze_context_t context,
   });
 }
 
-// ---- layer plans ----------------------------------------------------------------------------------
+// ---- layer plans
+// ----------------------------------------------------------------------------------
 
 static moeblaze_layer_config_t default_config() {
   moeblaze_layer_config_t c;
@@ -240,10 +251,11 @@ moeblaze_status_t moeblaze_layer_get_config(moeblaze_layer_t layer,
 
 static Pass require_pass(int32_t pass, bool forward_only, const char* argument) {
   if (forward_only) {
-    MB_REQUIRE_ARG(pass == MOEBLAZE_PASS_EXPERTS_FORWARD || pass == MOEBLAZE_PASS_LAYER_FORWARD,
-                   "%s = %d: only MOEBLAZE_PASS_EXPERTS_FORWARD (3) and MOEBLAZE_PASS_LAYER_FORWARD "
-                   "(5) fill a saved buffer",
-                   argument, pass);
+    MB_REQUIRE_ARG(
+        pass == MOEBLAZE_PASS_EXPERTS_FORWARD || pass == MOEBLAZE_PASS_LAYER_FORWARD,
+        "%s = %d: only MOEBLAZE_PASS_EXPERTS_FORWARD (3) and MOEBLAZE_PASS_LAYER_FORWARD "
+        "(5) fill a saved buffer",
+        argument, pass);
   } else {
     MB_REQUIRE_ARG(pass >= MOEBLAZE_PASS_ROUTER_FORWARD && pass <= MOEBLAZE_PASS_LAYER_BACKWARD,
                    "%s = %d is not a moeblaze_pass_code (0..6)", argument, pass);
@@ -275,7 +287,8 @@ moeblaze_status_t moeblaze_layer_saved_size(moeblaze_layer_t layer, int32_t pass
   });
 }
 
-// ---- router ---------------------------------------------------------------------------------------
+// ---- router
+// ---------------------------------------------------------------------------------------
 
 moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_tokens,
                                           const void* logits, int32_t* ids, void* g,
@@ -294,7 +307,8 @@ moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_to
     require_tensor(backend, losses, false, false, desc.relem_size(), "losses");
     require_buffer(backend, workspace, workspace_bytes,
                    backend.workspace_size(desc, Pass::RouterForward, num_tokens), "workspace",
-                   "workspace_bytes", "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_FORWARD)");
+                   "workspace_bytes",
+                   "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_FORWARD)");
     RouterForwardCall call;
     call.T = num_tokens;
     call.logits = logits;
@@ -326,7 +340,8 @@ moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_t
     require_tensor(backend, d_logits, true, empty, desc.relem_size(), "d_logits");
     require_buffer(backend, workspace, workspace_bytes,
                    backend.workspace_size(desc, Pass::RouterBackward, num_tokens), "workspace",
-                   "workspace_bytes", "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_BACKWARD)");
+                   "workspace_bytes",
+                   "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_BACKWARD)");
     RouterBackwardCall call;
     call.T = num_tokens;
     call.logits = logits;
@@ -372,7 +387,8 @@ moeblaze_status_t moeblaze_routing_build(moeblaze_layer_t layer, int64_t num_tok
   });
 }
 
-// ---- experts and whole layer ----------------------------------------------------------------------
+// ---- experts and whole layer
+// ----------------------------------------------------------------------
 
 static moeblaze_forward_args_t default_forward_args() {
   moeblaze_forward_args_t a;
@@ -394,8 +410,7 @@ moeblaze_status_t moeblaze_forward_args_init(moeblaze_forward_args_t* args, size
   });
 }
 
-moeblaze_status_t moeblaze_backward_args_init(moeblaze_backward_args_t* args,
-                                              size_t struct_size) {
+moeblaze_status_t moeblaze_backward_args_init(moeblaze_backward_args_t* args, size_t struct_size) {
   return guarded(__func__, [&] {
     init_versioned(args, struct_size, default_backward_args(), kBackwardArgsV0Size, "args");
   });

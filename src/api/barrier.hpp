@@ -1,6 +1,6 @@
 // The exception barrier every extern "C" entry point runs its body through: success clears the
-// calling thread's last error; moeblaze::Error, std::bad_alloc and anything else become a status and
-// a message. No exception ever crosses the C ABI.
+// calling thread's last error; moeblaze::Error, std::bad_alloc and anything else become a status
+// and a message. No exception ever crosses the C ABI.
 #pragma once
 
 #include <string>

@@ -48,8 +48,8 @@ inline void require_buffer(const Backend& backend, const void* ptr, size_t bytes
   MB_REQUIRE_ARG(ptr != nullptr, "%s is NULL but %zu bytes are needed", argument, needed);
   MB_REQUIRE_ARG(reinterpret_cast<uintptr_t>(ptr) % 16 == 0, "%s (%p) must be 16-byte aligned",
                  argument, ptr);
-  MB_REQUIRE_ARG(backend.pointer_usable(ptr),
-                 "%s (%p) is not memory the context's device can use", argument, ptr);
+  MB_REQUIRE_ARG(backend.pointer_usable(ptr), "%s (%p) is not memory the context's device can use",
+                 argument, ptr);
 }
 
 }  // namespace api

@@ -1,6 +1,6 @@
 // Handles: what moeblaze_context_t and moeblaze_layer_t point to, and a registry of live handles so
-// that a destroyed, foreign or wrong-kind handle is reported as MOEBLAZE_ERR_INVALID_HANDLE instead of
-// being dereferenced.
+// that a destroyed, foreign or wrong-kind handle is reported as MOEBLAZE_ERR_INVALID_HANDLE instead
+// of being dereferenced.
 #pragma once
 
 #include <memory>

@@ -58,7 +58,8 @@ LayerBackwardScratch carve_layer_backward(Carver& c, const Backend& backend, con
 
 const char* query_name(Pass pass) {
   switch (pass) {
-    case Pass::ExpertsForward: return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_FORWARD)";
+    case Pass::ExpertsForward:
+      return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_FORWARD)";
     case Pass::ExpertsBackward:
       return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_BACKWARD)";
     case Pass::LayerForward: return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_LAYER_FORWARD)";
@@ -219,8 +220,8 @@ void run_backward(moeblaze_layer_s& layer, const moeblaze_backward_args_t& a, Pa
   }
   MB_REQUIRE_ARG(a.saved != nullptr,
                  "args->saved is NULL: backward needs the saved buffer its forward pass filled");
-  require_buffer(backend, a.saved, a.saved_bytes, saved_size(desc, forward_pass, T),
-                 "args->saved", "args->saved_bytes",
+  require_buffer(backend, a.saved, a.saved_bytes, saved_size(desc, forward_pass, T), "args->saved",
+                 "args->saved_bytes",
                  whole_layer ? "moeblaze_layer_saved_size(MOEBLAZE_PASS_LAYER_FORWARD)"
                              : "moeblaze_layer_saved_size(MOEBLAZE_PASS_EXPERTS_FORWARD)");
   require_buffer(backend, a.workspace, a.workspace_bytes, workspace_size_for(layer, pass, T),

@@ -1,6 +1,6 @@
-// The experts and whole-layer execute calls: argument validation, carving of the saved buffer and the
-// workspace, and the composition of the whole layer from backend operations
-// (router projection -> router -> experts, and the reverse).
+// The experts and whole-layer execute calls: argument validation, carving of the saved buffer and
+// the workspace, and the composition of the whole layer from backend operations (router projection
+// -> router -> experts, and the reverse).
 #pragma once
 
 #include "api/handles.hpp"

@@ -82,13 +82,34 @@ MB_HOST_DEVICE T forward(Activation act, T a, T b) {
 template <typename T>
 MB_HOST_DEVICE void backward(Activation act, T a, T b, T du, T* da, T* db) {
   switch (act) {
-    case Activation::SwiGLU: *da = du * b * silu_grad(a); *db = du * silu(a); return;
-    case Activation::GeGLU: *da = du * b * gelu_grad(a); *db = du * gelu(a); return;
-    case Activation::ReGLU: *da = du * b * relu_grad(a); *db = du * relu(a); return;
-    case Activation::SiLU: *da = du * silu_grad(a); *db = T(0); return;
-    case Activation::GELU: *da = du * gelu_grad(a); *db = T(0); return;
-    case Activation::ReLU: *da = du * relu_grad(a); *db = T(0); return;
-    case Activation::ReLU2: *da = du * T(2) * relu(a); *db = T(0); return;
+    case Activation::SwiGLU:
+      *da = du * b * silu_grad(a);
+      *db = du * silu(a);
+      return;
+    case Activation::GeGLU:
+      *da = du * b * gelu_grad(a);
+      *db = du * gelu(a);
+      return;
+    case Activation::ReGLU:
+      *da = du * b * relu_grad(a);
+      *db = du * relu(a);
+      return;
+    case Activation::SiLU:
+      *da = du * silu_grad(a);
+      *db = T(0);
+      return;
+    case Activation::GELU:
+      *da = du * gelu_grad(a);
+      *db = T(0);
+      return;
+    case Activation::ReLU:
+      *da = du * relu_grad(a);
+      *db = T(0);
+      return;
+    case Activation::ReLU2:
+      *da = du * T(2) * relu(a);
+      *db = T(0);
+      return;
   }
   *da = T(0);
   *db = T(0);

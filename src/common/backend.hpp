@@ -26,11 +26,11 @@ struct Buffer {
 
 struct RouterForwardCall {
   int64_t T = 0;
-  const void* logits = nullptr;    // [T,E] rtype
-  int32_t* ids = nullptr;          // [T,k] out
-  void* g = nullptr;               // [T,k] rtype out
-  int32_t* expert_counts = nullptr; // [E] out, optional
-  void* losses = nullptr;          // [2] rtype out, optional
+  const void* logits = nullptr;      // [T,E] rtype
+  int32_t* ids = nullptr;            // [T,k] out
+  void* g = nullptr;                 // [T,k] rtype out
+  int32_t* expert_counts = nullptr;  // [E] out, optional
+  void* losses = nullptr;            // [2] rtype out, optional
   Buffer workspace;
   void* stream = nullptr;
 };
@@ -81,13 +81,13 @@ struct RouterProjectBackwardCall {
 
 struct ExpertsForwardCall {
   int64_t T = 0;
-  const void* x = nullptr;       // [T,d]
-  const int32_t* ids = nullptr;  // [T,k]
-  const void* g = nullptr;       // [T,k] rtype
-  const void* w_gate = nullptr;  // [E,h,d]
-  const void* w_up = nullptr;    // [E,h,d], gated only (nullptr otherwise)
-  const void* w_down = nullptr;  // [E,d,h]
-  void* y = nullptr;             // [T,d] out
+  const void* x = nullptr;           // [T,d]
+  const int32_t* ids = nullptr;      // [T,k]
+  const void* g = nullptr;           // [T,k] rtype
+  const void* w_gate = nullptr;      // [E,h,d]
+  const void* w_up = nullptr;        // [E,h,d], gated only (nullptr otherwise)
+  const void* w_down = nullptr;      // [E,d,h]
+  void* y = nullptr;                 // [T,d] out
   int32_t* expert_counts = nullptr;  // [E] out, optional
   // The caller's saved buffer, already carved (Pass::ExpertsForward or LayerForward layout), or all
   // nullptr for inference. The backend fills header, indices and the activations its policy keeps.
@@ -105,9 +105,9 @@ struct ExpertsBackwardCall {
   const int32_t* ids = nullptr;  // [T,k]
   const void* g = nullptr;       // [T,k] rtype
   const void* w_gate = nullptr;
-  const void* w_up = nullptr;    // nullptr for non-gated
+  const void* w_up = nullptr;  // nullptr for non-gated
   const void* w_down = nullptr;
-  SavedView saved;               // carved view of the caller's saved buffer (read only)
+  SavedView saved;  // carved view of the caller's saved buffer (read only)
   Pass saved_pass = Pass::ExpertsForward;
   void* dx = nullptr;       // [T,d] out, optional
   void* dw_gate = nullptr;  // optional
@@ -136,7 +136,8 @@ class Backend {
   virtual void router_forward(const LayerDesc& desc, const RouterForwardCall& call) = 0;
   virtual void router_backward(const LayerDesc& desc, const RouterBackwardCall& call) = 0;
   virtual void routing_build(const LayerDesc& desc, const RoutingBuildCall& call) = 0;
-  virtual void router_project_forward(const LayerDesc& desc, const RouterProjectForwardCall& call) = 0;
+  virtual void router_project_forward(const LayerDesc& desc,
+                                      const RouterProjectForwardCall& call) = 0;
   virtual void router_project_backward(const LayerDesc& desc,
                                        const RouterProjectBackwardCall& call) = 0;
   virtual void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call) = 0;
@@ -148,20 +149,23 @@ class Backend {
   // CPU: worker threads (0 = hardware concurrency). Others: ignored.
   virtual void set_num_threads(int32_t num_threads) { (void)num_threads; }
 
-  // Is `ptr` usable by this backend? Used by the API layer to reject host pointers on CUDA and device
-  // pointers on CPU where the runtime can tell. Returning true means "cannot tell or yes".
-  virtual bool pointer_usable(const void* ptr) const { (void)ptr; return true; }
+  // Is `ptr` usable by this backend? Used by the API layer to reject host pointers on CUDA and
+  // device pointers on CPU where the runtime can tell. Returning true means "cannot tell or yes".
+  virtual bool pointer_usable(const void* ptr) const {
+    (void)ptr;
+    return true;
+  }
 };
 
-// Factories, one per backend. Each throws Error(NOT_SUPPORTED) with a reason when the backend cannot
-// be created (not compiled in, no device).
+// Factories, one per backend. Each throws Error(NOT_SUPPORTED) with a reason when the backend
+// cannot be created (not compiled in, no device).
 std::unique_ptr<Backend> make_cpu_backend();
 std::unique_ptr<Backend> make_cuda_backend(int32_t device);
 bool cuda_backend_available();  // compiled in and a usable GPU present; never throws
 const char* cuda_build_info();  // "CUDA 13.0, sm_80 sm_90a" or "CUDA backend not built"
-// True only when `ptr` is known to be device memory of some GPU (not host, pinned or managed memory):
-// the CPU backend rejects such pointers instead of dereferencing them. False when CUDA is not built,
-// no GPU is present, or the runtime cannot tell. Never throws.
+// True only when `ptr` is known to be device memory of some GPU (not host, pinned or managed
+// memory): the CPU backend rejects such pointers instead of dereferencing them. False when CUDA is
+// not built, no GPU is present, or the runtime cannot tell. Never throws.
 bool cuda_pointer_is_device_memory(const void* ptr);
 
 }  // namespace moeblaze

@@ -1,6 +1,6 @@
-// Carves sub-buffers out of one caller-owned buffer. The same code runs twice: once with a null base
-// to measure the size a pass needs (the size query), once with the caller's buffer to execute, so the
-// size query and the layout can never disagree.
+// Carves sub-buffers out of one caller-owned buffer. The same code runs twice: once with a null
+// base to measure the size a pass needs (the size query), once with the caller's buffer to execute,
+// so the size query and the layout can never disagree.
 #pragma once
 
 #include <cstddef>

@@ -105,16 +105,15 @@ LayerDesc make_layer_desc(const moeblaze_layer_config_t& c) {
   MB_REQUIRE_ARG(c.top_k > 0 && c.top_k <= c.num_experts && c.top_k <= MOEBLAZE_MAX_TOP_K,
                  "config.top_k = %lld must be in [1, min(num_experts = %lld, %d)]",
                  (long long)c.top_k, (long long)c.num_experts, MOEBLAZE_MAX_TOP_K);
-  MB_REQUIRE_ARG(c.activation >= MOEBLAZE_ACTIVATION_SWIGLU &&
-                     c.activation <= MOEBLAZE_ACTIVATION_RELU2,
-                 "config.activation = %d is not a moeblaze_activation_code (0..6)", c.activation);
-  MB_REQUIRE_ARG(c.checkpoint >= MOEBLAZE_CHECKPOINT_SAVE_ALL &&
-                     c.checkpoint <= MOEBLAZE_CHECKPOINT_RECOMPUTE,
-                 "config.checkpoint = %d is not a moeblaze_checkpoint_code (0..2)", c.checkpoint);
-  MB_REQUIRE_ARG(c.score_function >= MOEBLAZE_SCORE_SOFTMAX_TOPK &&
-                     c.score_function <= MOEBLAZE_SCORE_SIGMOID,
-                 "config.score_function = %d is not a moeblaze_score_function_code (0..2)",
-                 c.score_function);
+  MB_REQUIRE_ARG(
+      c.activation >= MOEBLAZE_ACTIVATION_SWIGLU && c.activation <= MOEBLAZE_ACTIVATION_RELU2,
+      "config.activation = %d is not a moeblaze_activation_code (0..6)", c.activation);
+  MB_REQUIRE_ARG(
+      c.checkpoint >= MOEBLAZE_CHECKPOINT_SAVE_ALL && c.checkpoint <= MOEBLAZE_CHECKPOINT_RECOMPUTE,
+      "config.checkpoint = %d is not a moeblaze_checkpoint_code (0..2)", c.checkpoint);
+  MB_REQUIRE_ARG(
+      c.score_function >= MOEBLAZE_SCORE_SOFTMAX_TOPK && c.score_function <= MOEBLAZE_SCORE_SIGMOID,
+      "config.score_function = %d is not a moeblaze_score_function_code (0..2)", c.score_function);
   MB_REQUIRE_ARG(c.renormalize == 0 || c.renormalize == 1, "config.renormalize = %d must be 0 or 1",
                  c.renormalize);
   MB_REQUIRE_ARG(std::isfinite(c.aux_loss_coeff) && c.aux_loss_coeff >= 0.0f,

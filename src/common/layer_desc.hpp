@@ -65,7 +65,9 @@ inline size_t dtype_size(Dtype dtype) {
 }
 
 // Logits, g, dg, d_logits and the losses: F64 for F64 layers, else F32.
-inline Dtype routing_dtype(Dtype dtype) { return dtype == Dtype::F64 ? Dtype::F64 : Dtype::F32; }
+inline Dtype routing_dtype(Dtype dtype) {
+  return dtype == Dtype::F64 ? Dtype::F64 : Dtype::F32;
+}
 
 const char* dtype_name(Dtype dtype);
 const char* activation_name(Activation act);

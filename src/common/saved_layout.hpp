@@ -1,5 +1,6 @@
-// The layout of the saved buffer a forward pass fills for its backward pass. Shared by every backend
-// so the format is defined once. Pointers are nullptr where the checkpoint policy keeps nothing.
+// The layout of the saved buffer a forward pass fills for its backward pass. Shared by every
+// backend so the format is defined once. Pointers are nullptr where the checkpoint policy keeps
+// nothing.
 #pragma once
 
 #include <cstdint>
@@ -11,8 +12,8 @@ namespace moeblaze {
 
 constexpr uint32_t kSavedMagic = 0x5653424du;  // "MBSV" little-endian
 
-// First bytes of every saved buffer. The CPU backend checks it in backward; the CUDA backend writes it
-// but cannot read it back without a host sync.
+// First bytes of every saved buffer. The CPU backend checks it in backward; the CUDA backend writes
+// it but cannot read it back without a host sync.
 struct SavedHeader {
   uint32_t magic;
   uint32_t version;  // MOEBLAZE_VERSION
@@ -64,8 +65,7 @@ inline SavedView carve_saved(Carver& carver, const LayerDesc& desc, Pass pass, i
       v.a = carver.carve(act_bytes);
       if (desc.gated()) v.b = carver.carve(act_bytes);
       break;
-    case Checkpoint::Recompute:
-      break;
+    case Checkpoint::Recompute: break;
   }
   return v;
 }

@@ -1,5 +1,5 @@
-// Internal error handling: core code throws moeblaze::Error; the extern "C" barrier in src/api turns
-// it into a status code and the thread-local message. Nothing here may escape the C ABI.
+// Internal error handling: core code throws moeblaze::Error; the extern "C" barrier in src/api
+// turns it into a status code and the thread-local message. Nothing here may escape the C ABI.
 #pragma once
 
 #include <cstdarg>
@@ -37,11 +37,11 @@ std::string format(const char* fmt, ...)
 }  // namespace moeblaze
 
 // Throws moeblaze::Error(status, message) unless cond holds. The message should name the argument.
-#define MB_REQUIRE(cond, status, ...)       \
-  do {                                      \
-    if (!(cond)) {                          \
+#define MB_REQUIRE(cond, status, ...)          \
+  do {                                         \
+    if (!(cond)) {                             \
       ::moeblaze::fail((status), __VA_ARGS__); \
-    }                                       \
+    }                                          \
   } while (0)
 
 #define MB_REQUIRE_ARG(cond, ...) MB_REQUIRE(cond, MOEBLAZE_ERR_INVALID_ARGUMENT, __VA_ARGS__)

@@ -152,11 +152,11 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   f1.ep.out_u = u;
   int cc_major = 0, cc_minor = 0;
   sm90_current_device_cc(&cc_major, &cc_minor);
-  if (sm90_f1_enabled() && sm90_f1_supported(desc, T, cc_major, cc_minor, call.x, call.w_gate,
-                                             call.w_up, f1.ep.out_a, f1.ep.out_b, f1.ep.out_u,
-                                             f1.ep.ab_ld)) {
-    sm90_f1_launch(desc, T, call.x, offsets, eti, call.w_gate, call.w_up, f1.ep.out_a,
-                   f1.ep.out_b, f1.ep.out_u, f1.ep.ab_ld, stream);
+  if (sm90_f1_enabled() &&
+      sm90_f1_supported(desc, T, cc_major, cc_minor, call.x, call.w_gate, call.w_up, f1.ep.out_a,
+                        f1.ep.out_b, f1.ep.out_u, f1.ep.ab_ld)) {
+    sm90_f1_launch(desc, T, call.x, offsets, eti, call.w_gate, call.w_up, f1.ep.out_a, f1.ep.out_b,
+                   f1.ep.out_u, f1.ep.ab_ld, stream);
   } else {
     launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), stream);
   }

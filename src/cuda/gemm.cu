@@ -33,7 +33,7 @@ __global__ void __launch_bounds__(1024)
   if (e == 0) mtile_start[0] = 0;
 }
 
-int g_mma_warps = 0;  // 0: per epilogue (see launch_typed); 4 or 8: forced
+int g_mma_warps = 0;       // 0: per epilogue (see launch_typed); 4 or 8: forced
 bool g_b1_legacy = false;  // MOEBLAZE_CUDA_B1_EPILOGUE=legacy (read at backend creation)
 
 template <typename T, Epi EPI>

@@ -1,6 +1,6 @@
 // The C ABI contract: every public entry point rejects bad input with the documented status and a
-// message naming the argument, never crashes; handles, versioned structs, errors and versions behave as
-// the header says. Runs on the CPU backend (always available).
+// message naming the argument, never crashes; handles, versioned structs, errors and versions
+// behave as the header says. Runs on the CPU backend (always available).
 #include <doctest/doctest.h>
 
 #include <cmath>
@@ -15,17 +15,17 @@
 namespace {
 
 // Checks a call's status and that the thread's last error mentions `needle`.
-#define CHECK_STATUS(call, expected, needle)                                                  \
-  do {                                                                                        \
-    const moeblaze_status_t status_ = (call);                                                 \
-    CHECK_MESSAGE(status_ == (expected), #call " returned ", moeblaze_status_name(status_), \
-                  " (", moeblaze_last_error(), "), expected ", moeblaze_status_name(expected));         \
-    if (status_ != MOEBLAZE_OK) {                                                             \
-      CHECK_MESSAGE(std::string(moeblaze_last_error()).find(needle) != std::string::npos,    \
-                    "message '", moeblaze_last_error(), "' does not mention '", needle, "'");  \
-    } else {                                                                                  \
-      CHECK(std::string(moeblaze_last_error()).empty());                                      \
-    }                                                                                         \
+#define CHECK_STATUS(call, expected, needle)                                                      \
+  do {                                                                                            \
+    const moeblaze_status_t status_ = (call);                                                     \
+    CHECK_MESSAGE(status_ == (expected), #call " returned ", moeblaze_status_name(status_), " (", \
+                  moeblaze_last_error(), "), expected ", moeblaze_status_name(expected));         \
+    if (status_ != MOEBLAZE_OK) {                                                                 \
+      CHECK_MESSAGE(std::string(moeblaze_last_error()).find(needle) != std::string::npos,         \
+                    "message '", moeblaze_last_error(), "' does not mention '", needle, "'");     \
+    } else {                                                                                      \
+      CHECK(std::string(moeblaze_last_error()).empty());                                          \
+    }                                                                                             \
   } while (0)
 
 #define CHECK_OK(call) CHECK_STATUS(call, MOEBLAZE_OK, "")
@@ -250,8 +250,8 @@ TEST_SUITE("api") {
                  "num_threads");
     CHECK_STATUS(moeblaze_context_set_num_threads(nullptr, 1), MOEBLAZE_ERR_INVALID_HANDLE,
                  "context");
-    CHECK_STATUS(moeblaze_context_get_info(nullptr, &backend, &device),
-                 MOEBLAZE_ERR_INVALID_HANDLE, "context");
+    CHECK_STATUS(moeblaze_context_get_info(nullptr, &backend, &device), MOEBLAZE_ERR_INVALID_HANDLE,
+                 "context");
 
     CHECK_OK(moeblaze_context_destroy(ctx));
     CHECK_OK(moeblaze_context_destroy(nullptr));
@@ -317,8 +317,7 @@ TEST_SUITE("api") {
         "config.top_k");
     expect_bad([](moeblaze_layer_config_t& c) { c.activation = 7; }, "config.activation");
     expect_bad([](moeblaze_layer_config_t& c) { c.checkpoint = 3; }, "config.checkpoint");
-    expect_bad([](moeblaze_layer_config_t& c) { c.score_function = -1; },
-               "config.score_function");
+    expect_bad([](moeblaze_layer_config_t& c) { c.score_function = -1; }, "config.score_function");
     expect_bad([](moeblaze_layer_config_t& c) { c.renormalize = 2; }, "config.renormalize");
     expect_bad([](moeblaze_layer_config_t& c) { c.aux_loss_coeff = -0.5f; },
                "config.aux_loss_coeff");
@@ -385,7 +384,8 @@ TEST_SUITE("api") {
     CHECK(back.activation == MOEBLAZE_ACTIVATION_GELU);
     CHECK(back.d_ffn == 12);
     CHECK(back.aux_loss_coeff == doctest::Approx(0.01f));
-    CHECK_STATUS(moeblaze_layer_get_config(layer, nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT, "config");
+    CHECK_STATUS(moeblaze_layer_get_config(layer, nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT,
+                 "config");
     back.struct_size = 3;
     CHECK_STATUS(moeblaze_layer_get_config(layer, &back), MOEBLAZE_ERR_VERSION_MISMATCH,
                  "struct_size");
@@ -393,7 +393,8 @@ TEST_SUITE("api") {
     CHECK_OK(moeblaze_layer_destroy(layer));
     CHECK_OK(moeblaze_layer_destroy(nullptr));
     CHECK_STATUS(moeblaze_layer_destroy(layer), MOEBLAZE_ERR_INVALID_HANDLE, "not a live");
-    CHECK_STATUS(moeblaze_layer_get_config(layer, &back), MOEBLAZE_ERR_INVALID_HANDLE, "not a live");
+    CHECK_STATUS(moeblaze_layer_get_config(layer, &back), MOEBLAZE_ERR_INVALID_HANDLE,
+                 "not a live");
   }
 
   TEST_CASE("a layer outlives its context handle") {
@@ -412,7 +413,8 @@ TEST_SUITE("api") {
   TEST_CASE("size queries") {
     CpuLayer L;
     size_t bytes = 0;
-    for (int32_t pass = MOEBLAZE_PASS_ROUTER_FORWARD; pass <= MOEBLAZE_PASS_LAYER_BACKWARD; ++pass) {
+    for (int32_t pass = MOEBLAZE_PASS_ROUTER_FORWARD; pass <= MOEBLAZE_PASS_LAYER_BACKWARD;
+         ++pass) {
       CHECK_OK(moeblaze_layer_workspace_size(L.layer, pass, 0, &bytes));
       CHECK_OK(moeblaze_layer_workspace_size(L.layer, pass, 1000, &bytes));
     }
@@ -423,9 +425,9 @@ TEST_SUITE("api") {
     CHECK_STATUS(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, -1, &bytes),
                  MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
     // T * k must fit the int32 row indices.
-    CHECK_STATUS(
-        moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, int64_t(1) << 31, &bytes),
-        MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
+    CHECK_STATUS(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD,
+                                               int64_t(1) << 31, &bytes),
+                 MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
     CHECK_STATUS(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, 4, nullptr),
                  MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes");
     CHECK_STATUS(moeblaze_layer_workspace_size(nullptr, MOEBLAZE_PASS_EXPERTS_FORWARD, 4, &bytes),
@@ -466,10 +468,10 @@ TEST_SUITE("api") {
     std::vector<float> g(T * 2), counts_f(1);
     std::vector<int32_t> counts(4);
     CHECK_OK(moeblaze_router_forward(L.layer, T, b.logits.data(), ids.data(), g.data(),
-                                     counts.data(), b.losses.data(), b.workspace,
-                                     b.workspace_bytes, nullptr));
-    CHECK_STATUS(moeblaze_router_forward(nullptr, T, b.logits.data(), ids.data(), g.data(),
-                                         nullptr, nullptr, b.workspace, b.workspace_bytes, nullptr),
+                                     counts.data(), b.losses.data(), b.workspace, b.workspace_bytes,
+                                     nullptr));
+    CHECK_STATUS(moeblaze_router_forward(nullptr, T, b.logits.data(), ids.data(), g.data(), nullptr,
+                                         nullptr, b.workspace, b.workspace_bytes, nullptr),
                  MOEBLAZE_ERR_INVALID_HANDLE, "layer");
     CHECK_STATUS(moeblaze_router_forward(L.layer, -1, b.logits.data(), ids.data(), g.data(),
                                          nullptr, nullptr, b.workspace, b.workspace_bytes, nullptr),
@@ -480,14 +482,13 @@ TEST_SUITE("api") {
     CHECK_STATUS(moeblaze_router_forward(L.layer, T, b.logits.data(), nullptr, g.data(), nullptr,
                                          nullptr, b.workspace, b.workspace_bytes, nullptr),
                  MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
-    CHECK_STATUS(moeblaze_router_forward(L.layer, T, b.logits.data(), ids.data(), nullptr,
-                                         nullptr, nullptr, b.workspace, b.workspace_bytes, nullptr),
+    CHECK_STATUS(moeblaze_router_forward(L.layer, T, b.logits.data(), ids.data(), nullptr, nullptr,
+                                         nullptr, b.workspace, b.workspace_bytes, nullptr),
                  MOEBLAZE_ERR_INVALID_ARGUMENT, "g");
     // Misaligned float pointer.
-    CHECK_STATUS(moeblaze_router_forward(
-                     L.layer, T, b.logits.data(), ids.data(),
-                     reinterpret_cast<char*>(g.data()) + 1, nullptr, nullptr, b.workspace,
-                     b.workspace_bytes, nullptr),
+    CHECK_STATUS(moeblaze_router_forward(L.layer, T, b.logits.data(), ids.data(),
+                                         reinterpret_cast<char*>(g.data()) + 1, nullptr, nullptr,
+                                         b.workspace, b.workspace_bytes, nullptr),
                  MOEBLAZE_ERR_INVALID_ARGUMENT, "aligned");
     // T = 0 accepts NULL tensors.
     CHECK_OK(moeblaze_router_forward(L.layer, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
@@ -540,8 +541,8 @@ TEST_SUITE("api") {
     CHECK_OK(moeblaze_routing_build(L.layer, T, ids.data(), offsets.data(), eti.data(), tim.data(),
                                     wsp, ws_bytes, nullptr));
     CHECK(offsets[4] == 10);
-    CHECK_STATUS(moeblaze_routing_build(L.layer, T, ids.data(), nullptr, eti.data(), tim.data(), wsp,
-                                        ws_bytes, nullptr),
+    CHECK_STATUS(moeblaze_routing_build(L.layer, T, ids.data(), nullptr, eti.data(), tim.data(),
+                                        wsp, ws_bytes, nullptr),
                  MOEBLAZE_ERR_INVALID_ARGUMENT, "expert_offsets");
     CHECK_STATUS(moeblaze_routing_build(L.layer, T, nullptr, offsets.data(), eti.data(), tim.data(),
                                         wsp, ws_bytes, nullptr),
@@ -610,8 +611,8 @@ TEST_SUITE("api") {
       mutate(a);
       CHECK_STATUS(moeblaze_experts_forward(L.layer, &a, nullptr), status, needle);
     };
-    expect_forward([](moeblaze_forward_args_t& a) { a.x = nullptr; },
-                   MOEBLAZE_ERR_INVALID_ARGUMENT, "args->x");
+    expect_forward([](moeblaze_forward_args_t& a) { a.x = nullptr; }, MOEBLAZE_ERR_INVALID_ARGUMENT,
+                   "args->x");
     expect_forward([](moeblaze_forward_args_t& a) { a.w_gate = nullptr; },
                    MOEBLAZE_ERR_INVALID_ARGUMENT, "args->w_gate");
     expect_forward([](moeblaze_forward_args_t& a) { a.w_up = nullptr; },
@@ -620,10 +621,10 @@ TEST_SUITE("api") {
                    MOEBLAZE_ERR_INVALID_ARGUMENT, "args->w_down");
     expect_forward([](moeblaze_forward_args_t& a) { a.ids = nullptr; },
                    MOEBLAZE_ERR_INVALID_ARGUMENT, "args->ids");
-    expect_forward([](moeblaze_forward_args_t& a) { a.g = nullptr; },
-                   MOEBLAZE_ERR_INVALID_ARGUMENT, "args->g");
-    expect_forward([](moeblaze_forward_args_t& a) { a.y = nullptr; },
-                   MOEBLAZE_ERR_INVALID_ARGUMENT, "args->y");
+    expect_forward([](moeblaze_forward_args_t& a) { a.g = nullptr; }, MOEBLAZE_ERR_INVALID_ARGUMENT,
+                   "args->g");
+    expect_forward([](moeblaze_forward_args_t& a) { a.y = nullptr; }, MOEBLAZE_ERR_INVALID_ARGUMENT,
+                   "args->y");
     expect_forward([](moeblaze_forward_args_t& a) { a.num_tokens = -4; },
                    MOEBLAZE_ERR_INVALID_ARGUMENT, "args->num_tokens");
     expect_forward([](moeblaze_forward_args_t& a) { a.flags = 1; }, MOEBLAZE_ERR_INVALID_ARGUMENT,
@@ -681,15 +682,14 @@ TEST_SUITE("api") {
                     MOEBLAZE_ERR_INVALID_ARGUMENT, "args->w_down");
     expect_backward([](moeblaze_backward_args_t& a) { a.g = nullptr; },
                     MOEBLAZE_ERR_INVALID_ARGUMENT, "args->g");
-    expect_backward([](moeblaze_backward_args_t& a) { a.flags = 6; },
-                    MOEBLAZE_ERR_INVALID_ARGUMENT, "args->flags");
+    expect_backward([](moeblaze_backward_args_t& a) { a.flags = 6; }, MOEBLAZE_ERR_INVALID_ARGUMENT,
+                    "args->flags");
     expect_backward([](moeblaze_backward_args_t& a) { a.saved_bytes = 16; },
                     MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->saved_bytes");
     expect_backward([](moeblaze_backward_args_t& a) { a.num_tokens = -1; },
                     MOEBLAZE_ERR_INVALID_ARGUMENT, "args->num_tokens");
-    expect_backward(
-        [](moeblaze_backward_args_t& a) { a.dx = static_cast<char*>(a.dx) + 2; },
-        MOEBLAZE_ERR_INVALID_ARGUMENT, "args->dx");
+    expect_backward([](moeblaze_backward_args_t& a) { a.dx = static_cast<char*>(a.dx) + 2; },
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "args->dx");
     // All gradient outputs optional.
     expect_backward(
         [](moeblaze_backward_args_t& a) {

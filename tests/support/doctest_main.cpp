@@ -1,9 +1,9 @@
 // The doctest runner shared by every C++ test suite.
 //
-// A suite whose tests need a GPU sets MOEBLAZE_TEST_NEEDS_CUDA=1 (tests/CMakeLists.txt does this for
-// moeblaze_tests_cuda). Without a usable CUDA backend its cases print "SKIPPED: ..." and pass
-// vacuously; the runner then exits with 77, which CTest reports as "Skipped" (SKIP_RETURN_CODE), so a
-// machine without a GPU shows the suite as skipped rather than passed.
+// A suite whose tests need a GPU sets MOEBLAZE_TEST_NEEDS_CUDA=1 (tests/CMakeLists.txt does this
+// for moeblaze_tests_cuda). Without a usable CUDA backend its cases print "SKIPPED: ..." and pass
+// vacuously; the runner then exits with 77, which CTest reports as "Skipped" (SKIP_RETURN_CODE), so
+// a machine without a GPU shows the suite as skipped rather than passed.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
 

@@ -283,8 +283,8 @@ extern "C" {
     #[doc = " \\brief Validates `config` and creates a layer plan on `context`."]
     #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (a field out of range: the message names"]
     #[doc = "          it); ::MOEBLAZE_ERR_INVALID_HANDLE; ::MOEBLAZE_ERR_VERSION_MISMATCH /"]
-    #[doc = "          ::MOEBLAZE_ERR_NOT_SUPPORTED (see ::moeblaze_layer_config_t); ::MOEBLAZE_ERR_NOT_SUPPORTED"]
-    #[doc = "          (e.g. F64 on CUDA); ::MOEBLAZE_ERR_OUT_OF_MEMORY."]
+    #[doc = "          ::MOEBLAZE_ERR_NOT_SUPPORTED (see ::moeblaze_layer_config_t);"]
+    #[doc = " ::MOEBLAZE_ERR_NOT_SUPPORTED (e.g. F64 on CUDA); ::MOEBLAZE_ERR_OUT_OF_MEMORY."]
     pub fn moeblaze_layer_create(
         out: *mut moeblaze_layer_t,
         context: moeblaze_context_t,
@@ -320,7 +320,8 @@ extern "C" {
 }
 extern "C" {
     #[must_use]
-    #[doc = " \\brief Bytes of the saved buffer that the forward pass `pass` (::MOEBLAZE_PASS_EXPERTS_FORWARD or"]
+    #[doc = " \\brief Bytes of the saved buffer that the forward pass `pass` (::MOEBLAZE_PASS_EXPERTS_FORWARD"]
+    #[doc = " or"]
     #[doc = "  ::MOEBLAZE_PASS_LAYER_FORWARD) writes for its backward pass, for `num_tokens` tokens."]
     #[doc = ""]
     #[doc = "  The buffer holds a small header, the routing indices (3*N + E + 1 int32) and, by checkpoint"]
