@@ -293,7 +293,8 @@ typedef struct moeblaze_layer_config {
                                TOPK_SOFTMAX is normalised by construction. Default 0 */
   float aux_loss_coeff;   /*!< >= 0; weight of the load-balancing loss (0: not computed) */
   float z_loss_coeff;     /*!< >= 0; weight of the router z-loss (0: not computed) */
-  int32_t deterministic;  /*!< 1: bitwise reproducible (default); 0: allow faster atomics */
+  int32_t deterministic;  /*!< 1: bitwise reproducible (default); 0: allow faster atomics
+                               (no kernel uses them yet: results are reproducible either way) */
   int32_t reserved0;      /*!< must be 0 (explicit padding) */
 } moeblaze_layer_config_t;
 

@@ -247,6 +247,7 @@ pub struct moeblaze_layer_config {
     #[doc = "< >= 0; weight of the router z-loss (0: not computed)"]
     pub z_loss_coeff: f32,
     #[doc = "< 1: bitwise reproducible (default); 0: allow faster atomics"]
+    #[doc = "(no kernel uses them yet: results are reproducible either way)"]
     pub deterministic: i32,
     #[doc = "< must be 0 (explicit padding)"]
     pub reserved0: i32,
