@@ -337,7 +337,7 @@ MOEBLAZE_API moeblaze_status_t moeblaze_layer_workspace_size(moeblaze_layer_t la
  * or
  *  ::MOEBLAZE_PASS_LAYER_FORWARD) writes for its backward pass, for `num_tokens` tokens.
  *
- *  The buffer holds a small header, the routing indices (3*N + E + 1 int32) and, by checkpoint
+ *  The buffer holds a small header, the routing indices (2*N + E + 1 int32) and, by checkpoint
  *  policy, the activations; the layer forward also keeps logits, ids and g. Inputs (x, weights)
  *  are never copied into it. */
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_saved_size(moeblaze_layer_t layer, int32_t pass,

@@ -325,7 +325,7 @@ extern "C" {
     #[doc = " or"]
     #[doc = "  ::MOEBLAZE_PASS_LAYER_FORWARD) writes for its backward pass, for `num_tokens` tokens."]
     #[doc = ""]
-    #[doc = "  The buffer holds a small header, the routing indices (3*N + E + 1 int32) and, by checkpoint"]
+    #[doc = "  The buffer holds a small header, the routing indices (2*N + E + 1 int32) and, by checkpoint"]
     #[doc = "  policy, the activations; the layer forward also keeps logits, ids and g. Inputs (x, weights)"]
     #[doc = "  are never copied into it."]
     pub fn moeblaze_layer_saved_size(
