@@ -34,14 +34,10 @@ static void moeblaze_jni_throw(JNIEnv* jenv, moeblaze_status_t status) {
 %javaconst(0) MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD;
 %typemap(javafinalize) SWIGTYPE ""
 
+/* NativeLoader: -Dmoeblaze.jni.library, else java.library.path, else the natives in the jar. */
 %pragma(java) jniclasscode=%{
   static {
-    String explicit = System.getProperty("moeblaze.jni.library");
-    if (explicit != null && !explicit.isEmpty()) {
-      System.load(explicit);
-    } else {
-      System.loadLibrary("moeblaze_jni");
-    }
+    NativeLoader.load();
   }
 %}
 
