@@ -77,7 +77,7 @@ void ThreadPool::worker_loop(int worker_index, uint64_t seen) {
   for (;;) {
     int64_t n = 0;
     int parts = 0;
-    const std::function<void(int64_t, int64_t)>* body = nullptr;
+    const RangeBody* body = nullptr;
     {
       std::unique_lock<std::mutex> lock(mutex_);
       work_ready_.wait(lock, [&] { return stopping_ || generation_ != seen; });
@@ -103,7 +103,7 @@ void ThreadPool::worker_loop(int worker_index, uint64_t seen) {
   }
 }
 
-void ThreadPool::parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& body) {
+void ThreadPool::run(int64_t n, RangeBody body) {
   if (n <= 0) return;
   std::unique_lock<std::mutex> busy(busy_mutex_, std::try_to_lock);
   const int threads = num_threads();

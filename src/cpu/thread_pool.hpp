@@ -8,9 +8,9 @@
 #include <condition_variable>
 #include <cstdint>
 #include <exception>
-#include <functional>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace moeblaze {
@@ -28,10 +28,31 @@ class ThreadPool {
   void set_num_threads(int num_threads);
   int num_threads() const;
 
+  // A non-owning reference to a callable `void(int64_t begin, int64_t end)`. Unlike std::function
+  // it never allocates, whatever the callable captures: execute calls must not touch the heap.
+  class RangeBody {
+   public:
+    template <typename F>
+    explicit RangeBody(F& body)
+        : object_(const_cast<void*>(static_cast<const void*>(&body))), call_(&invoke<F>) {}
+    void operator()(int64_t begin, int64_t end) const { call_(object_, begin, end); }
+
+   private:
+    template <typename F>
+    static void invoke(void* object, int64_t begin, int64_t end) {
+      (*static_cast<F*>(object))(begin, end);
+    }
+    void* object_;
+    void (*call_)(void*, int64_t, int64_t);
+  };
+
   // Calls body(begin, end) on disjoint contiguous ranges covering [0, n); returns when all are
   // done. Rethrows the first exception a part threw. If another thread is using the pool, runs the
   // whole range on the calling thread (same results, by the partitioning rule above).
-  void parallel_for(int64_t n, const std::function<void(int64_t, int64_t)>& body);
+  template <typename F>
+  void parallel_for(int64_t n, F&& body) {
+    run(n, RangeBody(body));
+  }
 
   // The default thread count: MOEBLAZE_NUM_THREADS, else hardware concurrency (at least 1).
   static int default_num_threads();
@@ -40,6 +61,7 @@ class ThreadPool {
   void start_workers(int count);
   void stop_workers();
   void worker_loop(int worker_index, uint64_t seen_generation);
+  void run(int64_t n, RangeBody body);
 
   mutable std::mutex config_mutex_;  // guards num_threads_ and the worker set
   std::mutex busy_mutex_;            // held by the thread that owns the pool for one parallel_for
@@ -54,7 +76,7 @@ class ThreadPool {
   int pending_ = 0;
   int64_t job_n_ = 0;
   int job_parts_ = 0;
-  const std::function<void(int64_t, int64_t)>* job_body_ = nullptr;
+  const RangeBody* job_body_ = nullptr;
   std::exception_ptr job_error_;
 };
 
