@@ -33,7 +33,6 @@ Works with the gloo backend (CPU tensors) and NCCL (CUDA tensors). Uses only API
 from __future__ import annotations
 
 import ctypes
-import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -41,7 +40,8 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from . import _lib
-from .torch import get_layer, moe_experts, routing_dtype
+from .torch import (_init_moe_module, _reset_moe_parameters, get_layer, moe_experts,
+                    routing_dtype)
 
 _ALIGNMENT = 16
 _WEIGHTS_ON = ("expert", "home")
@@ -488,26 +488,10 @@ class ExpertParallelMoE(torch.nn.Module):
         self.process_group = process_group
         self.rank, self.world_size = _group_info(process_group)
         self.expert_begin, self.expert_end = expert_ranges(num_experts, self.world_size)[self.rank]
-        local = self.expert_end - self.expert_begin
-        factory = {"dtype": dtype, "device": device}
-        self.d_model, self.d_ffn, self.num_experts, self.top_k = d_model, d_ffn, num_experts, top_k
-        self.activation = activation.lower()
-        if self.activation not in _lib.ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}")
-        self.checkpoint = checkpoint
-        self.score_function = score_function
-        self.renormalize = renormalize
-        self.aux_loss_coeff = aux_loss_coeff
-        self.z_loss_coeff = z_loss_coeff
+        _init_moe_module(self, d_model, d_ffn, num_experts, top_k,
+                         self.expert_end - self.expert_begin, activation, checkpoint,
+                         score_function, renormalize, aux_loss_coeff, z_loss_coeff, dtype, device)
         self.weights_on = weights_on
-        self.w_router = torch.nn.Parameter(torch.empty(num_experts, d_model, **factory))
-        self.w_gate = torch.nn.Parameter(torch.empty(local, d_ffn, d_model, **factory))
-        if self.activation in _lib.GATED_ACTIVATIONS:
-            self.w_up = torch.nn.Parameter(torch.empty(local, d_ffn, d_model, **factory))
-        else:
-            self.register_parameter("w_up", None)
-        self.w_down = torch.nn.Parameter(torch.empty(local, d_model, d_ffn, **factory))
-        self.last_expert_counts = None
         self.last_plan = None
         self.reset_parameters()
 
@@ -515,12 +499,7 @@ class ExpertParallelMoE(torch.nn.Module):
         """As moeblaze.torch.MoE: U(-1/sqrt(fan_in), 1/sqrt(fan_in)), each rank drawing its own
         experts; the router weight is then made the same everywhere (a collective: every rank
         of the group constructs the layer, as with DDP)."""
-        with torch.no_grad():
-            for weight, fan_in in ((self.w_router, self.d_model), (self.w_gate, self.d_model),
-                                   (self.w_up, self.d_model), (self.w_down, self.d_ffn)):
-                if weight is not None:
-                    bound = 1.0 / math.sqrt(fan_in)
-                    weight.uniform_(-bound, bound)
+        _reset_moe_parameters(self)
         self.sync_replicated_parameters()
 
     @torch.no_grad()

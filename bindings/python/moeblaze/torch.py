@@ -333,6 +333,44 @@ def moe_layer(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.Tensor,
     return _LayerFunction.apply(x, w_router, w_gate, w_up, w_down, layer)
 
 
+def _init_moe_module(module: torch.nn.Module, d_model: int, d_ffn: int, num_experts: int,
+                     top_k: int, num_local_experts: int, activation: str, checkpoint: str,
+                     score_function: str, renormalize: bool, aux_loss_coeff: float,
+                     z_loss_coeff: float, dtype, device) -> None:
+    """The settings and (uninitialised) parameters shared by MoE and the expert-parallel layer:
+    the router weight over all `num_experts`, expert weights for `num_local_experts` of them."""
+    factory = {"dtype": dtype, "device": device}
+    module.d_model, module.d_ffn = d_model, d_ffn
+    module.num_experts, module.top_k = num_experts, top_k
+    module.activation = activation.lower()
+    if module.activation not in _lib.ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}")
+    module.checkpoint = checkpoint
+    module.score_function = score_function
+    module.renormalize = renormalize
+    module.aux_loss_coeff = aux_loss_coeff
+    module.z_loss_coeff = z_loss_coeff
+    local = num_local_experts
+    module.w_router = torch.nn.Parameter(torch.empty(num_experts, d_model, **factory))
+    module.w_gate = torch.nn.Parameter(torch.empty(local, d_ffn, d_model, **factory))
+    if module.activation in _lib.GATED_ACTIVATIONS:
+        module.w_up = torch.nn.Parameter(torch.empty(local, d_ffn, d_model, **factory))
+    else:
+        module.register_parameter("w_up", None)
+    module.w_down = torch.nn.Parameter(torch.empty(local, d_model, d_ffn, **factory))
+    module.last_expert_counts = None
+
+
+def _reset_moe_parameters(module: torch.nn.Module) -> None:
+    """nn.Linear's default (kaiming_uniform, a=sqrt(5)) is U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+    with torch.no_grad():
+        for weight, fan_in in ((module.w_router, module.d_model), (module.w_gate, module.d_model),
+                               (module.w_up, module.d_model), (module.w_down, module.d_ffn)):
+            if weight is not None:
+                bound = 1.0 / math.sqrt(fan_in)
+                weight.uniform_(-bound, bound)
+
+
 class MoE(torch.nn.Module):
     """A token-choice MoE layer: router (no bias) + `num_experts` expert MLPs, top-k routing.
 
@@ -355,34 +393,13 @@ class MoE(torch.nn.Module):
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, dtype=None, device=None,
                  process_group=None):
         super().__init__()
-        factory = {"dtype": dtype, "device": device}
-        self.d_model, self.d_ffn, self.num_experts, self.top_k = d_model, d_ffn, num_experts, top_k
-        self.activation = activation.lower()
-        if self.activation not in _lib.ACTIVATIONS:
-            raise ValueError(f"unknown activation {activation!r}")
-        self.checkpoint = checkpoint
-        self.score_function = score_function
-        self.renormalize = renormalize
-        self.aux_loss_coeff = aux_loss_coeff
-        self.z_loss_coeff = z_loss_coeff
-        self.w_router = torch.nn.Parameter(torch.empty(num_experts, d_model, **factory))
-        self.w_gate = torch.nn.Parameter(torch.empty(num_experts, d_ffn, d_model, **factory))
-        if self.activation in _lib.GATED_ACTIVATIONS:
-            self.w_up = torch.nn.Parameter(torch.empty(num_experts, d_ffn, d_model, **factory))
-        else:
-            self.register_parameter("w_up", None)
-        self.w_down = torch.nn.Parameter(torch.empty(num_experts, d_model, d_ffn, **factory))
-        self.last_expert_counts = None
+        _init_moe_module(self, d_model, d_ffn, num_experts, top_k, num_experts, activation,
+                         checkpoint, score_function, renormalize, aux_loss_coeff, z_loss_coeff,
+                         dtype, device)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        # nn.Linear's default (kaiming_uniform, a=sqrt(5)) is U(-1/sqrt(fan_in), 1/sqrt(fan_in)).
-        with torch.no_grad():
-            for weight, fan_in in ((self.w_router, self.d_model), (self.w_gate, self.d_model),
-                                   (self.w_up, self.d_model), (self.w_down, self.d_ffn)):
-                if weight is not None:
-                    bound = 1.0 / math.sqrt(fan_in)
-                    weight.uniform_(-bound, bound)
+        _reset_moe_parameters(self)
 
     def forward(self, x: torch.Tensor):
         shape = x.shape
