@@ -11,6 +11,8 @@
 #include "cuda/gemm.cuh"
 #include "cuda/kernels.hpp"
 #include "cuda/sm90/f1_gemm.hpp"
+#include "cuda/sm90/rows_gemm.hpp"
+#include "cuda/sm90/wgrad_gemm.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -150,17 +152,19 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   f1.ep.out_a = save_preact ? call.saved.a : nullptr;
   f1.ep.out_b = save_preact && desc.gated() ? call.saved.b : nullptr;
   f1.ep.out_u = u;
-  int cc_major = 0, cc_minor = 0;
-  sm90_current_device_cc(&cc_major, &cc_minor);
-  if (sm90_f1_enabled() &&
-      sm90_f1_supported(desc, T, cc_major, cc_minor, call.x, call.w_gate, call.w_up, f1.ep.out_a,
-                        f1.ep.out_b, f1.ep.out_u, f1.ep.ab_ld)) {
+  if (sm90_f1_supported(desc, T, call.x, call.w_gate, call.w_up, f1.ep.out_a, f1.ep.out_b,
+                        f1.ep.out_u, f1.ep.ab_ld)) {
     sm90_f1_launch(desc, T, call.x, offsets, eti, call.w_gate, call.w_up, f1.ep.out_a, f1.ep.out_b,
                    f1.ep.out_u, f1.ep.ab_ld, stream);
   } else {
     launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), stream);
   }
 
+  if (sm90_rows_supported(desc, T, {u, call.w_down, y2})) {
+    sm90_f2_launch(desc, T, u, offsets, call.w_down, y2, stream);
+    token_reduce_any(T, desc, tim, static_cast<const float*>(call.g), y2, call.y, stream);
+    return;
+  }
   GemmParams f2;
   f2.E = int(E);
   f2.N = int(d);
@@ -225,10 +229,8 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
     f1.ep.out_a = a_ws;
     f1.ep.out_b = b_ws;
     f1.ep.ab_ld = dadb_ld;
-    int cc_major = 0, cc_minor = 0;
-    sm90_current_device_cc(&cc_major, &cc_minor);
-    if (sm90_f1_enabled() && sm90_f1_supported(desc, T, cc_major, cc_minor, call.x, call.w_gate,
-                                               call.w_up, a_ws, b_ws, nullptr, f1.ep.ab_ld)) {
+    if (sm90_f1_supported(desc, T, call.x, call.w_gate, call.w_up, a_ws, b_ws, nullptr,
+                          f1.ep.ab_ld)) {
       sm90_f1_launch(desc, T, call.x, sv.expert_offsets, sv.expert_token_indices, call.w_gate,
                      call.w_up, a_ws, b_ws, nullptr, f1.ep.ab_ld, stream);
     } else {
@@ -241,35 +243,52 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   }
 
   // B1: v = dy[tok] . w_down[e]  ([rows, d] x [d, h]); epilogue -> dg partials, da|db, g*u.
-  GemmParams b1;
-  b1.E = int(E);
-  b1.N = int(h);
-  b1.K = int(d);
-  b1.offsets = sv.expert_offsets;
-  b1.mtile_start = mtile;
-  b1.A.p0 = call.dy;
-  b1.A.ld = d;
-  b1.A.routed = true;
-  b1.A.gather = sv.expert_token_indices;
-  b1.B.p0 = call.w_down;  // MN-major: row k (of d) is w_down[e][k, :]
-  b1.B.ld = h;
-  b1.B.expert_stride = d * h;
-  b1.ep.act = desc.activation;
-  b1.ep.gated = gated;
-  b1.ep.h = h;
-  b1.ep.d = d;
-  b1.ep.total_rows = N;
-  b1.ep.a_src = a_src;
-  b1.ep.b_src = b_src;
-  b1.ep.ab_ld = ab_ld;
-  b1.ep.u_src = u_src;
-  b1.ep.g = static_cast<const float*>(call.g);
-  b1.ep.row_pair = row_pair;
-  b1.ep.dadb = dadb;
-  b1.ep.gu = gu;
-  b1.ep.dg_part = dg_part;
-  launch_gemm(desc.dtype, Epi::B1, mma, b1, int(N), stream);
-  const int b1_ntiles = int((h + (mma ? kMmaBN : kSimtBN) - 1) / (mma ? kMmaBN : kSimtBN));
+  int b1_ntiles = 0;
+  if (sm90_rows_supported(desc, T, {call.dy, call.w_down, a_src, b_src, u_src, dadb, gu})) {
+    Sm90B1Epilogue ep;
+    ep.a_src = a_src;
+    ep.b_src = b_src;
+    ep.ab_ld = ab_ld;
+    ep.u_src = u_src;
+    ep.g = static_cast<const float*>(call.g);
+    ep.row_pair = row_pair;
+    ep.dadb = dadb;
+    ep.gu = gu;
+    ep.dg_part = dg_part;
+    sm90_b1_launch(desc, T, call.dy, sv.expert_offsets, sv.expert_token_indices, call.w_down, ep,
+                   stream);
+    b1_ntiles = int((h + kSm90B1TileCols - 1) / kSm90B1TileCols);
+  } else {
+    GemmParams b1;
+    b1.E = int(E);
+    b1.N = int(h);
+    b1.K = int(d);
+    b1.offsets = sv.expert_offsets;
+    b1.mtile_start = mtile;
+    b1.A.p0 = call.dy;
+    b1.A.ld = d;
+    b1.A.routed = true;
+    b1.A.gather = sv.expert_token_indices;
+    b1.B.p0 = call.w_down;  // MN-major: row k (of d) is w_down[e][k, :]
+    b1.B.ld = h;
+    b1.B.expert_stride = d * h;
+    b1.ep.act = desc.activation;
+    b1.ep.gated = gated;
+    b1.ep.h = h;
+    b1.ep.d = d;
+    b1.ep.total_rows = N;
+    b1.ep.a_src = a_src;
+    b1.ep.b_src = b_src;
+    b1.ep.ab_ld = ab_ld;
+    b1.ep.u_src = u_src;
+    b1.ep.g = static_cast<const float*>(call.g);
+    b1.ep.row_pair = row_pair;
+    b1.ep.dadb = dadb;
+    b1.ep.gu = gu;
+    b1.ep.dg_part = dg_part;
+    launch_gemm(desc.dtype, Epi::B1, mma, b1, int(N), stream);
+    b1_ntiles = int((h + (mma ? kMmaBN : kSimtBN) - 1) / (mma ? kMmaBN : kSimtBN));
+  }
 
   if (call.dg && N > 0) {
     dg_reduce_kernel<<<blocks_for(N, 256), 256, 0, stream>>>(N, b1_ntiles, sv.token_index_map,
@@ -278,7 +297,10 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   }
 
   // B2: dw_down[e] [d, h] = sum_r dy[tok_r]^T (g u)_r.
-  if (call.dw_down) {
+  if (call.dw_down && sm90_wgrad_supported(desc, T, {call.dy, gu, call.dw_down})) {
+    sm90_b2_launch(desc, T, call.dy, sv.expert_offsets, sv.expert_token_indices, gu, call.dw_down,
+                   call.accumulate_wgrad, stream);
+  } else if (call.dw_down) {
     GemmParams b2;
     b2.E = int(E);
     b2.M = int(d);
@@ -300,7 +322,12 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   }
 
   // B3: [dw_gate; dw_up][e] [2h, d] = sum_r [da|db]_r^T x[tok_r].
-  if (call.dw_gate || (gated && call.dw_up)) {
+  void* dw_up = gated ? call.dw_up : nullptr;
+  if ((call.dw_gate || dw_up) &&
+      sm90_wgrad_supported(desc, T, {dadb, call.x, call.dw_gate, dw_up})) {
+    sm90_b3_launch(desc, T, dadb, call.x, sv.expert_offsets, sv.expert_token_indices, call.dw_gate,
+                   dw_up, call.accumulate_wgrad, stream);
+  } else if (call.dw_gate || dw_up) {
     GemmParams b3;
     b3.E = int(E);
     b3.M = int(dadb_ld);
@@ -325,6 +352,11 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   // B4: dx rows = [da|db]_r . [w_gate; w_up][e] (K = 2h), then the per-token reduction.
   if (call.dx) {
     float* dxr = dxr_in_gu ? static_cast<float*>(gu) : dxr_own;
+    if (sm90_rows_supported(desc, T, {dadb, call.w_gate, call.w_up, dxr})) {
+      sm90_b4_launch(desc, T, dadb, sv.expert_offsets, call.w_gate, call.w_up, dxr, stream);
+      token_reduce_any(T, desc, sv.token_index_map, nullptr, dxr, call.dx, stream);
+      return;
+    }
     GemmParams b4;
     b4.E = int(E);
     b4.N = int(d);

@@ -19,33 +19,20 @@
 // the image the runtime picked for the current device is sm_90 or newer.
 #include "cuda/sm90/f1_gemm.hpp"
 
-#include <cuda.h>  // CUtensorMap and the encoder's types only: no libcuda link
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include <cstdlib>
-#include <cstring>
-#include <mutex>
-#include <type_traits>
-#include <unordered_map>
-
 #include "common/activation_math.hpp"
 #include "common/status.hpp"
 #include "cuda/cuda_util.cuh"
-
-#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define MB_SM90_DEVICE 1
-#else
-#define MB_SM90_DEVICE 0
-#endif
+#include "cuda/sm90/common.cuh"
+#include "cuda/sm90/device.hpp"
 
 namespace moeblaze {
 namespace cuda {
 namespace {
 
+using namespace sm90;
+
 constexpr int kBM = 128;        // routed rows per tile
 constexpr int kBBoxRows = 128;  // rows of one TMA weight box
-constexpr int kBK = 64;         // k per stage: one 128-byte swizzle row of 16-bit elements
 constexpr int kStages = 4;
 constexpr int kThreads = 384;  // warpgroup 0: producer; 1, 2: consumers
 constexpr int kProducerThreads = 128;
@@ -94,152 +81,6 @@ struct TileCoord {
 };
 
 #if MB_SM90_DEVICE
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// Spins until the phase with `parity` completes. A wait far beyond any real stall (2^26 polls,
-// many seconds; real waits are microseconds) traps instead of hanging the device.
-// No printf here: a call anywhere in the kernel makes ptxas serialise the wgmmas (C7510).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  uint32_t polls = 0;
-  do {
-    if (++polls == (1u << 26)) __trap();
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-// Arrives on `bar` once every cp.async this thread issued so far has landed. .noinc: the arrival
-// counts against the barrier's expected count (the producer threads are part of it).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled and src is not read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                            int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma window.
-__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Shared-memory matrix descriptor: K-major operand, 128B swizzle, rows of 128 bytes (64 elements),
-// 8-row groups 1024 bytes apart (SBO); LBO is unused for swizzled K-major layouts (set to 1).
-// The tile base must be 1024-byte aligned; stepping k by 16 elements adds 32 bytes to the start.
-__device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
-  uint64_t desc = 0;
-  desc |= uint64_t((addr & 0x3FFFF) >> 4);
-  desc |= uint64_t(1) << 16;          // LBO (ignored)
-  desc |= uint64_t(1024 >> 4) << 32;  // SBO
-  desc |= uint64_t(1) << 62;          // SWIZZLE_128B
-  return desc;
-}
-
-#define MB_WGMMA_M64N256K16(TYPE)                                                                  \
-  asm volatile(                                                                                    \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE                                 \
-      " {"                                                                                         \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "           \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "           \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "           \
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "           \
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "           \
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, "     \
-      "%111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, "       \
-      "%125, %126, %127"                                                                           \
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"                                                         \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
-        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
-        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
-        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), \
-        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), \
-        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),          \
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),        \
-        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),        \
-        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),        \
-        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])         \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-
-// D[64x256] (+)= A[64x16] * B[256x16]^T, both K-major in 128B-swizzled shared memory.
-template <typename T>
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                 int scale_d) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    MB_WGMMA_M64N256K16("bf16");
-  } else {
-    MB_WGMMA_M64N256K16("f16");
-  }
-}
-#undef MB_WGMMA_M64N256K16
-
-// Two values rounded to T, packed (lo at the lower address): the same conversions as gemm.cuh's
-// store2 (round-to-nearest-even).
-template <typename T>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-  }
-}
 
 // tile_start[e] = first linear tile id of expert e (prefix of ceil(count_e / kBM) * n_tiles).
 __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start, const F1Params& p) {
@@ -312,24 +153,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     tile_start[e + 1] = ((count + kBM - 1) / kBM) * p.n_tiles;
   }
   __syncthreads();
-  if (warp == 0) {  // inclusive scan of tile_start[1..E]: each lane sums a contiguous chunk
-    const int chunk = (p.E + 31) / 32;
-    const int begin = min(p.E, lane * chunk), end = min(p.E, begin + chunk);
-    int sum = 0;
-    for (int i = begin; i < end; ++i) sum += tile_start[i + 1];
-    int prefix = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, prefix, o);
-      if (lane >= o) prefix += v;
-    }
-    int run = prefix - sum;
-    for (int i = begin; i < end; ++i) {
-      run += tile_start[i + 1];
-      tile_start[i + 1] = run;
-    }
-    if (lane == 0) tile_start[0] = 0;
-  }
+  if (warp == 0) warp_prefix_tiles(tile_start, p.E, lane);
   __syncthreads();
   const int total_tiles = tile_start[p.E];
 
@@ -406,7 +230,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
           // +32 bytes per 16 k inside the swizzle row: +2 in the descriptor's address field.
-          wgmma_m64n256k16<T>(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+          wgmma_m64n256k16<T, 0, 0>(acc, desc_a + 2 * kk, desc_b + 2 * kk,
+                                    (kt > 0 || kk > 0) ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<1>();
@@ -478,50 +303,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- host -----------------------------------------------------------------------------------
 
-typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                  const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                  const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
-// The driver's tensor-map encoder through the runtime (no libcuda link); nullptr if unavailable.
-EncodeTiledFn tensor_map_encoder() {
-  static const EncodeTiledFn fn = [] {
-    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
-    void* ptr = nullptr;
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return EncodeTiledFn(nullptr);
-    }
-    return reinterpret_cast<EncodeTiledFn>(ptr);
-  }();
-  return fn;
-}
-
 // Weights [E, h, d] as a 3-D tensor (d fastest); box = 64 k x 128 rows x 1 expert, 128B swizzle;
 // rows past h and k past d read as zeros (never the next expert's rows).
 template <typename T>
 CUtensorMap make_weight_map(const void* w, int64_t E, int64_t h, int64_t d) {
-  CUtensorMap map;
-  std::memset(&map, 0, sizeof(map));
-  const cuuint64_t dims[3] = {cuuint64_t(d), cuuint64_t(h), cuuint64_t(E)};
-  const cuuint64_t strides[2] = {cuuint64_t(d) * sizeof(T),
-                                 cuuint64_t(h) * cuuint64_t(d) * sizeof(T)};
-  const cuuint32_t box[3] = {kBK, kBBoxRows, 1};
-  const cuuint32_t elem[3] = {1, 1, 1};
-  const CUtensorMapDataType type = std::is_same<T, __nv_bfloat16>::value
-                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const EncodeTiledFn encode = tensor_map_encoder();
-  MB_REQUIRE(encode != nullptr, MOEBLAZE_ERR_CUDA,
-             "sm90 F1: cuTensorMapEncodeTiled is not available from the driver");
-  const CUresult r = encode(&map, type, 3, const_cast<void*>(w), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MB_REQUIRE(r == CUDA_SUCCESS, MOEBLAZE_ERR_CUDA, "sm90 F1: cuTensorMapEncodeTiled failed (%d)",
-             int(r));
-  return map;
+  return make_map_3d<T>(w, uint64_t(d), uint64_t(h), uint64_t(E), uint64_t(d), uint64_t(h * d), kBK,
+                        kBBoxRows, 1, "F1");
 }
 
 using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const F1Params);
@@ -550,94 +337,32 @@ constexpr Activation kAllActivations[] = {Activation::SwiGLU, Activation::GeGLU,
                                           Activation::SiLU,   Activation::GELU,  Activation::ReLU,
                                           Activation::ReLU2};
 
-// What the launch needs to know about a device, found once per device.
-struct DeviceInfo {
-  int cc_major = 0, cc_minor = 0;
-  int sms = 0;
-  bool usable = false;  // cc 9.0, an sm_90 image of every kernel, the shared memory fits
-};
-
-const DeviceInfo& device_info(int device) {
-  static std::mutex mutex;
-  static std::unordered_map<int, DeviceInfo> infos;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto found = infos.find(device);
-  if (found != infos.end()) return found->second;
-  DeviceInfo info;
-  int optin = 0;
-  bool ok =
-      cudaDeviceGetAttribute(&info.cc_major, cudaDevAttrComputeCapabilityMajor, device) ==
-          cudaSuccess &&
-      cudaDeviceGetAttribute(&info.cc_minor, cudaDevAttrComputeCapabilityMinor, device) ==
-          cudaSuccess &&
-      cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess &&
-      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
-          cudaSuccess;
-  ok = ok && info.cc_major == 9 && info.cc_minor == 0 && info.sms > 0 &&
-       size_t(optin) >= kMaxSmemBytes && tensor_map_encoder() != nullptr;
-  if (ok) {
-    // The image the runtime picked for this device must be the sm_90a one (a build without 90a
-    // in MOEBLAZE_CUDA_ARCHS would run the trapping sm_80 image), and the shared memory opt-in is
-    // set here, once per device, never during a (possibly captured) launch.
-    int previous = -1;
-    ok = cudaGetDevice(&previous) == cudaSuccess;
-    const bool switch_device = ok && previous != device;
-    if (switch_device) ok = cudaSetDevice(device) == cudaSuccess;
-    for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
-      for (Activation act : kAllActivations) {
-        if (!ok) break;
-        const KernelFn fn = kernel_for(dtype, act);
-        cudaFuncAttributes attr;
-        ok = cudaFuncGetAttributes(&attr, fn) == cudaSuccess && attr.binaryVersion >= 90 &&
-             cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  int(kMaxSmemBytes)) == cudaSuccess;
-      }
-    }
-    if (switch_device) cudaSetDevice(previous);
-  }
-  (void)cudaGetLastError();  // a refused query leaves no sticky error behind
-  info.usable = ok;
-  return infos.emplace(device, info).first->second;
-}
-
-const DeviceInfo& current_device_info() {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    (void)cudaGetLastError();
-    static const DeviceInfo none;
-    return none;
-  }
-  return device_info(device);
-}
-
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-
 }  // namespace
 
-bool sm90_f1_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("MOEBLAZE_CUDA_SM90");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return enabled;
+size_t sm90_f1_max_smem_bytes() {
+  return kMaxSmemBytes;
 }
 
-void sm90_f1_prepare_device(int device) {
-  (void)device_info(device);
+bool sm90_f1_prepare_kernels() {
+  for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
+    for (Activation act : kAllActivations) {
+      const KernelFn fn = kernel_for(dtype, act);
+      cudaFuncAttributes attr;
+      // binaryVersion: the image the runtime picked must be the sm_90a one (a build without 90a in
+      // MOEBLAZE_CUDA_ARCHS would run the trapping sm_80 image).
+      if (cudaFuncGetAttributes(&attr, fn) != cudaSuccess || attr.binaryVersion < 90 ||
+          cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(kMaxSmemBytes)) != cudaSuccess)
+        return false;
+    }
+  }
+  return true;
 }
 
-void sm90_current_device_cc(int* cc_major, int* cc_minor) {
-  const DeviceInfo& info = current_device_info();
-  *cc_major = info.cc_major;
-  *cc_minor = info.cc_minor;
-}
-
-bool sm90_f1_supported(const LayerDesc& desc, int64_t T, int cc_major, int cc_minor, const void* x,
-                       const void* w_gate, const void* w_up, const void* out_a, const void* out_b,
-                       const void* out_u, int64_t ab_ld) {
-  if (cc_major != 9 || cc_minor != 0) return false;
+bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const void* w_gate,
+                       const void* w_up, const void* out_a, const void* out_b, const void* out_u,
+                       int64_t ab_ld) {
+  if (!sm90_enabled()) return false;
   if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
   if (kernel_for(desc.dtype, desc.activation) == nullptr) return false;
   if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
@@ -656,7 +381,7 @@ bool sm90_f1_supported(const LayerDesc& desc, int64_t T, int cc_major, int cc_mi
   const void* outputs[] = {out_a, desc.gated() ? out_b : nullptr, out_u};
   for (const void* ptr : outputs)
     if (ptr != nullptr && !aligned16(ptr)) return false;
-  return current_device_info().usable;
+  return sm90_current_device().usable;
 }
 
 void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32_t* expert_offsets,
@@ -666,7 +391,7 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
   const bool gated = desc.gated();
   if (!gated) out_b = nullptr;
   if (N == 0 || (out_a == nullptr && out_b == nullptr && out_u == nullptr)) return;
-  const DeviceInfo& info = current_device_info();
+  const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 F1 launched on an unsupported device");
   const KernelFn kernel = kernel_for(desc.dtype, desc.activation);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 F1: unsupported dtype or activation");

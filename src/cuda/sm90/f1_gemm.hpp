@@ -19,6 +19,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "common/layer_desc.hpp"
@@ -26,25 +27,21 @@
 namespace moeblaze {
 namespace cuda {
 
-// False when the environment variable MOEBLAZE_CUDA_SM90 is "0" (read once per process).
-bool sm90_f1_enabled();
+// The largest dynamic shared memory a launch asks for (E = 1024), for the device check.
+size_t sm90_f1_max_smem_bytes();
 
-// Optional warm-up, e.g. in the backend's constructor: queries the device, checks the kernel
-// images and sets the kernels' shared-memory opt-in once, so that no such runtime call happens on
-// a first launch inside a CUDA graph capture. Never throws; done lazily otherwise.
-void sm90_f1_prepare_device(int device);
+// With the current device set to a compute capability 9.0 device: true when every F1 kernel's
+// image is the sm_90a one, after setting their shared-memory opt-in (sm90_prepare_device calls it).
+bool sm90_f1_prepare_kernels();
 
-// Compute capability of the current device (cached per device after the first query).
-void sm90_current_device_cc(int* cc_major, int* cc_minor);
-
-// True when sm90_f1_launch can compute this F1: compute capability 9.0 with an sm_90a image of
-// the kernel in the library, dtype BF16 or F16, any of the 7 activations, d % 8 == 0,
+// True when sm90_f1_launch can compute this F1: the sm90 kernels are enabled and usable on the
+// current device (device.hpp), dtype BF16 or F16, any of the 7 activations, d % 8 == 0,
 // h % 8 == 0, 1 <= E <= 1024, 16-byte aligned tensors (nullptr outputs and, for non-gated
 // activations, w_up and out_b are ignored), ab_ld == 0 or (ab_ld >= h and ab_ld % 8 == 0), and
 // every count inside int range.
-bool sm90_f1_supported(const LayerDesc& desc, int64_t T, int cc_major, int cc_minor, const void* x,
-                       const void* w_gate, const void* w_up, const void* out_a, const void* out_b,
-                       const void* out_u, int64_t ab_ld);
+bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const void* w_gate,
+                       const void* w_up, const void* out_a, const void* out_b, const void* out_u,
+                       int64_t ab_ld);
 
 // Enqueues F1 on `stream`. x [T, d]; expert_offsets [E+1] and expert_token_indices [N] on the
 // device (N = T*k, an upper bound of expert_offsets[E]); w_gate, w_up [E, h, d] (w_up unused for

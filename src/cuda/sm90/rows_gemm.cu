@@ -1,0 +1,542 @@
+// F2, B4, B1 on Hopper (see rows_gemm.hpp): dev/cuda/sm90_rows_gemm.cuh version 1 (no cluster).
+//
+// Tile: 128 routed rows x 256 output columns x 64 k, 4 stages of 48 KB (A 16 KB + B 32 KB).
+// 384 threads: warpgroup 0 produces, warpgroups 1 and 2 consume 64 rows each with
+// wgmma m64n256k16 (128 fp32 accumulators per thread); setmaxnreg 40 / 232.
+//   A, not gathered (F2: u; B4: da|db): one TMA box {64 k, 1, 128 rows} per stage from the 3-D
+//     map {k_half, halves, rows}; B4's K runs over two halves (da with w_gate, then db with w_up)
+//     into one accumulator, and k past k_half is zero-filled inside each half, so the da/db
+//     boundary needs no h % 64. A ragged last m-tile reads rows of the next expert; their results
+//     are never stored (rows of a GEMM are independent).
+//   A, gathered (B1: dy rows by token): all 128 producer threads issue 16-byte cp.async with
+//     zero-fill into the 128-byte swizzle, then one cp.async.mbarrier.arrive.noinc each; the
+//     consumers fence.proxy.async after the full-barrier wait.
+//   B, K-major (F2: w_down [E, d, h] read as n rows of k): two TMA boxes {64 k, 128 n}.
+//   B, MN-major (B4: w_gate/w_up [E, h, d]; B1: w_down [E, d, h] read as k rows of n): four TMA
+//     boxes {64 n, 64 k}, the transposed-B wgmma with the MN-major descriptor of common.cuh. A box
+//     that starts past n_out is neither issued nor expected.
+// Epilogues: F2 / B4 store the fp32 accumulators as float2 straight from registers (a quad of
+// lanes writes one full 32-byte sector of a row). B1 loads a, b (and u under SAVE_ALL) of 8 column
+// pairs at a time before computing them, then writes da, db, g*u (rounded once) and the row's dg
+// partial for this 256-column tile (the quad's lanes hold the row's columns: two shuffles).
+#include "cuda/sm90/rows_gemm.hpp"
+
+#include "common/activation_math.hpp"
+#include "common/status.hpp"
+#include "cuda/cuda_util.cuh"
+#include "cuda/sm90/common.cuh"
+#include "cuda/sm90/device.hpp"
+
+namespace moeblaze {
+namespace cuda {
+namespace {
+
+using namespace sm90;
+
+enum RowsKind : int { kF2 = 0, kB4 = 1, kB1 = 2 };
+
+constexpr int kBM = 128;              // routed rows per tile
+constexpr int kBN = kSm90B1TileCols;  // output columns per tile (256)
+constexpr int kStages = 4;
+constexpr int kThreads = 384;
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerWarps = 8;
+constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
+constexpr int kMaxExperts = 1024;
+
+constexpr int kATileBytes = kBM * kBK * 2;         // 16 KB
+constexpr int kBTileBytes = kBN * kBK * 2;         // 32 KB
+constexpr int kBMnBoxBytes = 64 * kBK * 2;         // 8 KB: one 64-column box of an MN-major B
+constexpr int kBKBoxRows = 128;                    // K-major B: two boxes of 128 rows of n
+constexpr int kBKBoxBytes = kBKBoxRows * kBK * 2;  // 16 KB
+constexpr int kStageBytes = kATileBytes + kBTileBytes;
+constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
+constexpr int kBarrierBytes = 2 * kStages * 8;
+constexpr int kTokenBytes = kBM * 4;
+
+constexpr size_t smem_bytes(int E) {
+  return 1024 /* alignment slack */ + kPipeBytes + kBarrierBytes + kTokenBytes +
+         sizeof(int) * size_t(E + 1);
+}
+constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts);
+
+struct RowsParams {
+  const void* a_src;           // B1: dy [T, lda] (gathered rows)
+  const int32_t* offsets;      // [E + 1]
+  const int32_t* token_index;  // [N] (B1)
+  float* out;                  // F2 / B4: [N, n_out] fp32 rows
+  int n_out;                   // output columns
+  int k_half;                  // K of one half (K = halves * k_half)
+  int halves;                  // 2 for gated B4, else 1
+  int lda;                     // B1: elements per dy row
+  int E;
+  int n_tiles;  // ceil(n_out / kBN)
+  int kt_half;  // ceil(k_half / kBK)
+  int64_t N;    // routed rows (dg_part stride)
+  // B1 epilogue (n_out = h)
+  bool gated;
+  int64_t ab_ld;
+  const void* a;
+  const void* b;
+  const void* u;
+  const float* g;
+  const int32_t* row_pair;
+  void* dadb;
+  void* gu;
+  float* dg_part;
+};
+
+struct TileCoord {
+  int e, row0, rows, n0;
+};
+
+#if MB_SM90_DEVICE
+
+// tile_start[e] = first linear tile id of expert e (prefix of ceil(count_e / kBM) * n_tiles).
+__device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
+                                                 const RowsParams& p) {
+  int lo = 0, hi = p.E - 1;  // largest e with tile_start[e] <= t (never an empty expert)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_start[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int e = lo;
+  const int off = __ldg(p.offsets + e);
+  const int count = __ldg(p.offsets + e + 1) - off;
+  const int m_tiles = (count + kBM - 1) / kBM;
+  const int local = t - tile_start[e];
+  const int band = local / (kBandMTiles * p.n_tiles);
+  const int band_m0 = band * kBandMTiles;
+  const int band_h = min(kBandMTiles, m_tiles - band_m0);
+  const int r = local - band * kBandMTiles * p.n_tiles;
+  const int m_tile = band_m0 + r % band_h;
+  TileCoord c;
+  c.e = e;
+  c.row0 = off + m_tile * kBM;
+  c.rows = min(kBM, count - m_tile * kBM);
+  c.n0 = (r / band_h) * kBN;
+  return c;
+}
+
+// B1's epilogue for one tile (see the file comment). Register 4j + q of lane (g, t4) holds row g
+// (q < 2) or g + 8 (q >= 2), column 8j + 2 t4 + (q & 1) of the tile.
+// ACT is a template parameter: a runtime switch over the seven activations, inlined at each of the
+// 64 unrolled elements, made this epilogue four times slower (measured on the H200: 39.6 ms instead
+// of 9.5 ms for conf3's B1), most likely from the code size.
+template <typename T, int ACT>
+__device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord& c, int tile_row,
+                                            int g, int t4, const float (&acc)[128]) {
+  constexpr Activation act = static_cast<Activation>(ACT);
+  const int64_t h = p.n_out;
+  const int64_t dadb_ld = p.gated ? 2 * h : h;
+  const T* a_src = static_cast<const T*>(p.a);
+  const T* b_src = static_cast<const T*>(p.b);
+  const T* u_src = static_cast<const T*>(p.u);
+#pragma unroll  // rr indexes the accumulators: a runtime index would move them to local memory
+  for (int rr = 0; rr < 2; ++rr) {
+    const int row = tile_row + g + 8 * rr;
+    const bool row_ok = row < c.rows;
+    const int64_t grow = int64_t(c.row0) + (row_ok ? row : 0);
+    const float gval = row_ok ? __ldg(p.g + __ldg(p.row_pair + grow)) : 0.f;
+    const int64_t col0 = c.n0 + 2 * t4;
+    const T* a_row = a_src + grow * p.ab_ld + col0;
+    const T* b_row = p.gated ? b_src + grow * p.ab_ld + col0 : nullptr;
+    const T* u_row = u_src ? u_src + grow * h + col0 : nullptr;
+    T* da_row = static_cast<T*>(p.dadb) + grow * dadb_ld + col0;
+    T* gu_row = static_cast<T*>(p.gu) + grow * h + col0;
+    float dot = 0.f;
+#pragma unroll
+    for (int j0 = 0; j0 < 32; j0 += 8) {
+      // Plain (coherent) loads: under RECOMPUTE a and b live in the da|db buffer this epilogue
+      // writes; each element is overwritten only after this, its one read, by this same thread.
+      uint32_t ra[8], rb[8], ru[8];
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = j0 + jj;
+        const bool ok = row_ok && c.n0 + 8 * j < h;  // h % 8 == 0: a pair is all in or all out
+        ra[jj] = ok ? *reinterpret_cast<const uint32_t*>(a_row + 8 * j) : 0u;
+        rb[jj] = ok && b_row ? *reinterpret_cast<const uint32_t*>(b_row + 8 * j) : 0u;
+        ru[jj] = ok && u_row ? *reinterpret_cast<const uint32_t*>(u_row + 8 * j) : 0u;
+      }
+#pragma unroll
+      for (int jj = 0; jj < 8; ++jj) {
+        const int j = j0 + jj;
+        if (!(row_ok && c.n0 + 8 * j < h)) continue;
+        const float2 af = unpack2<T>(ra[jj]);
+        const float2 bf = unpack2<T>(rb[jj]);  // zeros when not gated
+        float u0, u1;
+        if (u_row) {
+          const float2 uf = unpack2<T>(ru[jj]);
+          u0 = uf.x;
+          u1 = uf.y;
+        } else {
+          u0 = round_to<T>(act_math::forward(act, af.x, bf.x));
+          u1 = round_to<T>(act_math::forward(act, af.y, bf.y));
+        }
+        const float v0 = acc[4 * j + 2 * rr], v1 = acc[4 * j + 2 * rr + 1];
+        dot += v0 * u0;
+        dot += v1 * u1;
+        float da0, db0, da1, db1;
+        act_math::backward(act, af.x, bf.x, gval * v0, &da0, &db0);
+        act_math::backward(act, af.y, bf.y, gval * v1, &da1, &db1);
+        *reinterpret_cast<uint32_t*>(da_row + 8 * j) = pack2<T>(da0, da1);
+        if (p.gated) *reinterpret_cast<uint32_t*>(da_row + h + 8 * j) = pack2<T>(db0, db1);
+        *reinterpret_cast<uint32_t*>(gu_row + 8 * j) = pack2<T>(gval * u0, gval * u1);
+      }
+    }
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+    if (row_ok && t4 == 0) p.dg_part[int64_t(c.n0 / kBN) * p.N + grow] = dot;
+  }
+}
+
+#endif  // MB_SM90_DEVICE
+
+// ACT: the activation (Activation cast to int) for B1's epilogue; 0 for F2 and B4.
+template <typename T, int KIND, int ACT>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_rows_kernel(const __grid_constant__ CUtensorMap tmap_a,
+                     const __grid_constant__ CUtensorMap tmap_b0,
+                     const __grid_constant__ CUtensorMap tmap_b1, const RowsParams p) {
+#if MB_SM90_DEVICE
+  constexpr bool kGather = KIND == kB1;
+  constexpr bool kBMn = KIND != kF2;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kPipeBytes);
+  uint64_t* empty_bar = full_bar + kStages;
+  int* tok_s = reinterpret_cast<int*>(empty_bar + kStages);  // [kBM]
+  int* tile_start = tok_s + kBM;                             // [E + 1]
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      // gathered: 128 cp.async arrivals + the TMA thread's expect_tx; TMA only: expect_tx alone.
+      mbar_init(smem_u32(full_bar + s), kGather ? kProducerThreads + 1 : 1);
+      mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  for (int e = tid; e < p.E; e += kThreads) {
+    const int count = __ldg(p.offsets + e + 1) - __ldg(p.offsets + e);
+    tile_start[e + 1] = ((count + kBM - 1) / kBM) * p.n_tiles;
+  }
+  __syncthreads();
+  if (warp == 0) warp_prefix_tiles(tile_start, p.E, lane);
+  __syncthreads();
+  const int total_tiles = tile_start[p.E];
+  const int k_tiles = p.halves * p.kt_half;
+
+  if (warp < 4) {
+    // ================= producer warpgroup =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    if (!kGather && tid != 0) return;  // TMA only: one thread issues everything
+    const T* a_src = static_cast<const T*>(p.a_src);
+    const int chunk = tid & 7;
+    const int row_base = tid >> 3;
+    uint32_t it = 0;
+    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+      const TileCoord c = decode_tile(t, tile_start, p);
+      if (kGather) {
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");  // previous tile's ids no longer read
+        tok_s[tid] = tid < c.rows ? __ldg(p.token_index + c.row0 + tid) : -1;
+        asm volatile("bar.sync 1, 128;\n" ::: "memory");
+      }
+      // B boxes (MN-major: 64 columns each; K-major: 128 rows each) that start past n_out are not
+      // issued nor expected: their accumulator columns are never stored.
+      constexpr int kBoxCols = kBMn ? 64 : kBKBoxRows;
+      constexpr uint32_t kBoxBytes = kBMn ? uint32_t(kBMnBoxBytes) : uint32_t(kBKBoxBytes);
+      const int b_boxes = min(kBN / kBoxCols, (p.n_out - c.n0 + kBoxCols - 1) / kBoxCols);
+      const uint32_t b_bytes = uint32_t(b_boxes) * kBoxBytes;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % kStages;
+        const int half = kt >= p.kt_half ? 1 : 0;
+        const int k0 = (kt - half * p.kt_half) * kBK;
+        mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
+        uint8_t* stage = smem + s * kStageBytes;
+        const uint32_t full = smem_u32(full_bar + s);
+        if (tid == 0) {
+          mbar_arrive_expect_tx(full, b_bytes + (kGather ? 0u : uint32_t(kATileBytes)));
+          if (!kGather) tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
+          const CUtensorMap* mb = half ? &tmap_b1 : &tmap_b0;
+          for (int i = 0; i < b_boxes; ++i) {
+            const uint32_t dst = smem_u32(stage + kATileBytes + i * kBoxBytes);
+            const int cb0 = kBMn ? c.n0 + 64 * i : k0;          // MN: {n, k, e}
+            const int cb1 = kBMn ? k0 : c.n0 + kBKBoxRows * i;  // K:  {k, n, e}
+            tma_load_3d(dst, mb, full, cb0, cb1, c.e);
+          }
+        }
+        if (kGather) {
+          const int k = k0 + chunk * 8;
+          const bool k_ok = k < p.k_half;
+          const uint32_t a_tile = smem_u32(stage);
+#pragma unroll
+          for (int i = 0; i < kBM / 16; ++i) {
+            const int r = row_base + 16 * i;
+            const int tok = tok_s[r];
+            const bool ok = k_ok && tok >= 0;
+            const T* src = ok ? a_src + size_t(tok) * p.lda + k : a_src;
+            cp_async16_zfill(a_tile + r * 128 + ((chunk ^ (r & 7)) << 4), src, ok);
+          }
+          cp_async_mbar_arrive_noinc(full);
+        }
+      }
+    }
+    if (kGather) asm volatile("cp.async.wait_all;\n" ::: "memory");
+  } else {
+    // ================= consumer warpgroups =================
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    const int wg = (warp >> 2) - 1;   // rows [64 wg, 64 wg + 64) of the tile
+    const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of those
+    const int g = lane >> 2, t4 = lane & 3;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    uint32_t it = 0;
+    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+      const TileCoord c = decode_tile(t, tile_start, p);
+      int prev_s = 0;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(smem_u32(full_bar + s), (it / kStages) & 1);
+        // cp.async (generic proxy) wrote A; wgmma reads through the async proxy.
+        if (kGather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        const uint32_t stage = smem_u32(smem + s * kStageBytes);
+        const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
+        const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kATileBytes)
+                                     : smem_desc_kmajor_sw128(stage + kATileBytes);
+        fence_accumulators(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          // A: +32 bytes per 16 k inside the swizzle row. B K-major: the same; B MN-major: 16
+          // k-rows of 128 bytes = +2048 bytes (+128 in the descriptor's address field).
+          const uint64_t db = desc_b + (kBMn ? uint64_t(128 * kk) : uint64_t(2 * kk));
+          wgmma_m64n256k16<T, 0, kBMn ? 1 : 0>(acc, desc_a + 2 * kk, db,
+                                               (kt > 0 || kk > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_accumulators(acc);
+        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+        prev_s = s;
+      }
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+      if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+
+      const int tile_row = wg * 64 + warp_in_wg * 16;
+      if constexpr (KIND == kB1) {
+        b1_epilogue<T, ACT>(p, c, tile_row, g, t4, acc);
+      } else {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int row = tile_row + g + 8 * rr;
+          if (row < c.rows) {
+            float* orow = p.out + size_t(c.row0 + row) * p.n_out + c.n0 + 2 * t4;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+              if (c.n0 + 8 * j < p.n_out)  // n_out % 8 == 0: a pair is all in or all out
+                *reinterpret_cast<float2*>(orow + 8 * j) =
+                    make_float2(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+            }
+          }
+        }
+      }
+    }
+  }
+#else
+  __trap();  // no sm_90a image: sm90_rows_supported never lets this run
+#endif  // MB_SM90_DEVICE
+}
+
+// ---- host -----------------------------------------------------------------------------------
+
+using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                          const RowsParams);
+
+template <typename T>
+KernelFn b1_kernel_for(Activation act) {
+  switch (act) {
+    case Activation::SwiGLU: return sm90_rows_kernel<T, kB1, int(Activation::SwiGLU)>;
+    case Activation::GeGLU: return sm90_rows_kernel<T, kB1, int(Activation::GeGLU)>;
+    case Activation::ReGLU: return sm90_rows_kernel<T, kB1, int(Activation::ReGLU)>;
+    case Activation::SiLU: return sm90_rows_kernel<T, kB1, int(Activation::SiLU)>;
+    case Activation::GELU: return sm90_rows_kernel<T, kB1, int(Activation::GELU)>;
+    case Activation::ReLU: return sm90_rows_kernel<T, kB1, int(Activation::ReLU)>;
+    case Activation::ReLU2: return sm90_rows_kernel<T, kB1, int(Activation::ReLU2)>;
+  }
+  return nullptr;
+}
+
+template <typename T>
+KernelFn kernel_for_type(int kind, Activation act) {
+  if (kind == kF2) return sm90_rows_kernel<T, kF2, 0>;
+  if (kind == kB4) return sm90_rows_kernel<T, kB4, 0>;
+  return b1_kernel_for<T>(act);
+}
+
+KernelFn kernel_for(Dtype dtype, int kind, Activation act) {
+  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(kind, act);
+  if (dtype == Dtype::F16) return kernel_for_type<__half>(kind, act);
+  return nullptr;
+}
+
+constexpr Activation kAllActivations[] = {Activation::SwiGLU, Activation::GeGLU, Activation::ReGLU,
+                                          Activation::SiLU,   Activation::GELU,  Activation::ReLU,
+                                          Activation::ReLU2};
+
+// [count2, count1, count0] row-major with dim 0 contiguous; see make_map_3d.
+template <typename T>
+CUtensorMap map_for(const void* base, int64_t dim0, int64_t dim1, int64_t dim2, int64_t stride1,
+                    int64_t stride2, uint32_t box0, uint32_t box1, uint32_t box2,
+                    const char* what) {
+  return make_map_3d<T>(base, uint64_t(dim0), uint64_t(dim1), uint64_t(dim2), uint64_t(stride1),
+                        uint64_t(stride2), box0, box1, box2, what);
+}
+
+// A weight operand [E, rows, cols] (cols contiguous): MN-major boxes {64 cols, 64 rows} when the
+// GEMM's n runs along cols, K-major boxes {64 cols, 128 rows} when k does.
+CUtensorMap weight_map(Dtype dtype, const void* w, int64_t E, int64_t rows, int64_t cols,
+                       bool mn_major, const char* what) {
+  const uint32_t box1 = mn_major ? uint32_t(kBK) : uint32_t(kBKBoxRows);
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(w, cols, rows, E, cols, rows * cols, 64, box1, 1, what);
+  return map_for<__half>(w, cols, rows, E, cols, rows * cols, 64, box1, 1, what);
+}
+
+// A row operand [N, halves * k_half] as {k_half, halves, N}, box {64 k, 1, 128 rows}.
+CUtensorMap rows_map(Dtype dtype, const void* a, int64_t N, int64_t k_half, int halves,
+                     const char* what) {
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(a, k_half, halves, N, k_half, halves * k_half, kBK, 1, kBM, what);
+  return map_for<__half>(a, k_half, halves, N, k_half, halves * k_half, kBK, 1, kBM, what);
+}
+
+RowsParams base_params(const LayerDesc& desc, const int32_t* offsets, int n_out, int64_t k_half,
+                       int halves, int64_t T) {
+  RowsParams p = {};
+  p.offsets = offsets;
+  p.n_out = n_out;
+  p.k_half = int(k_half);
+  p.halves = halves;
+  p.E = int(desc.E);
+  p.n_tiles = (n_out + kBN - 1) / kBN;
+  p.kt_half = int((k_half + kBK - 1) / kBK);
+  p.N = T * desc.k;
+  return p;
+}
+
+void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtensorMap& b0,
+            const CUtensorMap& b1, const RowsParams& p, cudaStream_t stream, const char* what) {
+  const Sm90Device& info = sm90_current_device();
+  MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
+  // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
+  // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E).
+  const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
+  const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
+  const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation);
+  MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
+  kernel<<<grid, kThreads, smem_bytes(p.E), stream>>>(a, b0, b1, p);
+  check_launch(what);
+}
+
+}  // namespace
+
+size_t sm90_rows_max_smem_bytes() {
+  return kMaxSmemBytes;
+}
+
+bool sm90_rows_prepare_kernels() {
+  for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
+    for (int kind : {kF2, kB4, kB1}) {
+      for (Activation act : kAllActivations) {
+        if (kind != kB1 && act != Activation::SwiGLU) continue;  // one kernel, any activation
+        const KernelFn fn = kernel_for(dtype, kind, act);
+        cudaFuncAttributes attr;
+        if (cudaFuncGetAttributes(&attr, fn) != cudaSuccess || attr.binaryVersion < 90 ||
+            cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 int(kMaxSmemBytes)) != cudaSuccess)
+          return false;
+      }
+    }
+  }
+  return true;
+}
+
+bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
+                         std::initializer_list<const void*> tensors) {
+  if (!sm90_enabled()) return false;
+  if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
+  if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
+  if (desc.E < 1 || desc.E > kMaxExperts || desc.k < 1 || T < 0) return false;
+  const int64_t N = T * desc.k;
+  const int64_t widest = desc.d > 2 * desc.h ? desc.d : 2 * desc.h;
+  const int64_t max_tiles = (N / kBM + desc.E) * ((widest + kBN - 1) / kBN);
+  constexpr int64_t kIntMax = 0x7fffffff;
+  if (widest > kIntMax || N > kIntMax || T > kIntMax || max_tiles > kIntMax) return false;
+  for (const void* ptr : tensors)
+    if (ptr != nullptr && !aligned16(ptr)) return false;
+  return sm90_current_device().usable;
+}
+
+void sm90_f2_launch(const LayerDesc& desc, int64_t T, const void* u, const int32_t* expert_offsets,
+                    const void* w_down, float* rows_out, cudaStream_t stream) {
+  const int64_t N = T * desc.k;
+  if (N == 0) return;
+  RowsParams p = base_params(desc, expert_offsets, int(desc.d), desc.h, 1, T);
+  p.out = rows_out;
+  const CUtensorMap a = rows_map(desc.dtype, u, N, desc.h, 1, "F2");
+  // w_down [E, d, h]: the GEMM's n runs over d (rows), k over h (contiguous): K-major.
+  const CUtensorMap b = weight_map(desc.dtype, w_down, desc.E, desc.d, desc.h, false, "F2");
+  launch(desc, kF2, a, b, b, p, stream, "sm90_rows_kernel (F2)");
+}
+
+void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
+                    const int32_t* expert_offsets, const void* w_gate, const void* w_up,
+                    float* rows_out, cudaStream_t stream) {
+  const int64_t N = T * desc.k;
+  if (N == 0) return;
+  const int halves = desc.gated() ? 2 : 1;
+  RowsParams p = base_params(desc, expert_offsets, int(desc.d), desc.h, halves, T);
+  p.out = rows_out;
+  const CUtensorMap a = rows_map(desc.dtype, dadb, N, desc.h, halves, "B4");
+  // w_gate / w_up [E, h, d]: k runs over h (rows), n over d (contiguous): MN-major.
+  const CUtensorMap b0 = weight_map(desc.dtype, w_gate, desc.E, desc.h, desc.d, true, "B4");
+  const CUtensorMap b1 =
+      desc.gated() ? weight_map(desc.dtype, w_up, desc.E, desc.h, desc.d, true, "B4") : b0;
+  launch(desc, kB4, a, b0, b1, p, stream, "sm90_rows_kernel (B4)");
+}
+
+void sm90_b1_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
+                    const int32_t* expert_token_indices, const void* w_down,
+                    const Sm90B1Epilogue& ep, cudaStream_t stream) {
+  const int64_t N = T * desc.k;
+  if (N == 0) return;
+  RowsParams p = base_params(desc, expert_offsets, int(desc.h), desc.d, 1, T);
+  p.a_src = dy;
+  p.token_index = expert_token_indices;
+  p.lda = int(desc.d);
+  p.gated = desc.gated();
+  p.ab_ld = ep.ab_ld != 0 ? ep.ab_ld : desc.h;
+  p.a = ep.a_src;
+  p.b = p.gated ? ep.b_src : nullptr;
+  p.u = ep.u_src;
+  p.g = ep.g;
+  p.row_pair = ep.row_pair;
+  p.dadb = ep.dadb;
+  p.gu = ep.gu;
+  p.dg_part = ep.dg_part;
+  // w_down [E, d, h]: k runs over d (rows), n over h (contiguous): MN-major. A is gathered (no map;
+  // the kernel never reads tmap_a, the B map stands in for it).
+  const CUtensorMap b = weight_map(desc.dtype, w_down, desc.E, desc.d, desc.h, true, "B1");
+  launch(desc, kB1, b, b, b, p, stream, "sm90_rows_kernel (B1)");
+}
+
+}  // namespace cuda
+}  // namespace moeblaze

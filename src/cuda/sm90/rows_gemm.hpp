@@ -1,0 +1,78 @@
+// F2, B4 and B1 for Hopper: the "rows" grouped GEMMs whose M is an expert's routed rows, on one
+// persistent, warp-specialised TMA + wgmma kernel (dev/cuda/sm90_rows_gemm.cuh, version 1,
+// verified and timed on the H200 in round 3, then generalised to F16, every activation and every
+// checkpoint policy).
+//
+// For expert e and routed rows r in [expert_offsets[e], expert_offsets[e+1]):
+//   F2: y2[r]  = u[r] . w_down[e]^T                     u [N, h] -> fp32 rows [N, d]
+//   B4: dxr[r] = da[r] . w_gate[e] + db[r] . w_up[e]      da|db [N, 2h] (gated; [N, h] otherwise)
+//                                                       -> fp32 rows [N, d]
+//   B1: v[r]   = dy[tok_r] . w_down[e]                   dy [T, d] gathered by expert_token_indices
+//       and, in the epilogue, the activation backward of gemm.cuh's B1 (act_math, the same
+//       formulas): u from the saved u or recomputed from the rounded a, b; dg partial sum of v * u
+//       per 256-column tile; du = g * v; da, db; g * u.
+// fp32 accumulation; the k order within a tile is fixed and every output element belongs to one
+// tile of one CTA, so every result is bitwise repeatable (no atomics). The accumulation order
+// differs from the mma.sync engine's (k-steps of 16 inside 64-wide stages), so results can differ
+// from that engine in the last bit. Rows past expert_offsets[E] (dropped pairs) are not written.
+// No host sync, no allocation: the tile schedule is built by every CTA from the device-side
+// offsets; the tensor maps are kernel parameters encoded on the host per call (graph-capturable).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+
+#include "common/layer_desc.hpp"
+
+namespace moeblaze {
+namespace cuda {
+
+// Output columns of one B1 tile: B1's dg partial buffer holds ceil(h / this) partials per row.
+constexpr int kSm90B1TileCols = 256;
+
+// The largest dynamic shared memory a launch asks for, for the device check.
+size_t sm90_rows_max_smem_bytes();
+
+// See sm90_f1_prepare_kernels (f1_gemm.hpp).
+bool sm90_rows_prepare_kernels();
+
+// True when the F2 / B4 / B1 kernels can run this layer on the current device: the sm90 kernels
+// are enabled and usable (device.hpp), dtype BF16 or F16, d % 8 == 0, h % 8 == 0,
+// 1 <= E <= 1024, every count inside int range and every non-null pointer in `tensors` 16-byte
+// aligned (TMA and 16-byte cp.async need it).
+bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
+                         std::initializer_list<const void*> tensors);
+
+// F2: rows_out [N, d] fp32 (N = T*k). Precondition: sm90_rows_supported.
+void sm90_f2_launch(const LayerDesc& desc, int64_t T, const void* u, const int32_t* expert_offsets,
+                    const void* w_down, float* rows_out, cudaStream_t stream);
+
+// B4: dadb [N, 2h] (da at [0, h), db at [h, 2h)) or [N, h] for non-gated activations;
+// rows_out [N, d] fp32. w_up is ignored for non-gated activations.
+void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
+                    const int32_t* expert_offsets, const void* w_gate, const void* w_up,
+                    float* rows_out, cudaStream_t stream);
+
+// B1's epilogue operands (as gemm.cuh's EpilogueArgs for Epi::B1).
+struct Sm90B1Epilogue {
+  const void* a_src = nullptr;  // [N, ab_ld] saved or recomputed a (may alias dadb: RECOMPUTE)
+  const void* b_src = nullptr;  // [N, ab_ld] b (gated only; may alias dadb)
+  int64_t ab_ld = 0;            // elements between rows of a_src / b_src (0 = h)
+  const void* u_src = nullptr;  // [N, h] saved u (SAVE_ALL) or nullptr (recomputed from a, b)
+  const float* g = nullptr;     // [T*k] routing weights, read at row_pair[r]
+  const int32_t* row_pair = nullptr;  // [N] routed row -> (token, slot) pair index
+  void* dadb = nullptr;               // [N, 2h] (gated) or [N, h]
+  void* gu = nullptr;                 // [N, h] g * u
+  float* dg_part = nullptr;           // [ceil(h / kSm90B1TileCols), N] per-tile partials
+};
+
+// B1 on `stream`: dy [T, d]; w_down [E, d, h]. Precondition: sm90_rows_supported.
+void sm90_b1_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
+                    const int32_t* expert_token_indices, const void* w_down,
+                    const Sm90B1Epilogue& epilogue, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace moeblaze

@@ -1,0 +1,485 @@
+// B2, B3 on Hopper (see wgrad_gemm.hpp): dev/cuda/sm90_wgrad_gemm.cu version 2 (SCHED naive:
+// experts in index order; the LPT order of version 1 was never faster and is not kept).
+//
+// As a GEMM with M output rows, N output columns and K = the expert's routed rows:
+//   B2: A[m][k=r] = dy[tok_r][m] (gathered, M = d), B[k=r][n] = gu[r][n] (contiguous, N = h)
+//   B3: A[m][k=r] = dadb[r][m]   (contiguous, M = 2h, h or the h columns of one wanted half),
+//       B[k=r][n] = x[tok_r][n]  (gathered, N = d); output rows m < split go to out0 (dw_gate, or
+//       the one wanted gradient), m >= split to out1 (dw_up) row m - split.
+// Tile: 128 output rows x 256 output columns x 64 routed rows (k), 4 stages of 48 KB.
+// 384 threads: warpgroup 0 produces (setmaxnreg 56: 40 spills the 16-pass gather), warpgroups 1
+// and 2 consume (setmaxnreg 224); consumer warpgroup w owns output rows [64w, 64w + 64) and
+// issues 4 wgmma.m64n256k16 per stage with BOTH operands MN-major (transposed A and B, the
+// MN-major descriptor of common.cuh: LBO 8192 between 64-wide boxes, SBO 1024 between 8-k-row
+// groups, +2048 bytes per 16 k; A's 64 rows per warpgroup are one box, so its LBO is unused).
+// Stage = A: 2 boxes {64 m, 64 k} + B: 4 boxes {64 n, 64 k}, each box 64 k-rows of 128 bytes in
+// the 128-byte swizzle (16-byte chunk c of k-row r at r * 128 + ((c ^ (r & 7)) << 4)).
+// Producer, per stage of 64 routed rows (row0 = off + 64 kt, valid = min(64, count - 64 kt)):
+//   the gathered operand (dy for B2, x for B3): all 128 producer threads issue 16-byte cp.async
+//     with zero-fill (rows >= valid, columns >= the operand's width) into the swizzle, coalesced;
+//     the 64 token ids come from one __ldg per lane (lanes 0..15, issued before the empty wait)
+//     and warp shuffles;
+//   the contiguous operand (gu for B2, dadb for B3): a FULL stage (valid == 64) is TMA boxes
+//     {64 columns, 64 rows} of a 2-D map over [N rows, width] (one thread; boxes starting past
+//     the width are neither issued nor expected); a PARTIAL stage (the expert's last, when
+//     count % 64 != 0) is loaded by the same cp.async path with the identity row map,
+//     zero-filling rows >= valid.
+//   So rows of the NEXT expert are never read: a TMA box of a partial stage would read them, and
+//   an Inf/NaN there would give 0 * Inf = NaN in this expert's gradient.
+//   Full barrier: 129 arrivals per phase (128 cp.async.mbarrier.arrive.noinc, one per producer
+//   thread, + thread 0's arrive.expect_tx(TMA bytes), or a plain arrive on a partial stage);
+//   empty barrier: 8 arrivals (lane 0 of each consumer warp). Thread 0 issues fence.proxy.async
+//   before a TMA refill of a stage whose previous fill was by cp.async (generic -> async proxy
+//   write-after-write); consumers fence.proxy.async after every full wait (cp.async data is read
+//   by wgmma through the async proxy).
+// Schedule: tiles (e, m_tile, n_tile) for EVERY expert (an empty one still writes its zeros), in
+// expert index order; CTA c takes positions c, c + G, c + 2G, ... (G CTAs). Within an expert the
+// tiles run along the larger output dimension first, so a wave reads the larger operand once.
+// Epilogue: straight from the accumulators (each thread owns rows g, g + 8 of its warp's 16 and
+// column pairs 8j + 2 t4): 4-byte pair stores; accumulate loads the old pairs 8 at a time first.
+#include "cuda/sm90/wgrad_gemm.hpp"
+
+#include "common/status.hpp"
+#include "cuda/cuda_util.cuh"
+#include "cuda/sm90/common.cuh"
+#include "cuda/sm90/device.hpp"
+
+namespace moeblaze {
+namespace cuda {
+namespace {
+
+using namespace sm90;
+
+constexpr int kBM = 128;  // output rows per tile
+constexpr int kBN = 256;  // output columns per tile
+constexpr int kStages = 4;
+constexpr int kThreads = 384;  // warpgroup 0: producer; 1, 2: consumers
+constexpr int kMaxExperts = 1024;
+
+constexpr int kBoxBytes = 64 * kBK * 2;              // 8 KB: 64 k-rows x 128 bytes
+constexpr int kATileBytes = (kBM / 64) * kBoxBytes;  // 16 KB: 2 boxes
+constexpr int kBTileBytes = (kBN / 64) * kBoxBytes;  // 32 KB: 4 boxes
+constexpr int kStageBytes = kATileBytes + kBTileBytes;
+constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
+constexpr int kBarrierBytes = 2 * kStages * 8;
+
+constexpr size_t smem_bytes(int E) {
+  return 1024 /* alignment slack */ + kPipeBytes + kBarrierBytes + sizeof(int) * size_t(E);
+}
+constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts);
+
+struct WgradParams {
+  const void* gsrc;            // gathered operand rows [T, gld] (B2: dy; B3: x)
+  const void* csrc;            // contiguous operand: routed row r at csrc + r * cld (gu; dadb)
+  int gld, cld;                // elements between rows
+  const int32_t* offsets;      // [E + 1]
+  const int32_t* token_index;  // [N]
+  void* out0;                  // [E, split, N]
+  void* out1;                  // [E, M - split, N] (nullptr when split == M)
+  int64_t out_stride0, out_stride1;  // elements per expert
+  int split;                         // output rows m < split -> out0, else out1 (row m - split)
+  int M, N, E, m_tiles, n_tiles;
+  int m_fast;  // tiles of one expert m-fastest (N > M) or n-fastest (see tile_origin)
+  int accumulate;
+};
+
+#if MB_SM90_DEVICE
+
+constexpr int kProducerThreads = 128;
+constexpr int kConsumerWarps = 8;
+
+// Tile `local` of an expert. The CTAs running at one time hold consecutive tiles of one expert
+// and sweep k together; a wave covering all tiles along the fast dimension reads the operand of
+// the slow dimension from DRAM once, the other once per wave. Fast = the larger dimension, so the
+// larger operand is read once: n-fastest when N <= M (B3: M = 2h > d), m-fastest otherwise (B2:
+// M = d < N = h).
+__device__ __forceinline__ void tile_origin(const WgradParams& p, int local, int& m0, int& n0) {
+  if (p.m_fast) {
+    const int nt = local / p.m_tiles;
+    m0 = (local - nt * p.m_tiles) * kBM;
+    n0 = nt * kBN;
+  } else {
+    const int mt = local / p.n_tiles;
+    m0 = mt * kBM;
+    n0 = (local - mt * p.n_tiles) * kBN;
+  }
+}
+
+// Gathers (or copies, GATHERED false) 64 k-rows x (BOXES * 64) columns into BOXES swizzled boxes
+// with the 128 producer threads: thread tid takes 16-byte chunk tid % (8 BOXES) of rows
+// tid / (8 BOXES) + (128 / (8 BOXES)) i. Gathered: lane j < 16 holds the token of
+// token_row(warp, j) (see the producer), fetched here by shuffle. Chunks of rows >= valid or
+// columns >= width are zero-filled and their source is not read.
+template <typename T, int BOXES, bool GATHERED>
+__device__ __forceinline__ void load_rows(uint32_t dst, const T* src, int ld, int col0, int width,
+                                          int valid, int row0, int tok, int tid) {
+  constexpr int kChunksPerRow = BOXES * 8;
+  constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;  // 8 or 4
+  constexpr int kPasses = kBK / kRowsPerPass;                     // 8 or 16
+  const int lane = tid & 31;
+  const int cr = tid % kChunksPerRow;
+  const int rbase = tid / kChunksPerRow;
+  const int col = col0 + 8 * cr;
+  const bool col_ok = col < width;
+  const uint32_t box_dst = dst + uint32_t(cr >> 3) * kBoxBytes;
+  const int c = cr & 7;
+  // Unrolled 4 x, not fully: fully unrolled, ptxas hoists the 8..16 per-pass addresses out of the
+  // k-loop and spills them (the producer has 56 registers).
+#pragma unroll 4
+  for (int i = 0; i < kPasses; ++i) {
+    const int r = rbase + kRowsPerPass * i;
+    int src_row;
+    if (GATHERED) {
+      const int src_lane = BOXES == 4 ? i : 2 * i + (lane >> 4);
+      src_row = __shfl_sync(0xffffffffu, tok, src_lane);
+    } else {
+      src_row = row0 + r;
+    }
+    const bool ok = col_ok && r < valid;
+    const T* ptr = ok ? src + size_t(src_row) * ld + col : src;
+    cp_async16_zfill(box_dst + uint32_t(r) * 128u + uint32_t((c ^ (r & 7)) << 4), ptr, ok);
+  }
+}
+
+// The k-row whose token lane j (< 16) of producer warp w holds, for a gathered operand of BOXES
+// boxes (load_rows' row of pass i: BOXES 4: w + 4i; BOXES 2: 2w + (lane >> 4) + 8i).
+template <int BOXES>
+__device__ __forceinline__ int token_row(int w, int j) {
+  return BOXES == 4 ? w + 4 * j : 2 * w + (j & 1) + 8 * (j >> 1);
+}
+
+#endif  // MB_SM90_DEVICE
+
+// GATHER_A: B2 (A = dy rows gathered, B = gu rows by TMA); otherwise B3 (A = dadb rows by TMA,
+// B = x rows gathered).
+template <typename T, bool GATHER_A>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_wgrad_kernel(const __grid_constant__ CUtensorMap cmap, const WgradParams p) {
+#if MB_SM90_DEVICE
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kPipeBytes);
+  uint64_t* empty_bar = full_bar + kStages;
+  int* cnt_s = reinterpret_cast<int*>(empty_bar + kStages);  // [E] rows per expert
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+
+  if (tid == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(smem_u32(full_bar + s), kProducerThreads + 1);
+      mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  for (int e = tid; e < p.E; e += kThreads)
+    cnt_s[e] = __ldg(p.offsets + e + 1) - __ldg(p.offsets + e);
+  __syncthreads();
+
+  const int tiles_per_expert = p.m_tiles * p.n_tiles;
+  const int total_tiles = p.E * tiles_per_expert;
+  const int G = int(gridDim.x), cta = int(blockIdx.x);
+  constexpr int kGBoxes = GATHER_A ? kBM / 64 : kBN / 64;  // boxes of the gathered operand
+  constexpr int kCBoxes = GATHER_A ? kBN / 64 : kBM / 64;  // boxes of the contiguous operand
+
+  if (warp < 4) {
+    // ================= producer warpgroup =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
+    const T* gsrc = static_cast<const T*>(p.gsrc);
+    const T* csrc = static_cast<const T*>(p.csrc);
+    uint32_t it = 0;
+    uint32_t cp_filled = 0;  // thread 0: stages whose last contiguous-operand fill was cp.async
+    const int g_width = GATHER_A ? p.M : p.N, c_width = GATHER_A ? p.N : p.M;
+    const int my_token_row = token_row<kGBoxes>(warp, lane);
+    for (int t = cta; t < total_tiles; t += G) {
+      const int e = t / tiles_per_expert;
+      int m0, n0;
+      tile_origin(p, t - e * tiles_per_expert, m0, n0);
+      const int g_col0 = GATHER_A ? m0 : n0, c_col0 = GATHER_A ? n0 : m0;
+      const int off = __ldg(p.offsets + e);
+      const int count = cnt_s[e];
+      const int k_tiles = (count + kBK - 1) / kBK;
+      const int c_boxes = min(kCBoxes, (c_width - c_col0 + 63) / 64);
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % kStages;
+        const int row0 = off + kt * kBK;
+        const int valid = min(kBK, count - kt * kBK);
+        int tok = 0;  // issued before the empty wait: its latency hides behind it
+        if (lane < 16 && my_token_row < valid) tok = __ldg(p.token_index + row0 + my_token_row);
+        mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
+        const uint32_t full = smem_u32(full_bar + s);
+        const uint32_t a_dst = smem_u32(smem + s * kStageBytes);
+        const uint32_t b_dst = a_dst + kATileBytes;
+        const uint32_t c_dst = GATHER_A ? b_dst : a_dst;
+        const uint32_t g_dst = GATHER_A ? a_dst : b_dst;
+        if (valid == kBK) {
+          if (tid == 0) {
+            if ((cp_filled >> s) & 1u) fence_proxy_async();  // generic writes before TMA's
+            cp_filled &= ~(1u << s);
+            mbar_arrive_expect_tx(full, uint32_t(c_boxes) * kBoxBytes);
+            for (int b = 0; b < c_boxes; ++b)
+              tma_load_2d(c_dst + uint32_t(b) * kBoxBytes, &cmap, full, c_col0 + 64 * b, row0);
+          }
+        } else {
+          // The expert's last, partial stage: a TMA box would read the next expert's rows.
+          if (tid == 0) {
+            mbar_arrive(full);
+            cp_filled |= 1u << s;
+          }
+          load_rows<T, kCBoxes, false>(c_dst, csrc, p.cld, c_col0, c_width, valid, row0, 0, tid);
+        }
+        load_rows<T, kGBoxes, true>(g_dst, gsrc, p.gld, g_col0, g_width, valid, row0, tok, tid);
+        cp_async_mbar_arrive_noinc(full);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+  } else {
+    // ================= consumer warpgroups =================
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n" ::: "memory");
+    const int wg = (warp >> 2) - 1;   // output rows [64 wg, 64 wg + 64) of the tile
+    const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of those
+    const int g = lane >> 2, t4 = lane & 3;
+    float acc[128];
+#pragma unroll
+    for (int q = 0; q < 128; ++q) acc[q] = 0.f;
+    uint32_t it = 0;
+    for (int t = cta; t < total_tiles; t += G) {
+      const int e = t / tiles_per_expert;
+      int m0, n0;
+      tile_origin(p, t - e * tiles_per_expert, m0, n0);
+      const int count = cnt_s[e];
+      const int k_tiles = (count + kBK - 1) / kBK;
+      int prev_s = 0;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(smem_u32(full_bar + s), (it / kStages) & 1);
+        fence_proxy_async();  // cp.async (generic proxy) data is read by wgmma (async proxy)
+        const uint32_t stage = smem_u32(smem + s * kStageBytes);
+        const uint64_t desc_a = smem_desc_mnmajor_sw128(stage + uint32_t(wg) * kBoxBytes);
+        const uint64_t desc_b = smem_desc_mnmajor_sw128(stage + kATileBytes);
+        fence_accumulators(acc);
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          // 16 k-rows of 128 bytes = 2048 bytes = +128 in the descriptor's address field
+          wgmma_m64n256k16<T, 1, 1>(acc, desc_a + uint64_t(128 * kk), desc_b + uint64_t(128 * kk),
+                                    (kt > 0 || kk > 0) ? 1 : 0);
+        }
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_accumulators(acc);
+        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+        prev_s = s;
+      }
+      // Unconditional (nothing may be pending): a wait under a branch makes ptxas insert its own
+      // in a divergent path and serialise the wgmmas (C7518).
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+      if (k_tiles > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+      // An empty expert's tile ran no wgmma: its accumulators hold the previous tile's values.
+      const bool live = k_tiles > 0;
+
+      // ---- epilogue: register 4j + q of lane (g, t4) holds row g (q < 2) or g + 8 (q >= 2),
+      // column 8j + 2 t4 + (q & 1) of the warp's 16 x 256 block.
+      if (p.accumulate && count == 0) continue;  // empty expert: leave out untouched
+      const int tile_row = wg * 64 + warp_in_wg * 16 + g;
+#pragma unroll  // rr indexes the accumulators: a runtime index would move them to local memory
+      for (int rr = 0; rr < 2; ++rr) {
+        const int m = m0 + tile_row + 8 * rr;
+        if (m >= p.M) continue;
+        T* orow =
+            m < p.split
+                ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(m) * p.N
+                : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 + size_t(m - p.split) * p.N;
+        orow += n0 + 2 * t4;
+        if (p.accumulate) {
+#pragma unroll
+          for (int j0 = 0; j0 < 32; j0 += 8) {
+            uint32_t old[8];
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+              const bool ok = n0 + 8 * (j0 + jj) < p.N;  // N % 8 == 0: a pair is all in or out
+              old[jj] = ok ? *reinterpret_cast<const uint32_t*>(orow + 8 * (j0 + jj)) : 0u;
+            }
+#pragma unroll
+            for (int jj = 0; jj < 8; ++jj) {
+              const int jc = j0 + jj;
+              if (n0 + 8 * jc < p.N) {
+                const float2 o = unpack2<T>(old[jj]);
+                *reinterpret_cast<uint32_t*>(orow + 8 * jc) =
+                    pack2<T>(o.x + (live ? acc[4 * jc + 2 * rr] : 0.f),
+                             o.y + (live ? acc[4 * jc + 2 * rr + 1] : 0.f));
+              }
+            }
+          }
+        } else {
+#pragma unroll
+          for (int jc = 0; jc < 32; ++jc) {
+            if (n0 + 8 * jc < p.N)
+              *reinterpret_cast<uint32_t*>(orow + 8 * jc) = pack2<T>(
+                  live ? acc[4 * jc + 2 * rr] : 0.f, live ? acc[4 * jc + 2 * rr + 1] : 0.f);
+          }
+        }
+      }
+    }
+  }
+#else
+  __trap();  // no sm_90a image: sm90_wgrad_supported never lets this run
+#endif  // MB_SM90_DEVICE
+}
+
+// ---- host -----------------------------------------------------------------------------------
+
+using KernelFn = void (*)(const CUtensorMap, const WgradParams);
+
+KernelFn kernel_for(Dtype dtype, bool gather_a) {
+  if (dtype == Dtype::BF16)
+    return gather_a ? sm90_wgrad_kernel<__nv_bfloat16, true>
+                    : sm90_wgrad_kernel<__nv_bfloat16, false>;
+  return gather_a ? sm90_wgrad_kernel<__half, true> : sm90_wgrad_kernel<__half, false>;
+}
+
+// The contiguous operand: `rows` routed rows of `width` columns, `ld` elements apart, as a 2-D map
+// with box {64 columns, 64 rows}; columns >= width and rows >= rows read as zeros.
+CUtensorMap contiguous_map(Dtype dtype, const void* base, int64_t width, int64_t rows, int64_t ld,
+                           const char* what) {
+  if (dtype == Dtype::BF16)
+    return make_map_2d<__nv_bfloat16>(base, uint64_t(width), uint64_t(rows), uint64_t(ld), 64,
+                                      uint32_t(kBK), what);
+  return make_map_2d<__half>(base, uint64_t(width), uint64_t(rows), uint64_t(ld), 64, uint32_t(kBK),
+                             what);
+}
+
+// Zeros for every expert's output (no routed rows at all: every expert is empty). The kernel's
+// empty-expert path would write the same +0 bits, but needs a tensor map over >= 1 row.
+void write_zeros(void* out, int64_t elements, size_t elem_size, cudaStream_t stream,
+                 const char* what) {
+  if (out == nullptr || elements == 0) return;
+  check(cudaMemsetAsync(out, 0, size_t(elements) * elem_size, stream), what);
+}
+
+void launch(const LayerDesc& desc, bool gather_a, const CUtensorMap& map, WgradParams p,
+            cudaStream_t stream, const char* what) {
+  const Sm90Device& info = sm90_current_device();
+  MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
+  p.E = int(desc.E);
+  p.m_tiles = (p.M + kBM - 1) / kBM;
+  p.n_tiles = (p.N + kBN - 1) / kBN;
+  p.m_fast = p.N > p.M ? 1 : 0;
+  // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
+  // tiles; every expert's tiles are scheduled, empty or not.
+  const int64_t total_tiles = int64_t(p.E) * p.m_tiles * p.n_tiles;
+  const int grid = int(total_tiles < info.sms ? total_tiles : info.sms);
+  kernel_for(desc.dtype, gather_a)<<<grid, kThreads, smem_bytes(p.E), stream>>>(map, p);
+  check_launch(what);
+}
+
+}  // namespace
+
+size_t sm90_wgrad_max_smem_bytes() {
+  return kMaxSmemBytes;
+}
+
+bool sm90_wgrad_prepare_kernels() {
+  for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
+    for (bool gather_a : {true, false}) {
+      const KernelFn fn = kernel_for(dtype, gather_a);
+      cudaFuncAttributes attr;
+      if (cudaFuncGetAttributes(&attr, fn) != cudaSuccess || attr.binaryVersion < 90 ||
+          cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(kMaxSmemBytes)) != cudaSuccess)
+        return false;
+    }
+  }
+  return true;
+}
+
+bool sm90_wgrad_supported(const LayerDesc& desc, int64_t T,
+                          std::initializer_list<const void*> tensors) {
+  if (!sm90_enabled()) return false;
+  if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
+  if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
+  if (desc.E < 1 || desc.E > kMaxExperts || desc.k < 1 || T < 0) return false;
+  constexpr int64_t kIntMax = 0x7fffffff;
+  if (T > kIntMax || desc.k > kIntMax) return false;
+  const int64_t N = T * desc.k;
+  const int64_t widest = desc.d > 2 * desc.h ? desc.d : 2 * desc.h;
+  // Tile ids (plus the grid stride past the last one) stay inside int.
+  const int64_t max_tiles = desc.E * ((widest + kBM - 1) / kBM) * ((widest + kBN - 1) / kBN);
+  if (widest > kIntMax || N > kIntMax || max_tiles > kIntMax / 2) return false;
+  for (const void* ptr : tensors)
+    if (ptr != nullptr && !aligned16(ptr)) return false;
+  return sm90_current_device().usable;
+}
+
+void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
+                    const int32_t* expert_token_indices, const void* gu, void* dw_down,
+                    bool accumulate, cudaStream_t stream) {
+  if (dw_down == nullptr) return;
+  const int64_t N = T * desc.k;
+  if (N == 0) {
+    if (!accumulate)
+      write_zeros(dw_down, desc.E * desc.d * desc.h, desc.elem_size(), stream, "sm90 B2 zeros");
+    return;
+  }
+  WgradParams p = {};
+  p.gsrc = dy;
+  p.gld = int(desc.d);
+  p.csrc = gu;
+  p.cld = int(desc.h);
+  p.offsets = expert_offsets;
+  p.token_index = expert_token_indices;
+  p.out0 = dw_down;
+  p.out_stride0 = desc.d * desc.h;
+  p.M = int(desc.d);
+  p.N = int(desc.h);
+  p.split = p.M;
+  p.accumulate = accumulate ? 1 : 0;
+  const CUtensorMap map = contiguous_map(desc.dtype, gu, desc.h, N, desc.h, "B2");
+  launch(desc, true, map, p, stream, "sm90_wgrad_kernel (B2)");
+}
+
+void sm90_b3_launch(const LayerDesc& desc, int64_t T, const void* dadb, const void* x,
+                    const int32_t* expert_offsets, const int32_t* expert_token_indices,
+                    void* dw_gate, void* dw_up, bool accumulate, cudaStream_t stream) {
+  const bool gated = desc.gated();
+  if (!gated) dw_up = nullptr;
+  if (dw_gate == nullptr && dw_up == nullptr) return;
+  const int64_t N = T * desc.k;
+  const int64_t h = desc.h;
+  if (N == 0) {
+    if (!accumulate) {
+      write_zeros(dw_gate, desc.E * h * desc.d, desc.elem_size(), stream, "sm90 B3 zeros");
+      write_zeros(dw_up, desc.E * h * desc.d, desc.elem_size(), stream, "sm90 B3 zeros");
+    }
+    return;
+  }
+  const int64_t dadb_ld = gated ? 2 * h : h;
+  // dadb's columns are [da | db]: read only the wanted halves. dw_up alone: start at db (h % 8 ==
+  // 0 keeps the base 16-byte aligned); one half: M = h, so the map zero-fills past it.
+  const bool both = dw_gate != nullptr && dw_up != nullptr;
+  const void* a_base =
+      dw_gate != nullptr
+          ? dadb
+          : static_cast<const void*>(static_cast<const char*>(dadb) + size_t(h) * desc.elem_size());
+  WgradParams p = {};
+  p.gsrc = x;
+  p.gld = int(desc.d);
+  p.csrc = a_base;
+  p.cld = int(dadb_ld);
+  p.offsets = expert_offsets;
+  p.token_index = expert_token_indices;
+  p.out0 = dw_gate != nullptr ? dw_gate : dw_up;
+  p.out1 = both ? dw_up : nullptr;
+  p.out_stride0 = h * desc.d;
+  p.out_stride1 = h * desc.d;
+  p.M = int(both ? 2 * h : h);
+  p.N = int(desc.d);
+  p.split = int(h);
+  p.accumulate = accumulate ? 1 : 0;
+  const CUtensorMap map = contiguous_map(desc.dtype, a_base, p.M, N, dadb_ld, "B3");
+  launch(desc, false, map, p, stream, "sm90_wgrad_kernel (B3)");
+}
+
+}  // namespace cuda
+}  // namespace moeblaze

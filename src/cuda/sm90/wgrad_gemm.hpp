@@ -1,0 +1,66 @@
+// B2 and B3 for Hopper: the weight-gradient grouped GEMMs, a reduction over each expert's routed
+// rows ("varlen K") with both operands MN-major, on one persistent, warp-specialised
+// TMA + cp.async + wgmma kernel (dev/cuda/sm90_wgrad_gemm.cu, version 2: experts in index order;
+// verified and timed on the H200 in round 4: edge shapes, BF16 and F16, accumulate, Inf/NaN rows
+// of the neighbouring expert, memcheck clean; 380-470 TFLOP/s on the round's shapes).
+//
+// For expert e and routed rows r in [expert_offsets[e], expert_offsets[e+1]), tok_r =
+// expert_token_indices[r]:
+//   B2: dw_down[e] [d, h]          (+)= sum_r dy[tok_r]^T gu_r
+//   B3: [dw_gate; dw_up][e] [2h, d] (+)= sum_r [da|db]_r^T x[tok_r]   (gated; non-gated: dw_gate
+//                                        [h, d] from da [N, h] alone)
+// fp32 accumulation, rounded once to the storage dtype (round-to-nearest-even); accumulate: out =
+// round(old + acc) with one fp32 add. An expert with no rows gets zeros (accumulate == false) or
+// is left untouched (accumulate == true). One CTA owns a whole output tile and sums k in ascending
+// row order (no split-K, no atomics), so every result is bitwise repeatable; the order differs
+// from the mma.sync engine's, so results can differ from that engine in the last bit.
+// Only rows inside an expert's range are read: rows past expert_offsets[E] (dropped pairs) and
+// the next expert's rows never enter a sum (an Inf there cannot turn into NaN here).
+// No host sync, no allocation: the tensor map is a kernel parameter encoded on the host per call
+// (graph-capturable).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+
+#include "common/layer_desc.hpp"
+
+namespace moeblaze {
+namespace cuda {
+
+// The largest dynamic shared memory a launch asks for (E = 1024), for the device check.
+size_t sm90_wgrad_max_smem_bytes();
+
+// See sm90_f1_prepare_kernels (f1_gemm.hpp): with a compute capability 9.0 device current, true
+// when every B2 / B3 kernel's image is the sm_90a one, after setting their shared-memory opt-in.
+bool sm90_wgrad_prepare_kernels();
+
+// True when the B2 / B3 kernels can run this layer on the current device: the sm90 kernels are
+// enabled and usable (device.hpp), dtype BF16 or F16, d % 8 == 0, h % 8 == 0, 1 <= E <= 1024,
+// every count inside int range and every non-null pointer in `tensors` 16-byte aligned (TMA and
+// 16-byte cp.async need it).
+bool sm90_wgrad_supported(const LayerDesc& desc, int64_t T,
+                          std::initializer_list<const void*> tensors);
+
+// B2 on `stream`: dy [T, d]; expert_offsets [E+1] and expert_token_indices [N] on the device
+// (N = T*k, an upper bound of expert_offsets[E]); gu [N, h] (g * u by routed row);
+// dw_down [E, d, h] (nullptr: nothing to do). Precondition: sm90_wgrad_supported.
+// Throws moeblaze::Error (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.
+void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
+                    const int32_t* expert_token_indices, const void* gu, void* dw_down,
+                    bool accumulate, cudaStream_t stream);
+
+// B3 on `stream`: dadb [N, 2h] (da at [0, h), db at [h, 2h)) for gated activations, [N, h] (da)
+// otherwise; x [T, d]; dw_gate, dw_up [E, h, d]. A nullptr gradient is neither computed nor stored
+// (only the dadb columns of the wanted ones are read); dw_up is ignored for non-gated activations;
+// nothing wanted: nothing to do. Precondition: sm90_wgrad_supported.
+// Throws moeblaze::Error (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.
+void sm90_b3_launch(const LayerDesc& desc, int64_t T, const void* dadb, const void* x,
+                    const int32_t* expert_offsets, const int32_t* expert_token_indices,
+                    void* dw_gate, void* dw_up, bool accumulate, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace moeblaze
