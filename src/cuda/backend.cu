@@ -5,7 +5,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <map>
 #include <memory>
+#include <mutex>
+#include <tuple>
 
 #include "common/backend.hpp"
 #include "common/carver.hpp"
@@ -14,7 +17,7 @@
 #include "cuda/experts.hpp"
 #include "cuda/gemm.cuh"
 #include "cuda/kernels.hpp"
-#include "cuda/sm90/f1_gemm.hpp"
+#include "cuda/sm90/device.hpp"
 
 #ifndef MOEBLAZE_CUDA_VERSION
 #define MOEBLAZE_CUDA_VERSION "unknown"
@@ -64,31 +67,44 @@ template <typename H>
 struct LtHandle {
   H h = nullptr;
   cublasStatus_t (*destroy)(H) = nullptr;
+  LtHandle() = default;
+  LtHandle(const LtHandle&) = delete;
+  LtHandle& operator=(const LtHandle&) = delete;
   ~LtHandle() {
     if (h && destroy) destroy(h);
   }
 };
 
-void lt_matmul(cublasLtHandle_t handle, const LtGemm& g, void* workspace, size_t workspace_bytes,
-               cudaStream_t stream) {
+// What cuBLASLt needs besides the pointers: the descriptors and the algorithm its heuristic chose.
+// Building them costs tens of microseconds and heap allocations inside cuBLASLt, so they are built
+// once per GEMM shape and kept by the backend (LtPlanCache); the execute path then only enqueues.
+struct LtPlan {
   LtHandle<cublasLtMatmulDesc_t> op;
-  op.destroy = cublasLtMatmulDescDestroy;
-  check_lt(cublasLtMatmulDescCreate(&op.h, CUBLAS_COMPUTE_32F, CUDA_R_32F),
-           "cublasLtMatmulDescCreate");
-  check_lt(
-      cublasLtMatmulDescSetAttribute(op.h, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a, sizeof(g.op_a)),
-      "cublasLtMatmulDescSetAttribute(TRANSA)");
-  check_lt(
-      cublasLtMatmulDescSetAttribute(op.h, CUBLASLT_MATMUL_DESC_TRANSB, &g.op_b, sizeof(g.op_b)),
-      "cublasLtMatmulDescSetAttribute(TRANSB)");
-  const bool ta = g.op_a == CUBLAS_OP_T, tb = g.op_b == CUBLAS_OP_T;
   LtHandle<cublasLtMatrixLayout_t> la, lb, ld;
-  la.destroy = lb.destroy = ld.destroy = cublasLtMatrixLayoutDestroy;
-  check_lt(cublasLtMatrixLayoutCreate(&la.h, g.ab_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda),
-           "cublasLtMatrixLayoutCreate(A)");
-  check_lt(cublasLtMatrixLayoutCreate(&lb.h, g.ab_type, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb),
-           "cublasLtMatrixLayoutCreate(B)");
-  check_lt(cublasLtMatrixLayoutCreate(&ld.h, g.d_type, g.m, g.n, g.ldd),
+  cublasLtMatmulAlgo_t algo{};
+};
+
+std::shared_ptr<const LtPlan> make_lt_plan(cublasLtHandle_t handle, const LtGemm& g,
+                                           size_t workspace_bytes) {
+  auto plan = std::make_shared<LtPlan>();
+  plan->op.destroy = cublasLtMatmulDescDestroy;
+  check_lt(cublasLtMatmulDescCreate(&plan->op.h, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+           "cublasLtMatmulDescCreate");
+  check_lt(cublasLtMatmulDescSetAttribute(plan->op.h, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a,
+                                          sizeof(g.op_a)),
+           "cublasLtMatmulDescSetAttribute(TRANSA)");
+  check_lt(cublasLtMatmulDescSetAttribute(plan->op.h, CUBLASLT_MATMUL_DESC_TRANSB, &g.op_b,
+                                          sizeof(g.op_b)),
+           "cublasLtMatmulDescSetAttribute(TRANSB)");
+  const bool ta = g.op_a == CUBLAS_OP_T, tb = g.op_b == CUBLAS_OP_T;
+  plan->la.destroy = plan->lb.destroy = plan->ld.destroy = cublasLtMatrixLayoutDestroy;
+  check_lt(
+      cublasLtMatrixLayoutCreate(&plan->la.h, g.ab_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda),
+      "cublasLtMatrixLayoutCreate(A)");
+  check_lt(
+      cublasLtMatrixLayoutCreate(&plan->lb.h, g.ab_type, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb),
+      "cublasLtMatrixLayoutCreate(B)");
+  check_lt(cublasLtMatrixLayoutCreate(&plan->ld.h, g.d_type, g.m, g.n, g.ldd),
            "cublasLtMatrixLayoutCreate(D)");
   LtHandle<cublasLtMatmulPreference_t> pref;
   pref.destroy = cublasLtMatmulPreferenceDestroy;
@@ -98,15 +114,49 @@ void lt_matmul(cublasLtHandle_t handle, const LtGemm& g, void* workspace, size_t
            "cublasLtMatmulPreferenceSetAttribute");
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  check_lt(cublasLtMatmulAlgoGetHeuristic(handle, op.h, la.h, lb.h, ld.h, ld.h, pref.h, 1, &result,
-                                          &found),
+  check_lt(cublasLtMatmulAlgoGetHeuristic(handle, plan->op.h, plan->la.h, plan->lb.h, plan->ld.h,
+                                          plan->ld.h, pref.h, 1, &result, &found),
            "cublasLtMatmulAlgoGetHeuristic");
   MB_REQUIRE(found > 0, MOEBLAZE_ERR_NOT_SUPPORTED,
              "cuBLASLt has no algorithm for the router GEMM");
+  plan->algo = result.algo;
+  return plan;
+}
+
+// Plans by GEMM shape (not by pointer: the same plan serves any buffers of that shape). A layer
+// uses a handful of shapes per token count T, so the cache stays small; past kMaxPlans distinct
+// shapes (a caller cycling through many T) it starts over rather than grow without bound. Shared
+// by every thread using the backend: plans are immutable once built, the map is mutex-guarded.
+class LtPlanCache {
+ public:
+  // A shared reference: a plan stays alive for a caller even if another thread clears the cache.
+  std::shared_ptr<const LtPlan> get(cublasLtHandle_t handle, const LtGemm& g,
+                                    size_t workspace_bytes) {
+    const Key key{int(g.op_a),   int(g.op_b), g.m,   g.n,   g.k,         int(g.ab_type),
+                  int(g.d_type), g.lda,       g.ldb, g.ldd, g.beta != 0, workspace_bytes};
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = plans_.find(key);
+    if (found != plans_.end()) return found->second;
+    if (plans_.size() >= kMaxPlans) plans_.clear();
+    return plans_.emplace(key, make_lt_plan(handle, g, workspace_bytes)).first->second;
+  }
+
+ private:
+  static constexpr size_t kMaxPlans = 256;
+  using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int, int, int64_t, int64_t, int64_t,
+                         bool, size_t>;
+  std::mutex mutex_;
+  std::map<Key, std::shared_ptr<const LtPlan>> plans_;
+};
+
+void lt_matmul(cublasLtHandle_t handle, LtPlanCache& cache, const LtGemm& g, void* workspace,
+               size_t workspace_bytes, cudaStream_t stream) {
+  const std::shared_ptr<const LtPlan> plan = cache.get(handle, g, workspace_bytes);
   const float alpha = 1.f;
-  check_lt(cublasLtMatmul(handle, op.h, &alpha, g.a, la.h, g.b, lb.h, &g.beta, g.d, ld.h, g.d, ld.h,
-                          &result.algo, workspace, workspace_bytes, stream),
-           "cublasLtMatmul");
+  check_lt(
+      cublasLtMatmul(handle, plan->op.h, &alpha, g.a, plan->la.h, g.b, plan->lb.h, &g.beta, g.d,
+                     plan->ld.h, g.d, plan->ld.h, &plan->algo, workspace, workspace_bytes, stream),
+      "cublasLtMatmul");
 }
 
 class CudaBackend final : public Backend {
@@ -115,7 +165,7 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device_);
     check_lt(cublasLtCreate(&lt_), "cublasLtCreate");
     gemm_init_attributes();
-    sm90_f1_prepare_device(device_);  // Hopper F1 kernel attributes, outside any graph capture
+    sm90_prepare_device(device_);  // Hopper kernel attributes, outside any graph capture
     // Tuning switch (read here, never on an execute path): the tensor-core warp layout.
     const char* warps = std::getenv("MOEBLAZE_CUDA_MMA_WARPS");
     gemm_set_mma_warps(warps ? std::atoi(warps) : 0);
@@ -228,7 +278,7 @@ class CudaBackend final : public Backend {
     g.d = call.logits;
     g.ldd = desc.E;
     g.beta = 0.f;
-    lt_matmul(lt_, g, lt_ws, kLtWorkspaceBytes, as_stream(call.stream));
+    lt_matmul(lt_, lt_plans_, g, lt_ws, kLtWorkspaceBytes, as_stream(call.stream));
   }
 
   // d_logits is fp32 while x and w_router are in the storage dtype. For 16-bit layers d_logits is
@@ -276,7 +326,7 @@ class CudaBackend final : public Backend {
       g.d = call.dw_router;
       g.ldd = desc.d;
       g.beta = call.accumulate_wgrad ? 1.f : 0.f;
-      lt_matmul(lt_, g, lt_ws, kLtWorkspaceBytes, stream);
+      lt_matmul(lt_, lt_plans_, g, lt_ws, kLtWorkspaceBytes, stream);
     }
     if (call.dx) {
       LtGemm g;
@@ -294,7 +344,7 @@ class CudaBackend final : public Backend {
       g.d = call.dx;
       g.ldd = desc.d;
       g.beta = 1.f;
-      lt_matmul(lt_, g, lt_ws, kLtWorkspaceBytes, stream);
+      lt_matmul(lt_, lt_plans_, g, lt_ws, kLtWorkspaceBytes, stream);
     }
   }
 
@@ -345,6 +395,7 @@ class CudaBackend final : public Backend {
 
   int32_t device_;
   cublasLtHandle_t lt_ = nullptr;
+  LtPlanCache lt_plans_;  // descriptors only: independent of the lt_ handle's lifetime
 };
 
 }  // namespace
