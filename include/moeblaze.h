@@ -551,6 +551,303 @@ MOEBLAZE_API moeblaze_status_t moeblaze_layer_backward(moeblaze_layer_t layer,
                                                        const moeblaze_backward_args_t* args,
                                                        void* stream);
 
+/* ---------------------------------------------------------------------------------------------- */
+/* Expert parallelism                                                                             */
+/* ---------------------------------------------------------------------------------------------- */
+
+/*! \page ep Expert parallelism
+ *
+ * An expert-parallel (EP) layer spreads the `E` experts of one layer over `world_size` ranks
+ * (one GPU, or one thread of the CPU backend, each) and moves the tokens to them. Rank `r` owns the
+ * contiguous experts `[begin_r, end_r)` (moeblaze_ep_layer_get_experts(): `E / world_size`
+ * experts, one more on the first `E % world_size` ranks) and feeds its own `T_r` tokens. The
+ * router weight is replicated. Results equal the one-device layer on the *global batch* (the
+ * concatenation of the ranks' tokens in rank order): `y`, `dg` and the expert weight gradients
+ * bitwise for F32 and F64 (docs/design/expert-parallel.md, section 5).
+ *
+ * Data flow of one training step on every rank (all calls on `stream`):
+ * - moeblaze_ep_forward_begin(): router projection, router and routing build of this rank's
+ *   tokens, the exchange of the per-expert counts, and a copy of the count table to the caller's
+ *   host `exchange` buffer. This copy is **the one host synchronisation** of EP: the send and
+ *   receive sizes must be known on the host to post the exchange. It returns `recv_rows`, the rows
+ *   this rank's experts receive, so the caller can allocate the exact buffers of the next phase.
+ * - moeblaze_ep_forward_finish(): the routed rows (and their routing weights `g`) travel to the
+ *   experts' ranks, the local experts run on them, the results travel back and are combined per
+ *   token in slot order. No host synchronisation.
+ * - moeblaze_ep_backward(): the transposed exchanges with the forward's sizes (read from
+ *   `exchange`: no count exchange, no host synchronisation), the experts' backward on the
+ *   received rows, the router's backward on this rank's tokens.
+ *
+ * These three calls are **collective**: every rank of the group must make them, in the same order,
+ * for the same layer (as with any NCCL collective); a rank with no tokens passes `num_tokens = 0`.
+ * Which optional outputs each rank requests may differ.
+ *
+ * Gradient convention: the gradients are those of the sum of the ranks' objectives. `dw_gate`,
+ * `dw_up`, `dw_down` of a rank's experts are complete (every rank's rows reach their owner);
+ * `dw_router` is this rank's share (sum the shares over ranks, e.g. in rank order, as for any
+ * replicated parameter), and so are the losses: `losses` returns this rank's shares of the
+ * global-batch aux and z losses, whose sum over ranks is the one-device value.
+ *
+ * Transports (::moeblaze_ep_transport_code): NCCL point-to-point sends and receives on the
+ * caller's stream (never NVLink multicast), for production; and LOCAL, an in-process group whose
+ * ranks are threads of one process, for tests and for the CPU backend.
+ *
+ * Memory: every rank owns, per training step, two saved buffers (sizes from
+ * moeblaze_ep_layer_saved_size()) and a small host `exchange` buffer:
+ * - the *home* saved buffer (function of `T_r`): the count table, logits, ids, g and routing
+ *   indices of this rank's tokens; written by forward_begin, read by forward_finish and backward;
+ * - the *expert* saved buffer (function of `recv_rows`): the received rows, their routing weights
+ *   and local expert ids, and the local experts' saved activations; written by forward_finish,
+ *   read by backward. For inference both may be freed after forward_finish.
+ */
+
+/*! How the ranks of an expert-parallel group exchange rows. Values are frozen. */
+enum moeblaze_ep_transport_code {
+  /*! `communicator` is an `ncclComm_t`; CUDA backend; needs a build with MOEBLAZE_NCCL (else
+   *  ::MOEBLAZE_ERR_NOT_SUPPORTED) */
+  MOEBLAZE_EP_TRANSPORT_NCCL = 1,
+  /*! `communicator` is a ::moeblaze_ep_group_t: ranks are threads of this process (tests, CPU) */
+  MOEBLAZE_EP_TRANSPORT_LOCAL = 2
+};
+
+/*! Identifies an expert-parallel execute call, for moeblaze_ep_layer_workspace_size(). */
+enum moeblaze_ep_pass_code {
+  MOEBLAZE_EP_PASS_FORWARD_BEGIN = 0,  /*!< moeblaze_ep_forward_begin() */
+  MOEBLAZE_EP_PASS_FORWARD_FINISH = 1, /*!< moeblaze_ep_forward_finish() */
+  MOEBLAZE_EP_PASS_BACKWARD = 2        /*!< moeblaze_ep_backward() */
+};
+
+/*! The two saved buffers of an expert-parallel training step, for
+ *  moeblaze_ep_layer_saved_size(). */
+enum moeblaze_ep_saved_code {
+  MOEBLAZE_EP_SAVED_HOME = 0,  /*!< this rank's tokens: a function of `num_tokens` */
+  MOEBLAZE_EP_SAVED_EXPERT = 1 /*!< the rows this rank's experts received: of `recv_rows` */
+};
+
+/*! An in-process group of ranks for ::MOEBLAZE_EP_TRANSPORT_LOCAL. Opaque. */
+typedef struct moeblaze_ep_group_s* moeblaze_ep_group_t;
+
+/*! \brief Creates an in-process group of `world_size` ranks (1..::MOEBLAZE_MAX_EXPERTS).
+ *
+ *  Each rank is one thread of this process that creates its own EP layer with
+ *  ::MOEBLAZE_EP_TRANSPORT_LOCAL, this group as `communicator` and its rank, and then makes the
+ *  collective calls on its own thread. The ranks rendezvous inside every exchange (a barrier, then
+ *  each rank copies what it receives, then a second barrier). With the CUDA backend a rank first
+ *  synchronises its stream and the copies are synchronous `cudaMemcpy` calls: this transport is
+ *  for testing, not for speed. A rank that waits longer than 120 s for the others fails with
+ *  ::MOEBLAZE_ERR_INTERNAL (a missing collective call) and the group is unusable from then on.
+ *
+ *  \param[out] out         receives the group; NULL on failure.
+ *  \param[in]  world_size  ranks in the group.
+ *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT; ::MOEBLAZE_ERR_OUT_OF_MEMORY. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_local_group_create(moeblaze_ep_group_t* out,
+                                                              int32_t world_size);
+
+/*! \brief Destroys a group handle. NULL is a no-op. Layers created on the group keep it alive. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_local_group_destroy(moeblaze_ep_group_t group);
+
+/*! \brief The placement of one rank of an expert-parallel layer. Versioned: fill it with
+ *  moeblaze_ep_config_init(), then set fields. */
+typedef struct moeblaze_ep_config {
+  uint32_t struct_size; /*!< set by moeblaze_ep_config_init() */
+  int32_t transport;    /*!< ::moeblaze_ep_transport_code; default NCCL */
+  int32_t rank;         /*!< this rank, 0..world_size-1; default 0 */
+  int32_t world_size;   /*!< ranks, 1..num_experts; default 1. NCCL: must equal the
+                             communicator's size (and `rank` its rank) */
+  void* communicator;   /*!< NCCL: an `ncclComm_t`, borrowed (must outlive the layer; the layer
+                             uses the NCCL library the process already loaded). LOCAL: a
+                             ::moeblaze_ep_group_t of `world_size` ranks */
+} moeblaze_ep_config_t;
+
+/*! \brief Fills `*config` with defaults and sets `struct_size` (same rules as
+ *  moeblaze_layer_config_init()). */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_config_init(moeblaze_ep_config_t* config,
+                                                       size_t struct_size);
+
+/*! An expert-parallel layer plan: this rank's view of one layer. Opaque, immutable. */
+typedef struct moeblaze_ep_layer_s* moeblaze_ep_layer_t;
+
+/*! \brief Creates this rank's expert-parallel plan of the layer `config` on `context`.
+ *
+ *  `config` describes the GLOBAL layer (`num_experts` = E of all ranks); the plan derives this
+ *  rank's local experts (`E_r` of them, run as a layer with `top_k = 1` on the received rows). Not
+ *  collective: no communication happens here.
+ *
+ *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (a config field; `world_size` outside
+ *          1..num_experts; `rank` outside 0..world_size-1; a NULL `communicator`; a LOCAL group
+ *          whose size is not `world_size`, or whose ranks use different backends; an NCCL
+ *          communicator whose rank or size differ); ::MOEBLAZE_ERR_INVALID_HANDLE (`context`, or
+ *          a LOCAL `communicator` that is not a live group); ::MOEBLAZE_ERR_NOT_SUPPORTED (an
+ *          unknown transport; NCCL on a CPU context or in a build without MOEBLAZE_NCCL; as
+ *          moeblaze_layer_create()); ::MOEBLAZE_ERR_VERSION_MISMATCH; ::MOEBLAZE_ERR_CUDA;
+ *          ::MOEBLAZE_ERR_OUT_OF_MEMORY. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_layer_create(moeblaze_ep_layer_t* out,
+                                                        moeblaze_context_t context,
+                                                        const moeblaze_layer_config_t* config,
+                                                        const moeblaze_ep_config_t* ep_config);
+
+/*! \brief Destroys an expert-parallel plan. NULL is a no-op. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_layer_destroy(moeblaze_ep_layer_t layer);
+
+/*! \brief The global ids `[*begin, *end)` of the experts this rank owns: the first dimension of the
+ *  `w_gate`, `w_up`, `w_down` it passes is `end - begin`. Either out-pointer may be NULL. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_layer_get_experts(moeblaze_ep_layer_t layer,
+                                                             int64_t* begin, int64_t* end);
+
+/*! \brief Bytes of the host `exchange` buffer of one training step: a header and the count table
+ *  `[world_size, E]` int32. Plain host memory (pageable is fine), any alignment of 8 or more. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_layer_exchange_size(moeblaze_ep_layer_t layer,
+                                                               size_t* bytes);
+
+/*! \brief Bytes of the workspace of the call `pass` (::moeblaze_ep_pass_code) for `num_tokens`
+ *  tokens on this rank and `recv_rows` rows received by its experts (the value
+ *  moeblaze_ep_forward_begin() returned; ignored for ::MOEBLAZE_EP_PASS_FORWARD_BEGIN). A pure
+ *  function of its arguments. An upper bound for a given largest `T` over ranks:
+ *  `recv_rows <= world_size * T * min(top_k, E_r)`.
+ *
+ *  The forward_finish workspace holds the routed rows in send order `[T*k, d]` (then the returned
+ *  rows), their `g`, the local experts' output rows `[recv_rows, d]` and the local experts'
+ *  workspace; the backward workspace the `dy` rows out and in, the `dx` rows, `dg` rows, `dg`,
+ *  `d_logits` and the sub-calls' workspace. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_layer_workspace_size(moeblaze_ep_layer_t layer,
+                                                                int32_t pass, int64_t num_tokens,
+                                                                int64_t recv_rows, size_t* bytes);
+
+/*! \brief Bytes of the saved buffer `part` (::moeblaze_ep_saved_code) for `num_tokens` tokens on
+ *  this rank (HOME) or `recv_rows` received rows (EXPERT). */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_layer_saved_size(moeblaze_ep_layer_t layer, int32_t part,
+                                                            int64_t num_tokens, int64_t recv_rows,
+                                                            size_t* bytes);
+
+/*! \brief Arguments of moeblaze_ep_forward_begin() and moeblaze_ep_forward_finish() (the same
+ *  struct for both: begin reads the fields marked "begin", finish the others and `home_saved`).
+ *  Versioned: fill with moeblaze_ep_forward_args_init(). Shapes use `T` = `num_tokens` of this
+ *  rank, the global `E` and `k`, and `E_r` = this rank's experts. Memory: the context's device. */
+typedef struct moeblaze_ep_forward_args {
+  uint32_t struct_size; /*!< set by moeblaze_ep_forward_args_init() */
+  uint32_t flags;       /*!< reserved, must be 0 */
+  int64_t num_tokens;   /*!< T >= 0 of this rank, the same in begin and finish */
+  /* inputs */
+  const void* x;        /*!< [T,d] dtype (begin and finish) */
+  const void* w_router; /*!< [E,d] dtype, replicated (begin) */
+  const void* w_gate;   /*!< [E_r,h,d] dtype, this rank's experts (finish) */
+  const void* w_up;     /*!< [E_r,h,d] dtype; gated activations only (finish) */
+  const void* w_down;   /*!< [E_r,d,h] dtype (finish) */
+  /* outputs (finish) */
+  void* y;                /*!< [T,d] dtype, required */
+  void* logits_out;       /*!< [T,E] routing dtype, optional */
+  int32_t* ids_out;       /*!< [T,k] int32, optional: global expert ids */
+  void* g_out;            /*!< [T,k] routing dtype, optional */
+  int32_t* expert_counts; /*!< [E] int32, optional: GLOBAL tokens per expert (all ranks) */
+  void* losses;           /*!< [2] routing dtype, optional: this rank's shares {aux, z} */
+  /* buffers */
+  void* home_saved;          /*!< moeblaze_ep_layer_saved_size(HOME, T) bytes, required (begin
+                                  writes it; finish and backward read it) */
+  size_t home_saved_bytes;   /*!< size of `home_saved` */
+  void* expert_saved;        /*!< moeblaze_ep_layer_saved_size(EXPERT, recv_rows) bytes, required
+                                  by finish (which writes it; backward reads it) */
+  size_t expert_saved_bytes; /*!< size of `expert_saved` */
+  void* workspace;           /*!< moeblaze_ep_layer_workspace_size() bytes of the call's pass */
+  size_t workspace_bytes;    /*!< size of `workspace` */
+} moeblaze_ep_forward_args_t;
+
+/*! \brief Arguments of moeblaze_ep_backward(). Versioned: fill with
+ *  moeblaze_ep_backward_args_init(). Inputs are those of the forward step that filled the saved
+ *  buffers and `exchange`. Every gradient output is optional (NULL skips it; the rank still serves
+ *  the other ranks' rows). */
+typedef struct moeblaze_ep_backward_args {
+  uint32_t struct_size; /*!< set by moeblaze_ep_backward_args_init() */
+  uint32_t flags;       /*!< 0 or ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD */
+  int64_t num_tokens;   /*!< T of this rank, as in forward */
+  /* inputs */
+  const void* dy;            /*!< [T,d] dtype */
+  const void* d_losses;      /*!< [2] routing dtype, optional: dLoss/d(loss shares); NULL = {1,1} */
+  const void* x;             /*!< [T,d] dtype, as in forward */
+  const void* w_router;      /*!< [E,d] dtype */
+  const void* w_gate;        /*!< [E_r,h,d] dtype */
+  const void* w_up;          /*!< [E_r,h,d] dtype; gated activations only */
+  const void* w_down;        /*!< [E_r,d,h] dtype */
+  const void* home_saved;    /*!< the HOME saved buffer of the forward step */
+  size_t home_saved_bytes;   /*!< its size */
+  const void* expert_saved;  /*!< the EXPERT saved buffer of the forward step */
+  size_t expert_saved_bytes; /*!< its size */
+  /* outputs (each optional) */
+  void* dx;        /*!< [T,d] dtype, overwritten; includes the router's path */
+  void* dw_router; /*!< [E,d] dtype: this rank's share */
+  void* dw_gate;   /*!< [E_r,h,d] dtype: complete gradient of this rank's experts */
+  void* dw_up;     /*!< [E_r,h,d] dtype; gated activations only */
+  void* dw_down;   /*!< [E_r,d,h] dtype */
+  void* dg;        /*!< [T,k] routing dtype: dLoss/dg of this rank's tokens */
+  void* d_logits;  /*!< [T,E] routing dtype */
+  /* buffers */
+  void* workspace;        /*!< moeblaze_ep_layer_workspace_size(BACKWARD, T, recv_rows) bytes */
+  size_t workspace_bytes; /*!< size of `workspace` */
+} moeblaze_ep_backward_args_t;
+
+/*! \brief Fills `*args` with zeros/NULLs and sets `struct_size`. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_forward_args_init(moeblaze_ep_forward_args_t* args,
+                                                             size_t struct_size);
+
+/*! \brief Fills `*args` with zeros/NULLs and sets `struct_size`. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_backward_args_init(moeblaze_ep_backward_args_t* args,
+                                                              size_t struct_size);
+
+/*! \brief Forward, phase 1 (collective): routes this rank's tokens and exchanges the counts.
+ *
+ *  Reads `args->num_tokens`, `x`, `w_router`; writes `home_saved` (logits, ids, g, routing indices
+ *  and the count table) and the host buffer `exchange`; uses `args->workspace`
+ *  (moeblaze_ep_layer_workspace_size(::MOEBLAZE_EP_PASS_FORWARD_BEGIN, T) bytes).
+ *
+ *  **Host synchronisation:** this is the one call of the EP layer that waits for the device: after
+ *  the count exchange is enqueued on `stream`, it copies the count table to `exchange` and blocks
+ *  the calling thread until `stream` has reached that point (the router of this rank and the count
+ *  exchange with every rank). Work enqueued on other streams before the call keeps the device busy
+ *  meanwhile. Every later call of the step reads its sizes from `exchange` and never waits.
+ *
+ *  \param[out] exchange        host memory, moeblaze_ep_layer_exchange_size() bytes, filled here;
+ *                              pass it to forward_finish and backward of the same step.
+ *  \param[in]  exchange_bytes  its size.
+ *  \param[out] recv_rows       rows this rank's experts will receive in forward_finish; size the
+ *                              EXPERT saved buffer and the finish/backward workspaces with it.
+ *  \param[in]  stream          cudaStream_t or NULL; ignored on CPU.
+ *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (a NULL or misaligned pointer, flags,
+ *          T < 0, buffer size; a mismatched collective call on a LOCAL group);
+ *          ::MOEBLAZE_ERR_INVALID_HANDLE; ::MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE;
+ *          ::MOEBLAZE_ERR_VERSION_MISMATCH (args struct_size); ::MOEBLAZE_ERR_NON_FINITE (CPU: a
+ *          logit is NaN or Inf); ::MOEBLAZE_ERR_CUDA (also an NCCL error);
+ *          ::MOEBLAZE_ERR_INTERNAL (a LOCAL group timed out). */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_forward_begin(moeblaze_ep_layer_t layer,
+                                                         const moeblaze_ep_forward_args_t* args,
+                                                         void* exchange, size_t exchange_bytes,
+                                                         int64_t* recv_rows, void* stream);
+
+/*! \brief Forward, phase 2 (collective): dispatch, local experts, return and combine.
+ *
+ *  Reads `x`, `w_gate`, `w_up`, `w_down`, `home_saved` and `exchange` (which must come from
+ *  moeblaze_ep_forward_begin() of this layer with the same `num_tokens`, and not have been
+ *  finished yet); writes `y`, the optional outputs and `expert_saved`; uses `args->workspace`
+ *  (moeblaze_ep_layer_workspace_size(::MOEBLAZE_EP_PASS_FORWARD_FINISH, T, recv_rows) bytes).
+ *  Enqueues work on `stream` and never waits for the device.
+ *
+ *  \return as moeblaze_ep_forward_begin(), and ::MOEBLAZE_ERR_INVALID_ARGUMENT when `exchange`
+ *          was not filled by forward_begin of this layer, was already finished, or belongs to
+ *          another `num_tokens`. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_forward_finish(moeblaze_ep_layer_t layer,
+                                                          const moeblaze_ep_forward_args_t* args,
+                                                          void* exchange, size_t exchange_bytes,
+                                                          void* stream);
+
+/*! \brief Backward (collective) of one finished forward step: `dx`, `dw_router` (this rank's
+ *  share), `dw_gate`, `dw_up`, `dw_down` (complete, of this rank's experts), `dg`, `d_logits`.
+ *
+ *  Exchange sizes come from `exchange` (a finished step of this layer): no host synchronisation;
+ *  the call may be captured in a CUDA graph. May be called more than once per forward step.
+ *  \return as moeblaze_ep_forward_finish(). */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_backward(moeblaze_ep_layer_t layer,
+                                                    const moeblaze_ep_backward_args_t* args,
+                                                    const void* exchange, size_t exchange_bytes,
+                                                    void* stream);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

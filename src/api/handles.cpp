@@ -20,7 +20,13 @@ std::unordered_map<const void*, int>& registry() {
 }
 
 const char* kind_name(int kind) {
-  return kind == kContextHandle ? "moeblaze_context_t" : "moeblaze_layer_t";
+  switch (kind) {
+    case kContextHandle: return "moeblaze_context_t";
+    case kLayerHandle: return "moeblaze_layer_t";
+    case kEpLayerHandle: return "moeblaze_ep_layer_t";
+    case kEpGroupHandle: return "moeblaze_ep_group_t";
+    default: return "moeblaze handle";
+  }
 }
 
 }  // namespace

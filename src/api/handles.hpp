@@ -45,6 +45,8 @@ void require_handle(const void* handle, int kind, const char* argument);
 
 constexpr int kContextHandle = 1;
 constexpr int kLayerHandle = 2;
+constexpr int kEpLayerHandle = 3;  // moeblaze_ep_layer_t (src/ep/ep_layer.hpp)
+constexpr int kEpGroupHandle = 4;  // moeblaze_ep_group_t
 
 }  // namespace api
 }  // namespace moeblaze

@@ -62,6 +62,15 @@ PASS_EXPERTS_BACKWARD = 4
 PASS_LAYER_FORWARD = 5
 PASS_LAYER_BACKWARD = 6
 
+# Expert parallelism (moeblaze_ep_*)
+EP_TRANSPORT_NCCL = 1
+EP_TRANSPORT_LOCAL = 2
+EP_PASS_FORWARD_BEGIN = 0
+EP_PASS_FORWARD_FINISH = 1
+EP_PASS_BACKWARD = 2
+EP_SAVED_HOME = 0
+EP_SAVED_EXPERT = 1
+
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
 BACKWARD_ACCUMULATE_WGRAD = 1
@@ -285,10 +294,100 @@ class BackwardArgs(ctypes.Structure):
         return args
 
 
+class EpConfig(ctypes.Structure):
+    """moeblaze_ep_config_t. Construct with EpConfig.create() (runs *_init)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("transport", ctypes.c_int32),
+        ("rank", ctypes.c_int32),
+        ("world_size", ctypes.c_int32),
+        ("communicator", c_void_p),
+    ]
+
+    @classmethod
+    def create(cls) -> "EpConfig":
+        config = cls()
+        lib().moeblaze_ep_config_init(ctypes.byref(config), ctypes.sizeof(config))
+        return config
+
+
+class EpForwardArgs(ctypes.Structure):
+    """moeblaze_ep_forward_args_t. Construct with EpForwardArgs.create() (runs *_init)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("num_tokens", ctypes.c_int64),
+        ("x", c_void_p),
+        ("w_router", c_void_p),
+        ("w_gate", c_void_p),
+        ("w_up", c_void_p),
+        ("w_down", c_void_p),
+        ("y", c_void_p),
+        ("logits_out", c_void_p),
+        ("ids_out", c_void_p),
+        ("g_out", c_void_p),
+        ("expert_counts", c_void_p),
+        ("losses", c_void_p),
+        ("home_saved", c_void_p),
+        ("home_saved_bytes", ctypes.c_size_t),
+        ("expert_saved", c_void_p),
+        ("expert_saved_bytes", ctypes.c_size_t),
+        ("workspace", c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+    @classmethod
+    def create(cls) -> "EpForwardArgs":
+        args = cls()
+        lib().moeblaze_ep_forward_args_init(ctypes.byref(args), ctypes.sizeof(args))
+        return args
+
+
+class EpBackwardArgs(ctypes.Structure):
+    """moeblaze_ep_backward_args_t. Construct with EpBackwardArgs.create() (runs *_init)."""
+
+    _fields_ = [
+        ("struct_size", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("num_tokens", ctypes.c_int64),
+        ("dy", c_void_p),
+        ("d_losses", c_void_p),
+        ("x", c_void_p),
+        ("w_router", c_void_p),
+        ("w_gate", c_void_p),
+        ("w_up", c_void_p),
+        ("w_down", c_void_p),
+        ("home_saved", c_void_p),
+        ("home_saved_bytes", ctypes.c_size_t),
+        ("expert_saved", c_void_p),
+        ("expert_saved_bytes", ctypes.c_size_t),
+        ("dx", c_void_p),
+        ("dw_router", c_void_p),
+        ("dw_gate", c_void_p),
+        ("dw_up", c_void_p),
+        ("dw_down", c_void_p),
+        ("dg", c_void_p),
+        ("d_logits", c_void_p),
+        ("workspace", c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+    ]
+
+    @classmethod
+    def create(cls) -> "EpBackwardArgs":
+        args = cls()
+        lib().moeblaze_ep_backward_args_init(ctypes.byref(args), ctypes.sizeof(args))
+        return args
+
+
 STRUCTS = {
     "moeblaze_layer_config_t": LayerConfig,
     "moeblaze_forward_args_t": ForwardArgs,
     "moeblaze_backward_args_t": BackwardArgs,
+    "moeblaze_ep_config_t": EpConfig,
+    "moeblaze_ep_forward_args_t": EpForwardArgs,
+    "moeblaze_ep_backward_args_t": EpBackwardArgs,
 }
 
 
@@ -300,8 +399,18 @@ class _LayerS(ctypes.Structure):
     pass
 
 
+class _EpGroupS(ctypes.Structure):
+    pass
+
+
+class _EpLayerS(ctypes.Structure):
+    pass
+
+
 context_t = ctypes.POINTER(_ContextS)
 layer_t = ctypes.POINTER(_LayerS)
+ep_group_t = ctypes.POINTER(_EpGroupS)
+ep_layer_t = ctypes.POINTER(_EpLayerS)
 
 # ------------------------------------------------------------------------------------------------
 # Signatures
@@ -350,6 +459,31 @@ SIGNATURES = {
     "moeblaze_experts_backward": (_STATUS, [layer_t, ctypes.POINTER(BackwardArgs), c_void_p]),
     "moeblaze_layer_forward": (_STATUS, [layer_t, ctypes.POINTER(ForwardArgs), c_void_p]),
     "moeblaze_layer_backward": (_STATUS, [layer_t, ctypes.POINTER(BackwardArgs), c_void_p]),
+    # Expert parallelism
+    "moeblaze_ep_local_group_create": (_STATUS, [ctypes.POINTER(ep_group_t), ctypes.c_int32]),
+    "moeblaze_ep_local_group_destroy": (_STATUS, [ep_group_t]),
+    "moeblaze_ep_config_init": (_STATUS, [ctypes.POINTER(EpConfig), ctypes.c_size_t]),
+    "moeblaze_ep_layer_create": (_STATUS, [ctypes.POINTER(ep_layer_t), context_t,
+                                           ctypes.POINTER(LayerConfig),
+                                           ctypes.POINTER(EpConfig)]),
+    "moeblaze_ep_layer_destroy": (_STATUS, [ep_layer_t]),
+    "moeblaze_ep_layer_get_experts": (_STATUS, [ep_layer_t, ctypes.POINTER(ctypes.c_int64),
+                                                ctypes.POINTER(ctypes.c_int64)]),
+    "moeblaze_ep_layer_exchange_size": (_STATUS, [ep_layer_t, _size_t_p]),
+    "moeblaze_ep_layer_workspace_size": (_STATUS, [ep_layer_t, ctypes.c_int32, ctypes.c_int64,
+                                                   ctypes.c_int64, _size_t_p]),
+    "moeblaze_ep_layer_saved_size": (_STATUS, [ep_layer_t, ctypes.c_int32, ctypes.c_int64,
+                                               ctypes.c_int64, _size_t_p]),
+    "moeblaze_ep_forward_args_init": (_STATUS, [ctypes.POINTER(EpForwardArgs), ctypes.c_size_t]),
+    "moeblaze_ep_backward_args_init": (_STATUS, [ctypes.POINTER(EpBackwardArgs),
+                                                 ctypes.c_size_t]),
+    "moeblaze_ep_forward_begin": (_STATUS, [ep_layer_t, ctypes.POINTER(EpForwardArgs), c_void_p,
+                                            ctypes.c_size_t, ctypes.POINTER(ctypes.c_int64),
+                                            c_void_p]),
+    "moeblaze_ep_forward_finish": (_STATUS, [ep_layer_t, ctypes.POINTER(EpForwardArgs), c_void_p,
+                                             ctypes.c_size_t, c_void_p]),
+    "moeblaze_ep_backward": (_STATUS, [ep_layer_t, ctypes.POINTER(EpBackwardArgs), c_void_p,
+                                       ctypes.c_size_t, c_void_p]),
 }
 
 

@@ -618,3 +618,382 @@ extern "C" {
         stream: *mut ::std::os::raw::c_void,
     ) -> moeblaze_status_t;
 }
+pub mod moeblaze_ep_transport_code {
+    #[doc = " How the ranks of an expert-parallel group exchange rows. Values are frozen."]
+    pub type Type = ::std::os::raw::c_uint;
+    #[doc = " `communicator` is an `ncclComm_t`; CUDA backend; needs a build with MOEBLAZE_NCCL (else"]
+    #[doc = "  ::MOEBLAZE_ERR_NOT_SUPPORTED)"]
+    pub const MOEBLAZE_EP_TRANSPORT_NCCL: Type = 1;
+    #[doc = " `communicator` is a ::moeblaze_ep_group_t: ranks are threads of this process (tests, CPU)"]
+    pub const MOEBLAZE_EP_TRANSPORT_LOCAL: Type = 2;
+}
+pub mod moeblaze_ep_pass_code {
+    #[doc = " Identifies an expert-parallel execute call, for moeblaze_ep_layer_workspace_size()."]
+    pub type Type = ::std::os::raw::c_uint;
+    #[doc = "< moeblaze_ep_forward_begin()"]
+    pub const MOEBLAZE_EP_PASS_FORWARD_BEGIN: Type = 0;
+    #[doc = "< moeblaze_ep_forward_finish()"]
+    pub const MOEBLAZE_EP_PASS_FORWARD_FINISH: Type = 1;
+    #[doc = "< moeblaze_ep_backward()"]
+    pub const MOEBLAZE_EP_PASS_BACKWARD: Type = 2;
+}
+pub mod moeblaze_ep_saved_code {
+    #[doc = " The two saved buffers of an expert-parallel training step, for"]
+    #[doc = "  moeblaze_ep_layer_saved_size()."]
+    pub type Type = ::std::os::raw::c_uint;
+    #[doc = "< this rank's tokens: a function of `num_tokens`"]
+    pub const MOEBLAZE_EP_SAVED_HOME: Type = 0;
+    #[doc = "< the rows this rank's experts received: of `recv_rows`"]
+    pub const MOEBLAZE_EP_SAVED_EXPERT: Type = 1;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct moeblaze_ep_group_s {
+    _unused: [u8; 0],
+}
+#[doc = " An in-process group of ranks for ::MOEBLAZE_EP_TRANSPORT_LOCAL. Opaque."]
+pub type moeblaze_ep_group_t = *mut moeblaze_ep_group_s;
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Creates an in-process group of `world_size` ranks (1..::MOEBLAZE_MAX_EXPERTS)."]
+    #[doc = ""]
+    #[doc = "  Each rank is one thread of this process that creates its own EP layer with"]
+    #[doc = "  ::MOEBLAZE_EP_TRANSPORT_LOCAL, this group as `communicator` and its rank, and then makes the"]
+    #[doc = "  collective calls on its own thread. The ranks rendezvous inside every exchange (a barrier, then"]
+    #[doc = "  each rank copies what it receives, then a second barrier). With the CUDA backend a rank first"]
+    #[doc = "  synchronises its stream and the copies are synchronous `cudaMemcpy` calls: this transport is"]
+    #[doc = "  for testing, not for speed. A rank that waits longer than 120 s for the others fails with"]
+    #[doc = "  ::MOEBLAZE_ERR_INTERNAL (a missing collective call) and the group is unusable from then on."]
+    #[doc = ""]
+    #[doc = "  \\param[out] out         receives the group; NULL on failure."]
+    #[doc = "  \\param[in]  world_size  ranks in the group."]
+    #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT; ::MOEBLAZE_ERR_OUT_OF_MEMORY."]
+    pub fn moeblaze_ep_local_group_create(
+        out: *mut moeblaze_ep_group_t,
+        world_size: i32,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Destroys a group handle. NULL is a no-op. Layers created on the group keep it alive."]
+    pub fn moeblaze_ep_local_group_destroy(group: moeblaze_ep_group_t) -> moeblaze_status_t;
+}
+#[doc = " \\brief The placement of one rank of an expert-parallel layer. Versioned: fill it with"]
+#[doc = "  moeblaze_ep_config_init(), then set fields."]
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct moeblaze_ep_config {
+    #[doc = "< set by moeblaze_ep_config_init()"]
+    pub struct_size: u32,
+    #[doc = "< ::moeblaze_ep_transport_code; default NCCL"]
+    pub transport: i32,
+    #[doc = "< this rank, 0..world_size-1; default 0"]
+    pub rank: i32,
+    #[doc = "< ranks, 1..num_experts; default 1. NCCL: must equal the"]
+    #[doc = "communicator's size (and `rank` its rank)"]
+    pub world_size: i32,
+    #[doc = "< NCCL: an `ncclComm_t`, borrowed (must outlive the layer; the layer"]
+    #[doc = "uses the NCCL library the process already loaded). LOCAL: a"]
+    #[doc = "::moeblaze_ep_group_t of `world_size` ranks"]
+    pub communicator: *mut ::std::os::raw::c_void,
+}
+#[doc = " \\brief The placement of one rank of an expert-parallel layer. Versioned: fill it with"]
+#[doc = "  moeblaze_ep_config_init(), then set fields."]
+pub type moeblaze_ep_config_t = moeblaze_ep_config;
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Fills `*config` with defaults and sets `struct_size` (same rules as"]
+    #[doc = "  moeblaze_layer_config_init())."]
+    pub fn moeblaze_ep_config_init(
+        config: *mut moeblaze_ep_config_t,
+        struct_size: usize,
+    ) -> moeblaze_status_t;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct moeblaze_ep_layer_s {
+    _unused: [u8; 0],
+}
+#[doc = " An expert-parallel layer plan: this rank's view of one layer. Opaque, immutable."]
+pub type moeblaze_ep_layer_t = *mut moeblaze_ep_layer_s;
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Creates this rank's expert-parallel plan of the layer `config` on `context`."]
+    #[doc = ""]
+    #[doc = "  `config` describes the GLOBAL layer (`num_experts` = E of all ranks); the plan derives this"]
+    #[doc = "  rank's local experts (`E_r` of them, run as a layer with `top_k = 1` on the received rows). Not"]
+    #[doc = "  collective: no communication happens here."]
+    #[doc = ""]
+    #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (a config field; `world_size` outside"]
+    #[doc = "          1..num_experts; `rank` outside 0..world_size-1; a NULL `communicator`; a LOCAL group"]
+    #[doc = "          whose size is not `world_size`, or whose ranks use different backends; an NCCL"]
+    #[doc = "          communicator whose rank or size differ); ::MOEBLAZE_ERR_INVALID_HANDLE (`context`, or"]
+    #[doc = "          a LOCAL `communicator` that is not a live group); ::MOEBLAZE_ERR_NOT_SUPPORTED (an"]
+    #[doc = "          unknown transport; NCCL on a CPU context or in a build without MOEBLAZE_NCCL; as"]
+    #[doc = "          moeblaze_layer_create()); ::MOEBLAZE_ERR_VERSION_MISMATCH; ::MOEBLAZE_ERR_CUDA;"]
+    #[doc = "          ::MOEBLAZE_ERR_OUT_OF_MEMORY."]
+    pub fn moeblaze_ep_layer_create(
+        out: *mut moeblaze_ep_layer_t,
+        context: moeblaze_context_t,
+        config: *const moeblaze_layer_config_t,
+        ep_config: *const moeblaze_ep_config_t,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Destroys an expert-parallel plan. NULL is a no-op."]
+    pub fn moeblaze_ep_layer_destroy(layer: moeblaze_ep_layer_t) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief The global ids `[*begin, *end)` of the experts this rank owns: the first dimension of the"]
+    #[doc = "  `w_gate`, `w_up`, `w_down` it passes is `end - begin`. Either out-pointer may be NULL."]
+    pub fn moeblaze_ep_layer_get_experts(
+        layer: moeblaze_ep_layer_t,
+        begin: *mut i64,
+        end: *mut i64,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Bytes of the host `exchange` buffer of one training step: a header and the count table"]
+    #[doc = "  `[world_size, E]` int32. Plain host memory (pageable is fine), any alignment of 8 or more."]
+    pub fn moeblaze_ep_layer_exchange_size(
+        layer: moeblaze_ep_layer_t,
+        bytes: *mut usize,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Bytes of the workspace of the call `pass` (::moeblaze_ep_pass_code) for `num_tokens`"]
+    #[doc = "  tokens on this rank and `recv_rows` rows received by its experts (the value"]
+    #[doc = "  moeblaze_ep_forward_begin() returned; ignored for ::MOEBLAZE_EP_PASS_FORWARD_BEGIN). A pure"]
+    #[doc = "  function of its arguments. An upper bound for a given largest `T` over ranks:"]
+    #[doc = "  `recv_rows <= world_size * T * min(top_k, E_r)`."]
+    #[doc = ""]
+    #[doc = "  The forward_finish workspace holds the routed rows in send order `[T*k, d]` (then the returned"]
+    #[doc = "  rows), their `g`, the local experts' output rows `[recv_rows, d]` and the local experts'"]
+    #[doc = "  workspace; the backward workspace the `dy` rows out and in, the `dx` rows, `dg` rows, `dg`,"]
+    #[doc = "  `d_logits` and the sub-calls' workspace."]
+    pub fn moeblaze_ep_layer_workspace_size(
+        layer: moeblaze_ep_layer_t,
+        pass: i32,
+        num_tokens: i64,
+        recv_rows: i64,
+        bytes: *mut usize,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Bytes of the saved buffer `part` (::moeblaze_ep_saved_code) for `num_tokens` tokens on"]
+    #[doc = "  this rank (HOME) or `recv_rows` received rows (EXPERT)."]
+    pub fn moeblaze_ep_layer_saved_size(
+        layer: moeblaze_ep_layer_t,
+        part: i32,
+        num_tokens: i64,
+        recv_rows: i64,
+        bytes: *mut usize,
+    ) -> moeblaze_status_t;
+}
+#[doc = " \\brief Arguments of moeblaze_ep_forward_begin() and moeblaze_ep_forward_finish() (the same"]
+#[doc = "  struct for both: begin reads the fields marked \"begin\", finish the others and `home_saved`)."]
+#[doc = "  Versioned: fill with moeblaze_ep_forward_args_init(). Shapes use `T` = `num_tokens` of this"]
+#[doc = "  rank, the global `E` and `k`, and `E_r` = this rank's experts. Memory: the context's device."]
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct moeblaze_ep_forward_args {
+    #[doc = "< set by moeblaze_ep_forward_args_init()"]
+    pub struct_size: u32,
+    #[doc = "< reserved, must be 0"]
+    pub flags: u32,
+    #[doc = "< T >= 0 of this rank, the same in begin and finish"]
+    pub num_tokens: i64,
+    #[doc = "< [T,d] dtype (begin and finish)"]
+    pub x: *const ::std::os::raw::c_void,
+    #[doc = "< [E,d] dtype, replicated (begin)"]
+    pub w_router: *const ::std::os::raw::c_void,
+    #[doc = "< [E_r,h,d] dtype, this rank's experts (finish)"]
+    pub w_gate: *const ::std::os::raw::c_void,
+    #[doc = "< [E_r,h,d] dtype; gated activations only (finish)"]
+    pub w_up: *const ::std::os::raw::c_void,
+    #[doc = "< [E_r,d,h] dtype (finish)"]
+    pub w_down: *const ::std::os::raw::c_void,
+    #[doc = "< [T,d] dtype, required"]
+    pub y: *mut ::std::os::raw::c_void,
+    #[doc = "< [T,E] routing dtype, optional"]
+    pub logits_out: *mut ::std::os::raw::c_void,
+    #[doc = "< [T,k] int32, optional: global expert ids"]
+    pub ids_out: *mut i32,
+    #[doc = "< [T,k] routing dtype, optional"]
+    pub g_out: *mut ::std::os::raw::c_void,
+    #[doc = "< [E] int32, optional: GLOBAL tokens per expert (all ranks)"]
+    pub expert_counts: *mut i32,
+    #[doc = "< [2] routing dtype, optional: this rank's shares {aux, z}"]
+    pub losses: *mut ::std::os::raw::c_void,
+    #[doc = "< moeblaze_ep_layer_saved_size(HOME, T) bytes, required (begin"]
+    #[doc = "writes it; finish and backward read it)"]
+    pub home_saved: *mut ::std::os::raw::c_void,
+    #[doc = "< size of `home_saved`"]
+    pub home_saved_bytes: usize,
+    #[doc = "< moeblaze_ep_layer_saved_size(EXPERT, recv_rows) bytes, required"]
+    #[doc = "by finish (which writes it; backward reads it)"]
+    pub expert_saved: *mut ::std::os::raw::c_void,
+    #[doc = "< size of `expert_saved`"]
+    pub expert_saved_bytes: usize,
+    #[doc = "< moeblaze_ep_layer_workspace_size() bytes of the call's pass"]
+    pub workspace: *mut ::std::os::raw::c_void,
+    #[doc = "< size of `workspace`"]
+    pub workspace_bytes: usize,
+}
+#[doc = " \\brief Arguments of moeblaze_ep_forward_begin() and moeblaze_ep_forward_finish() (the same"]
+#[doc = "  struct for both: begin reads the fields marked \"begin\", finish the others and `home_saved`)."]
+#[doc = "  Versioned: fill with moeblaze_ep_forward_args_init(). Shapes use `T` = `num_tokens` of this"]
+#[doc = "  rank, the global `E` and `k`, and `E_r` = this rank's experts. Memory: the context's device."]
+pub type moeblaze_ep_forward_args_t = moeblaze_ep_forward_args;
+#[doc = " \\brief Arguments of moeblaze_ep_backward(). Versioned: fill with"]
+#[doc = "  moeblaze_ep_backward_args_init(). Inputs are those of the forward step that filled the saved"]
+#[doc = "  buffers and `exchange`. Every gradient output is optional (NULL skips it; the rank still serves"]
+#[doc = "  the other ranks' rows)."]
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct moeblaze_ep_backward_args {
+    #[doc = "< set by moeblaze_ep_backward_args_init()"]
+    pub struct_size: u32,
+    #[doc = "< 0 or ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD"]
+    pub flags: u32,
+    #[doc = "< T of this rank, as in forward"]
+    pub num_tokens: i64,
+    #[doc = "< [T,d] dtype"]
+    pub dy: *const ::std::os::raw::c_void,
+    #[doc = "< [2] routing dtype, optional: dLoss/d(loss shares); NULL = {1,1}"]
+    pub d_losses: *const ::std::os::raw::c_void,
+    #[doc = "< [T,d] dtype, as in forward"]
+    pub x: *const ::std::os::raw::c_void,
+    #[doc = "< [E,d] dtype"]
+    pub w_router: *const ::std::os::raw::c_void,
+    #[doc = "< [E_r,h,d] dtype"]
+    pub w_gate: *const ::std::os::raw::c_void,
+    #[doc = "< [E_r,h,d] dtype; gated activations only"]
+    pub w_up: *const ::std::os::raw::c_void,
+    #[doc = "< [E_r,d,h] dtype"]
+    pub w_down: *const ::std::os::raw::c_void,
+    #[doc = "< the HOME saved buffer of the forward step"]
+    pub home_saved: *const ::std::os::raw::c_void,
+    #[doc = "< its size"]
+    pub home_saved_bytes: usize,
+    #[doc = "< the EXPERT saved buffer of the forward step"]
+    pub expert_saved: *const ::std::os::raw::c_void,
+    #[doc = "< its size"]
+    pub expert_saved_bytes: usize,
+    #[doc = "< [T,d] dtype, overwritten; includes the router's path"]
+    pub dx: *mut ::std::os::raw::c_void,
+    #[doc = "< [E,d] dtype: this rank's share"]
+    pub dw_router: *mut ::std::os::raw::c_void,
+    #[doc = "< [E_r,h,d] dtype: complete gradient of this rank's experts"]
+    pub dw_gate: *mut ::std::os::raw::c_void,
+    #[doc = "< [E_r,h,d] dtype; gated activations only"]
+    pub dw_up: *mut ::std::os::raw::c_void,
+    #[doc = "< [E_r,d,h] dtype"]
+    pub dw_down: *mut ::std::os::raw::c_void,
+    #[doc = "< [T,k] routing dtype: dLoss/dg of this rank's tokens"]
+    pub dg: *mut ::std::os::raw::c_void,
+    #[doc = "< [T,E] routing dtype"]
+    pub d_logits: *mut ::std::os::raw::c_void,
+    #[doc = "< moeblaze_ep_layer_workspace_size(BACKWARD, T, recv_rows) bytes"]
+    pub workspace: *mut ::std::os::raw::c_void,
+    #[doc = "< size of `workspace`"]
+    pub workspace_bytes: usize,
+}
+#[doc = " \\brief Arguments of moeblaze_ep_backward(). Versioned: fill with"]
+#[doc = "  moeblaze_ep_backward_args_init(). Inputs are those of the forward step that filled the saved"]
+#[doc = "  buffers and `exchange`. Every gradient output is optional (NULL skips it; the rank still serves"]
+#[doc = "  the other ranks' rows)."]
+pub type moeblaze_ep_backward_args_t = moeblaze_ep_backward_args;
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Fills `*args` with zeros/NULLs and sets `struct_size`."]
+    pub fn moeblaze_ep_forward_args_init(
+        args: *mut moeblaze_ep_forward_args_t,
+        struct_size: usize,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Fills `*args` with zeros/NULLs and sets `struct_size`."]
+    pub fn moeblaze_ep_backward_args_init(
+        args: *mut moeblaze_ep_backward_args_t,
+        struct_size: usize,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Forward, phase 1 (collective): routes this rank's tokens and exchanges the counts."]
+    #[doc = ""]
+    #[doc = "  Reads `args->num_tokens`, `x`, `w_router`; writes `home_saved` (logits, ids, g, routing indices"]
+    #[doc = "  and the count table) and the host buffer `exchange`; uses `args->workspace`"]
+    #[doc = "  (moeblaze_ep_layer_workspace_size(::MOEBLAZE_EP_PASS_FORWARD_BEGIN, T) bytes)."]
+    #[doc = ""]
+    #[doc = "  **Host synchronisation:** this is the one call of the EP layer that waits for the device: after"]
+    #[doc = "  the count exchange is enqueued on `stream`, it copies the count table to `exchange` and blocks"]
+    #[doc = "  the calling thread until `stream` has reached that point (the router of this rank and the count"]
+    #[doc = "  exchange with every rank). Work enqueued on other streams before the call keeps the device busy"]
+    #[doc = "  meanwhile. Every later call of the step reads its sizes from `exchange` and never waits."]
+    #[doc = ""]
+    #[doc = "  \\param[out] exchange        host memory, moeblaze_ep_layer_exchange_size() bytes, filled here;"]
+    #[doc = "                              pass it to forward_finish and backward of the same step."]
+    #[doc = "  \\param[in]  exchange_bytes  its size."]
+    #[doc = "  \\param[out] recv_rows       rows this rank's experts will receive in forward_finish; size the"]
+    #[doc = "                              EXPERT saved buffer and the finish/backward workspaces with it."]
+    #[doc = "  \\param[in]  stream          cudaStream_t or NULL; ignored on CPU."]
+    #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (a NULL or misaligned pointer, flags,"]
+    #[doc = "          T < 0, buffer size; a mismatched collective call on a LOCAL group);"]
+    #[doc = "          ::MOEBLAZE_ERR_INVALID_HANDLE; ::MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE;"]
+    #[doc = "          ::MOEBLAZE_ERR_VERSION_MISMATCH (args struct_size); ::MOEBLAZE_ERR_NON_FINITE (CPU: a"]
+    #[doc = "          logit is NaN or Inf); ::MOEBLAZE_ERR_CUDA (also an NCCL error);"]
+    #[doc = "          ::MOEBLAZE_ERR_INTERNAL (a LOCAL group timed out)."]
+    pub fn moeblaze_ep_forward_begin(
+        layer: moeblaze_ep_layer_t,
+        args: *const moeblaze_ep_forward_args_t,
+        exchange: *mut ::std::os::raw::c_void,
+        exchange_bytes: usize,
+        recv_rows: *mut i64,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Forward, phase 2 (collective): dispatch, local experts, return and combine."]
+    #[doc = ""]
+    #[doc = "  Reads `x`, `w_gate`, `w_up`, `w_down`, `home_saved` and `exchange` (which must come from"]
+    #[doc = "  moeblaze_ep_forward_begin() of this layer with the same `num_tokens`, and not have been"]
+    #[doc = "  finished yet); writes `y`, the optional outputs and `expert_saved`; uses `args->workspace`"]
+    #[doc = "  (moeblaze_ep_layer_workspace_size(::MOEBLAZE_EP_PASS_FORWARD_FINISH, T, recv_rows) bytes)."]
+    #[doc = "  Enqueues work on `stream` and never waits for the device."]
+    #[doc = ""]
+    #[doc = "  \\return as moeblaze_ep_forward_begin(), and ::MOEBLAZE_ERR_INVALID_ARGUMENT when `exchange`"]
+    #[doc = "          was not filled by forward_begin of this layer, was already finished, or belongs to"]
+    #[doc = "          another `num_tokens`."]
+    pub fn moeblaze_ep_forward_finish(
+        layer: moeblaze_ep_layer_t,
+        args: *const moeblaze_ep_forward_args_t,
+        exchange: *mut ::std::os::raw::c_void,
+        exchange_bytes: usize,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
+    #[doc = " \\brief Backward (collective) of one finished forward step: `dx`, `dw_router` (this rank's"]
+    #[doc = "  share), `dw_gate`, `dw_up`, `dw_down` (complete, of this rank's experts), `dg`, `d_logits`."]
+    #[doc = ""]
+    #[doc = "  Exchange sizes come from `exchange` (a finished step of this layer): no host synchronisation;"]
+    #[doc = "  the call may be captured in a CUDA graph. May be called more than once per forward step."]
+    #[doc = "  \\return as moeblaze_ep_forward_finish()."]
+    pub fn moeblaze_ep_backward(
+        layer: moeblaze_ep_layer_t,
+        args: *const moeblaze_ep_backward_args_t,
+        exchange: *const ::std::os::raw::c_void,
+        exchange_bytes: usize,
+        stream: *mut ::std::os::raw::c_void,
+    ) -> moeblaze_status_t;
+}

@@ -1,0 +1,245 @@
+// The extern "C" entry points of expert parallelism (the "Expert parallelism" section of
+// moeblaze.h): validate, then dispatch to the rank's ep::EpLayer. Every body runs inside
+// api::guarded(), the exception barrier.
+#include <cstring>
+#include <memory>
+
+#include "api/barrier.hpp"
+#include "api/checks.hpp"
+#include "api/handles.hpp"
+#include "api/versioned_struct.hpp"
+#include "ep/ep_layer.hpp"
+
+using namespace moeblaze;
+using namespace moeblaze::api;
+
+namespace {
+
+moeblaze_ep_config_t default_ep_config() {
+  moeblaze_ep_config_t c;
+  std::memset(&c, 0, sizeof(c));
+  c.struct_size = sizeof(c);
+  c.transport = MOEBLAZE_EP_TRANSPORT_NCCL;
+  c.rank = 0;
+  c.world_size = 1;
+  return c;
+}
+
+template <typename Struct>
+Struct zeroed() {
+  Struct s;
+  std::memset(&s, 0, sizeof(s));
+  s.struct_size = sizeof(s);
+  return s;
+}
+
+// First published sizes (v0.1 of the EP section).
+constexpr size_t kEpConfigV0Size = sizeof(moeblaze_ep_config_t);
+constexpr size_t kEpForwardArgsV0Size = sizeof(moeblaze_ep_forward_args_t);
+constexpr size_t kEpBackwardArgsV0Size = sizeof(moeblaze_ep_backward_args_t);
+
+// The layer config's defaults as moeblaze_layer_config_init() sets them (for older callers).
+moeblaze_layer_config_t default_layer_config() {
+  moeblaze_layer_config_t c;
+  moeblaze_layer_config_init(&c, sizeof(c));
+  return c;
+}
+
+ep::EpLayer& ep_layer_of(moeblaze_ep_layer_t layer) {
+  require_handle(layer, kEpLayerHandle, "layer");
+  return *layer->layer;
+}
+
+}  // namespace
+
+extern "C" {
+
+moeblaze_status_t moeblaze_ep_local_group_create(moeblaze_ep_group_t* out, int32_t world_size) {
+  if (out != nullptr) *out = nullptr;
+  return guarded(__func__, [&] {
+    MB_REQUIRE_ARG(out != nullptr, "out is NULL");
+    MB_REQUIRE_ARG(world_size >= 1 && world_size <= MOEBLAZE_MAX_EXPERTS,
+                   "world_size = %d must be in [1, %d]", int(world_size), MOEBLAZE_MAX_EXPERTS);
+    auto* group = new moeblaze_ep_group_s{std::make_shared<ep::LocalGroupState>(world_size)};
+    register_handle(group, kEpGroupHandle);
+    *out = group;
+  });
+}
+
+moeblaze_status_t moeblaze_ep_local_group_destroy(moeblaze_ep_group_t group) {
+  return guarded(__func__, [&] {
+    if (group == nullptr) return;
+    require_handle(group, kEpGroupHandle, "group");
+    unregister_handle(group);
+    delete group;
+  });
+}
+
+moeblaze_status_t moeblaze_ep_config_init(moeblaze_ep_config_t* config, size_t struct_size) {
+  return guarded(__func__, [&] {
+    init_versioned(config, struct_size, default_ep_config(), kEpConfigV0Size, "config");
+  });
+}
+
+moeblaze_status_t moeblaze_ep_layer_create(moeblaze_ep_layer_t* out, moeblaze_context_t context,
+                                           const moeblaze_layer_config_t* config,
+                                           const moeblaze_ep_config_t* ep_config) {
+  if (out != nullptr) *out = nullptr;
+  return guarded(__func__, [&] {
+    MB_REQUIRE_ARG(out != nullptr, "out is NULL");
+    require_handle(context, kContextHandle, "context");
+    const moeblaze_layer_config_t cfg =
+        read_versioned(config, default_layer_config(), sizeof(moeblaze_layer_config_t), "config");
+    const LayerDesc desc = make_layer_desc(cfg);
+    const moeblaze_ep_config_t ep =
+        read_versioned(ep_config, default_ep_config(), kEpConfigV0Size, "ep_config");
+    MB_REQUIRE(
+        ep.transport == MOEBLAZE_EP_TRANSPORT_NCCL || ep.transport == MOEBLAZE_EP_TRANSPORT_LOCAL,
+        MOEBLAZE_ERR_NOT_SUPPORTED,
+        "ep_config->transport = %d is not a moeblaze_ep_transport_code (NCCL 1, LOCAL 2)",
+        int(ep.transport));
+    MB_REQUIRE_ARG(ep.world_size >= 1 && ep.world_size <= desc.E,
+                   "ep_config->world_size = %d must be in [1, num_experts = %lld]: every rank "
+                   "owns at least one expert",
+                   int(ep.world_size), (long long)desc.E);
+    MB_REQUIRE_ARG(ep.rank >= 0 && ep.rank < ep.world_size,
+                   "ep_config->rank = %d must be in [0, world_size = %d)", int(ep.rank),
+                   int(ep.world_size));
+    MB_REQUIRE_ARG(ep.communicator != nullptr,
+                   "ep_config->communicator is NULL (an ncclComm_t for NCCL, a "
+                   "moeblaze_ep_group_t for LOCAL)");
+    const int32_t backend_kind = context->state->backend_kind;
+    std::shared_ptr<ep::LocalGroupState> group;
+    if (ep.transport == MOEBLAZE_EP_TRANSPORT_LOCAL) {
+      auto* group_handle = static_cast<moeblaze_ep_group_t>(ep.communicator);
+      require_handle(group_handle, kEpGroupHandle, "ep_config->communicator");
+      group = group_handle->state;
+      MB_REQUIRE_ARG(group->world_size() == ep.world_size,
+                     "ep_config->world_size = %d, but the LOCAL group has %d ranks",
+                     int(ep.world_size), int(group->world_size()));
+      group->check_backend(backend_kind, ep.rank);
+    } else {
+      MB_REQUIRE(backend_kind == MOEBLAZE_BACKEND_CUDA, MOEBLAZE_ERR_NOT_SUPPORTED,
+                 "ep_config->transport = MOEBLAZE_EP_TRANSPORT_NCCL needs a CUDA context (this "
+                 "context is on backend %d); use MOEBLAZE_EP_TRANSPORT_LOCAL on the CPU",
+                 int(backend_kind));
+    }
+    auto plan = std::make_unique<ep::EpLayer>(context->state, desc, ep.transport, ep.rank,
+                                              ep.world_size, ep.communicator, std::move(group));
+    auto* handle = new moeblaze_ep_layer_s{std::move(plan)};
+    register_handle(handle, kEpLayerHandle);
+    *out = handle;
+  });
+}
+
+moeblaze_status_t moeblaze_ep_layer_destroy(moeblaze_ep_layer_t layer) {
+  return guarded(__func__, [&] {
+    if (layer == nullptr) return;
+    require_handle(layer, kEpLayerHandle, "layer");
+    unregister_handle(layer);
+    delete layer;
+  });
+}
+
+moeblaze_status_t moeblaze_ep_layer_get_experts(moeblaze_ep_layer_t layer, int64_t* begin,
+                                                int64_t* end) {
+  return guarded(__func__, [&] {
+    const ep::EpLayer& plan = ep_layer_of(layer);
+    if (begin) *begin = plan.expert_begin();
+    if (end) *end = plan.expert_end();
+  });
+}
+
+moeblaze_status_t moeblaze_ep_layer_exchange_size(moeblaze_ep_layer_t layer, size_t* bytes) {
+  if (bytes != nullptr) *bytes = 0;
+  return guarded(__func__, [&] {
+    const ep::EpLayer& plan = ep_layer_of(layer);
+    MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
+    *bytes = plan.exchange_size();
+  });
+}
+
+moeblaze_status_t moeblaze_ep_layer_workspace_size(moeblaze_ep_layer_t layer, int32_t pass,
+                                                   int64_t num_tokens, int64_t recv_rows,
+                                                   size_t* bytes) {
+  if (bytes != nullptr) *bytes = 0;
+  return guarded(__func__, [&] {
+    const ep::EpLayer& plan = ep_layer_of(layer);
+    MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
+    MB_REQUIRE_ARG(pass >= MOEBLAZE_EP_PASS_FORWARD_BEGIN && pass <= MOEBLAZE_EP_PASS_BACKWARD,
+                   "pass = %d is not a moeblaze_ep_pass_code (0..2)", int(pass));
+    require_num_tokens(plan.global_desc(), num_tokens, "num_tokens");
+    if (pass == MOEBLAZE_EP_PASS_FORWARD_BEGIN) recv_rows = 0;
+    plan.require_recv_rows(recv_rows, "recv_rows");
+    *bytes = plan.workspace_size(static_cast<ep::EpPass>(pass), num_tokens, recv_rows);
+  });
+}
+
+moeblaze_status_t moeblaze_ep_layer_saved_size(moeblaze_ep_layer_t layer, int32_t part,
+                                               int64_t num_tokens, int64_t recv_rows,
+                                               size_t* bytes) {
+  if (bytes != nullptr) *bytes = 0;
+  return guarded(__func__, [&] {
+    const ep::EpLayer& plan = ep_layer_of(layer);
+    MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
+    MB_REQUIRE_ARG(part == MOEBLAZE_EP_SAVED_HOME || part == MOEBLAZE_EP_SAVED_EXPERT,
+                   "part = %d is not a moeblaze_ep_saved_code (HOME 0, EXPERT 1)", int(part));
+    require_num_tokens(plan.global_desc(), num_tokens, "num_tokens");
+    plan.require_recv_rows(recv_rows, "recv_rows");
+    *bytes = plan.saved_size(static_cast<ep::EpSaved>(part), num_tokens, recv_rows);
+  });
+}
+
+moeblaze_status_t moeblaze_ep_forward_args_init(moeblaze_ep_forward_args_t* args,
+                                                size_t struct_size) {
+  return guarded(__func__, [&] {
+    init_versioned(args, struct_size, zeroed<moeblaze_ep_forward_args_t>(), kEpForwardArgsV0Size,
+                   "args");
+  });
+}
+
+moeblaze_status_t moeblaze_ep_backward_args_init(moeblaze_ep_backward_args_t* args,
+                                                 size_t struct_size) {
+  return guarded(__func__, [&] {
+    init_versioned(args, struct_size, zeroed<moeblaze_ep_backward_args_t>(), kEpBackwardArgsV0Size,
+                   "args");
+  });
+}
+
+moeblaze_status_t moeblaze_ep_forward_begin(moeblaze_ep_layer_t layer,
+                                            const moeblaze_ep_forward_args_t* args, void* exchange,
+                                            size_t exchange_bytes, int64_t* recv_rows,
+                                            void* stream) {
+  if (recv_rows != nullptr) *recv_rows = 0;
+  return guarded(__func__, [&] {
+    ep::EpLayer& plan = ep_layer_of(layer);
+    const auto a =
+        read_versioned(args, zeroed<moeblaze_ep_forward_args_t>(), kEpForwardArgsV0Size, "args");
+    MB_REQUIRE_ARG(recv_rows != nullptr, "recv_rows is NULL");
+    *recv_rows = plan.forward_begin(a, exchange, exchange_bytes, stream);
+  });
+}
+
+moeblaze_status_t moeblaze_ep_forward_finish(moeblaze_ep_layer_t layer,
+                                             const moeblaze_ep_forward_args_t* args, void* exchange,
+                                             size_t exchange_bytes, void* stream) {
+  return guarded(__func__, [&] {
+    ep::EpLayer& plan = ep_layer_of(layer);
+    const auto a =
+        read_versioned(args, zeroed<moeblaze_ep_forward_args_t>(), kEpForwardArgsV0Size, "args");
+    plan.forward_finish(a, exchange, exchange_bytes, stream);
+  });
+}
+
+moeblaze_status_t moeblaze_ep_backward(moeblaze_ep_layer_t layer,
+                                       const moeblaze_ep_backward_args_t* args,
+                                       const void* exchange, size_t exchange_bytes, void* stream) {
+  return guarded(__func__, [&] {
+    ep::EpLayer& plan = ep_layer_of(layer);
+    const auto a =
+        read_versioned(args, zeroed<moeblaze_ep_backward_args_t>(), kEpBackwardArgsV0Size, "args");
+    plan.backward(a, exchange, exchange_bytes, stream);
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,707 @@
+#include "ep/ep_layer.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "api/checks.hpp"
+#include "common/carver.hpp"
+#include "common/saved_layout.hpp"
+#include "common/status.hpp"
+
+namespace moeblaze {
+namespace ep {
+
+namespace {
+
+// ---- buffer layouts (each carved twice: to measure and to execute)
+// --------------------------------
+
+// The HOME saved buffer: everything about this rank's tokens that finish and backward need.
+struct HomeSaved {
+  int32_t* table = nullptr;                 // [W,E] per-expert counts of every rank
+  void* logits = nullptr;                   // [T,E] rtype
+  int32_t* ids = nullptr;                   // [T,k] global expert ids
+  void* g = nullptr;                        // [T,k] rtype
+  int32_t* expert_offsets = nullptr;        // [E+1]
+  int32_t* expert_token_indices = nullptr;  // [N]: the send order (by expert, hence by rank)
+  int32_t* token_index_map = nullptr;       // [N]: pair (t, j) -> its row in send order
+};
+
+HomeSaved carve_home(Carver& c, const LayerDesc& desc, int64_t W, int64_t T) {
+  const int64_t N = T * desc.k;
+  HomeSaved s;
+  s.table = c.carve<int32_t>(sizeof(int32_t) * size_t(W * desc.E));
+  s.logits = c.carve(desc.relem_size() * size_t(T * desc.E));
+  s.ids = c.carve<int32_t>(sizeof(int32_t) * size_t(N));
+  s.g = c.carve(desc.relem_size() * size_t(N));
+  s.expert_offsets = c.carve<int32_t>(sizeof(int32_t) * size_t(desc.E + 1));
+  s.expert_token_indices = c.carve<int32_t>(sizeof(int32_t) * size_t(N));
+  s.token_index_map = c.carve<int32_t>(sizeof(int32_t) * size_t(N));
+  return s;
+}
+
+// The EXPERT saved buffer: the received rows are the `x` of the local experts' backward.
+struct ExpertSaved {
+  void* recv = nullptr;          // [R,d] dtype
+  void* recv_g = nullptr;        // [R] rtype
+  int32_t* local_ids = nullptr;  // [R] local expert of each row
+  Buffer experts;                // the local experts' saved buffer (EXPERTS_FORWARD layout)
+};
+
+ExpertSaved carve_expert(Carver& c, const LayerDesc& local, int64_t R) {
+  ExpertSaved s;
+  s.recv = c.carve(local.elem_size() * size_t(R * local.d));
+  s.recv_g = c.carve(local.relem_size() * size_t(R));
+  s.local_ids = c.carve<int32_t>(sizeof(int32_t) * size_t(R));
+  const size_t experts_bytes = saved_size(local, Pass::ExpertsForward, R);
+  s.experts = {c.carve(experts_bytes), experts_bytes};
+  return s;
+}
+
+struct BeginScratch {
+  Buffer sub;
+};
+
+struct FinishScratch {
+  void* rows = nullptr;              // [N,d]: sent rows, then the returned rows (send order)
+  void* send_g = nullptr;            // [N] rtype
+  void* y_rows = nullptr;            // [R,d]: the local experts' output rows
+  int32_t* global_counts = nullptr;  // [E]
+  Buffer sub;
+};
+
+struct BackwardScratch {
+  void* rows = nullptr;              // [N,d]: dy rows sent, then the returned dx rows
+  void* recv_dy = nullptr;           // [R,d]
+  void* dx_rows = nullptr;           // [R,d]
+  void* dg_rows = nullptr;           // [R] rtype
+  void* back_dg = nullptr;           // [N] rtype, send order
+  void* dg = nullptr;                // [T,k] rtype (unless the caller asked for dg)
+  void* d_logits = nullptr;          // [T,E] rtype (unless the caller asked for d_logits)
+  int32_t* global_counts = nullptr;  // [E]
+  Buffer sub;
+};
+
+Buffer carve_sub(Carver& c, size_t bytes) {
+  return {c.carve(bytes), bytes};
+}
+
+uint64_t make_layer_tag(const LayerDesc& desc, int32_t world_size) {
+  // The same on every rank of one layer: the global description and the group size.
+  return desc.hash() * 1099511628211ull ^ uint64_t(uint32_t(world_size));
+}
+
+}  // namespace
+
+struct EpLayer::Splits {
+  // Row counts per rank: this rank sends send_rows[q] rows to rank q, starting at send_begin[q] of
+  // the send order; it receives recv_rows[s] rows from rank s at recv_begin[s] of its received
+  // rows.
+  std::vector<int64_t> send_rows, send_begin, recv_rows, recv_begin;
+  int64_t total_recv = 0;
+  int64_t global_tokens = 0;
+};
+
+// ---- construction -------------------------------------------------------------------------------
+
+EpLayer::EpLayer(std::shared_ptr<api::ContextState> context, const LayerDesc& global_desc,
+                 int32_t transport_kind, int32_t rank, int32_t world_size, void* communicator,
+                 std::shared_ptr<LocalGroupState> group)
+    : context_(std::move(context)),
+      global_desc_(global_desc),
+      rank_(rank),
+      world_size_(world_size),
+      group_(std::move(group)) {
+  const int64_t E = global_desc.E;
+  const int64_t base = E / world_size;
+  const int64_t extra = E % world_size;
+  rank_expert_begin_.assign(size_t(world_size) + 1, 0);
+  for (int32_t q = 0; q < world_size; ++q) {
+    rank_expert_begin_[size_t(q) + 1] = rank_expert_begin_[size_t(q)] + base + (q < extra ? 1 : 0);
+  }
+  expert_begin_ = rank_expert_begin_[size_t(rank)];
+  expert_end_ = rank_expert_begin_[size_t(rank) + 1];
+
+  router_desc_ = global_desc;
+  router_desc_.aux_loss_coeff = 0.0f;
+  router_desc_.z_loss_coeff = 0.0f;
+
+  local_desc_ = global_desc;
+  local_desc_.E = expert_end_ - expert_begin_;
+  local_desc_.k = 1;
+  local_desc_.score_function = ScoreFunction::SoftmaxTopk;
+  local_desc_.renormalize = false;
+  local_desc_.aux_loss_coeff = 0.0f;
+  local_desc_.z_loss_coeff = 0.0f;
+
+  Backend& backend = *context_->backend;
+  backend.check_supported(router_desc_);
+  MB_REQUIRE(context_->backend_kind != MOEBLAZE_BACKEND_CUDA ||
+                 (global_desc.aux_loss_coeff == 0.0f && global_desc.z_loss_coeff == 0.0f),
+             MOEBLAZE_ERR_NOT_SUPPORTED,
+             "config.aux_loss_coeff = %g, config.z_loss_coeff = %g: the expert-parallel router "
+             "loss shares are implemented on the CPU backend only so far (set both to 0 on CUDA)",
+             double(global_desc.aux_loss_coeff), double(global_desc.z_loss_coeff));
+  backend.check_supported(local_desc_);
+  layer_tag_ = make_layer_tag(global_desc_, world_size);
+
+  ops_ = context_->backend_kind == MOEBLAZE_BACKEND_CUDA ? make_cuda_ep_ops(context_->device)
+                                                         : make_cpu_ep_ops();
+  if (transport_kind == MOEBLAZE_EP_TRANSPORT_LOCAL) {
+    transport_ = make_local_transport(group_, rank, *ops_);
+  } else {
+    transport_ = make_nccl_transport(communicator, rank, world_size, context_->device, *ops_);
+  }
+}
+
+// ---- sizes --------------------------------------------------------------------------------------
+
+size_t EpLayer::exchange_size() const {
+  return kExchangeTableOffset + sizeof(int32_t) * size_t(world_size_) * size_t(global_desc_.E);
+}
+
+size_t EpLayer::saved_size(EpSaved part, int64_t T, int64_t R) const {
+  Carver measure;
+  if (part == EpSaved::Home) {
+    carve_home(measure, router_desc_, world_size_, T);
+  } else {
+    carve_expert(measure, local_desc_, R);
+  }
+  return measure.size();
+}
+
+size_t EpLayer::workspace_size(EpPass pass, int64_t T, int64_t R) const {
+  const Backend& backend = *context_->backend;
+  const LayerDesc& rd = router_desc_;
+  const int64_t N = T * rd.k;
+  const size_t es = rd.elem_size();
+  const size_t rs = rd.relem_size();
+  Carver c;
+  switch (pass) {
+    case EpPass::ForwardBegin: {
+      size_t sub = 0;
+      for (Pass p : {Pass::RouterProjectForward, Pass::RouterForward, Pass::RoutingBuild}) {
+        sub = std::max(sub, backend.workspace_size(rd, p, T));
+      }
+      carve_sub(c, sub);
+      break;
+    }
+    case EpPass::ForwardFinish:
+      c.carve(es * size_t(N * rd.d));
+      c.carve(rs * size_t(N));
+      c.carve(es * size_t(R * rd.d));
+      c.carve(sizeof(int32_t) * size_t(rd.E));
+      carve_sub(c, backend.workspace_size(local_desc_, Pass::ExpertsForward, R));
+      break;
+    case EpPass::Backward: {
+      c.carve(es * size_t(N * rd.d));
+      c.carve(es * size_t(R * rd.d));
+      c.carve(es * size_t(R * rd.d));
+      c.carve(rs * size_t(R));
+      c.carve(rs * size_t(N));
+      c.carve(rs * size_t(N));
+      c.carve(rs * size_t(T * rd.E));
+      c.carve(sizeof(int32_t) * size_t(rd.E));
+      size_t sub = backend.workspace_size(local_desc_, Pass::ExpertsBackward, R);
+      for (Pass p : {Pass::RouterBackward, Pass::RouterProjectBackward}) {
+        sub = std::max(sub, backend.workspace_size(rd, p, T));
+      }
+      carve_sub(c, sub);
+      break;
+    }
+  }
+  return c.size();
+}
+
+void EpLayer::require_recv_rows(int64_t R, const char* argument) const {
+  MB_REQUIRE_ARG(R >= 0 && R <= api::kMaxRoutedRows,
+                 "%s = %lld must be in [0, 2^31) (the rows this rank's experts receive)", argument,
+                 (long long)R);
+}
+
+// ---- step state ---------------------------------------------------------------------------------
+
+const ExchangeHeader& EpLayer::read_exchange(const void* exchange, size_t exchange_bytes, int64_t T,
+                                             uint32_t expected_state, const char* call) const {
+  MB_REQUIRE_ARG(exchange != nullptr, "exchange is NULL");
+  MB_REQUIRE_ARG(reinterpret_cast<uintptr_t>(exchange) % 8 == 0,
+                 "exchange (%p) must be 8-byte aligned", exchange);
+  MB_REQUIRE(exchange_bytes >= exchange_size(), MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
+             "exchange_bytes = %zu, but this layer needs %zu (ask "
+             "moeblaze_ep_layer_exchange_size)",
+             exchange_bytes, exchange_size());
+  const auto* header = static_cast<const ExchangeHeader*>(exchange);
+  MB_REQUIRE_ARG(header->magic == kExchangeMagic && header->layer_tag == layer_tag_ &&
+                     header->rank == rank_ && header->world_size == world_size_,
+                 "exchange was not filled by moeblaze_ep_forward_begin of this layer and rank: "
+                 "call moeblaze_ep_forward_begin before %s",
+                 call);
+  if (expected_state == kStepBegun) {
+    MB_REQUIRE_ARG(header->state == kStepBegun,
+                   "exchange: this forward step was already finished; %s needs a fresh "
+                   "moeblaze_ep_forward_begin",
+                   call);
+  } else {
+    MB_REQUIRE_ARG(header->state == kStepFinished,
+                   "exchange: this forward step was begun but not finished; call "
+                   "moeblaze_ep_forward_finish before %s",
+                   call);
+  }
+  MB_REQUIRE_ARG(header->num_tokens == T,
+                 "args->num_tokens = %lld, but the forward step in `exchange` has %lld tokens",
+                 (long long)T, (long long)header->num_tokens);
+  return *header;
+}
+
+EpLayer::Splits EpLayer::splits_from(const ExchangeHeader& header, const int32_t* table) const {
+  const int64_t W = world_size_;
+  const int64_t E = global_desc_.E;
+  Splits s;
+  s.send_rows.assign(size_t(W), 0);
+  s.send_begin.assign(size_t(W), 0);
+  s.recv_rows.assign(size_t(W), 0);
+  s.recv_begin.assign(size_t(W), 0);
+  int64_t routed = 0;
+  for (int64_t q = 0; q < W; ++q) {
+    for (int64_t e = rank_expert_begin_[size_t(q)]; e < rank_expert_begin_[size_t(q) + 1]; ++e) {
+      s.send_rows[size_t(q)] += table[rank_ * E + e];
+    }
+    s.send_begin[size_t(q)] = q == 0 ? 0 : s.send_begin[size_t(q) - 1] + s.send_rows[size_t(q) - 1];
+    for (int64_t e = expert_begin_; e < expert_end_; ++e)
+      s.recv_rows[size_t(q)] += table[q * E + e];
+    s.recv_begin[size_t(q)] = s.total_recv;
+    s.total_recv += s.recv_rows[size_t(q)];
+    for (int64_t e = 0; e < E; ++e) routed += table[q * E + e];
+  }
+  s.global_tokens = routed / global_desc_.k;
+  MB_REQUIRE(s.total_recv == header.recv_rows, MOEBLAZE_ERR_INTERNAL,
+             "exchange: the count table gives %lld received rows, the header %lld",
+             (long long)s.total_recv, (long long)header.recv_rows);
+  return s;
+}
+
+ExchangeTensor EpLayer::rows_tensor(const Splits& s, const void* send, void* recv, size_t row_bytes,
+                                    bool to_experts) const {
+  // Towards the experts: send by destination rank in send order, receive by source rank. Back home:
+  // the transpose.
+  const std::vector<int64_t>& out_rows = to_experts ? s.send_rows : s.recv_rows;
+  const std::vector<int64_t>& out_begin = to_experts ? s.send_begin : s.recv_begin;
+  const std::vector<int64_t>& in_rows = to_experts ? s.recv_rows : s.send_rows;
+  const std::vector<int64_t>& in_begin = to_experts ? s.recv_begin : s.send_begin;
+  ExchangeTensor t;
+  t.send = send;
+  t.recv = recv;
+  for (int64_t q = 0; q < world_size_; ++q) {
+    t.send_offset.push_back(size_t(out_begin[size_t(q)]) * row_bytes);
+    t.send_bytes.push_back(size_t(out_rows[size_t(q)]) * row_bytes);
+    t.recv_offset.push_back(size_t(in_begin[size_t(q)]) * row_bytes);
+    t.recv_bytes.push_back(size_t(in_rows[size_t(q)]) * row_bytes);
+  }
+  return t;
+}
+
+// ---- forward ------------------------------------------------------------------------------------
+
+int64_t EpLayer::forward_begin(const moeblaze_ep_forward_args_t& a, void* exchange,
+                               size_t exchange_bytes, void* stream) {
+  Backend& backend = *context_->backend;
+  const LayerDesc& rd = router_desc_;
+  const int64_t T = a.num_tokens;
+  const int64_t E = rd.E;
+  const int64_t W = world_size_;
+
+  MB_REQUIRE_ARG(a.flags == 0, "args->flags = %u must be 0 (reserved)", a.flags);
+  api::require_num_tokens(rd, T, "args->num_tokens");
+  const bool empty = T == 0;
+  api::require_tensor(backend, a.x, true, empty, rd.elem_size(), "args->x");
+  api::require_tensor(backend, a.w_router, true, false, rd.elem_size(), "args->w_router");
+  api::require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
+                      "args->home_saved", "args->home_saved_bytes",
+                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
+  api::require_buffer(backend, a.workspace, a.workspace_bytes,
+                      workspace_size(EpPass::ForwardBegin, T, 0), "args->workspace",
+                      "args->workspace_bytes",
+                      "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_FORWARD_BEGIN)");
+  MB_REQUIRE_ARG(exchange != nullptr, "exchange is NULL");
+  MB_REQUIRE_ARG(reinterpret_cast<uintptr_t>(exchange) % 8 == 0,
+                 "exchange (%p) must be 8-byte aligned", exchange);
+  MB_REQUIRE(exchange_bytes >= exchange_size(), MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
+             "exchange_bytes = %zu, but this layer needs %zu (ask "
+             "moeblaze_ep_layer_exchange_size)",
+             exchange_bytes, exchange_size());
+  // The caller's exchange is invalid until this step's table has arrived.
+  auto* header = static_cast<ExchangeHeader*>(exchange);
+  header->magic = 0;
+
+  Carver home_carver(a.home_saved);
+  const HomeSaved home = carve_home(home_carver, rd, W, T);
+  Carver ws_carver(a.workspace);
+  BeginScratch scratch;
+  scratch.sub = carve_sub(ws_carver, workspace_size(EpPass::ForwardBegin, T, 0));
+
+  {
+    std::lock_guard<std::mutex> lock(context_->execute_mutex);
+    RouterProjectForwardCall project;
+    project.T = T;
+    project.x = a.x;
+    project.w_router = a.w_router;
+    project.logits = home.logits;
+    project.workspace = scratch.sub;
+    project.stream = stream;
+    backend.router_project_forward(rd, project);
+
+    RouterForwardCall route;
+    route.T = T;
+    route.logits = home.logits;
+    route.ids = home.ids;
+    route.g = home.g;
+    route.expert_counts = home.table + rank_ * E;  // this rank's row of the table
+    route.workspace = scratch.sub;
+    route.stream = stream;
+    backend.router_forward(rd, route);
+
+    RoutingBuildCall build;
+    build.T = T;
+    build.ids = home.ids;
+    build.expert_offsets = home.expert_offsets;
+    build.expert_token_indices = home.expert_token_indices;
+    build.token_index_map = home.token_index_map;
+    build.workspace = scratch.sub;
+    build.stream = stream;
+    backend.routing_build(rd, build);
+  }
+
+  // F1: every rank's counts to every rank (the own row is already in place).
+  ExchangeTensor counts;
+  counts.send = home.table;
+  counts.recv = home.table;
+  const size_t row_bytes = sizeof(int32_t) * size_t(E);
+  for (int64_t q = 0; q < W; ++q) {
+    counts.send_offset.push_back(size_t(rank_) * row_bytes);
+    counts.send_bytes.push_back(row_bytes);
+    counts.recv_offset.push_back(size_t(q) * row_bytes);
+    counts.recv_bytes.push_back(row_bytes);
+  }
+  transport_->exchange({counts}, "forward_begin: count exchange", layer_tag_, stream);
+
+  // F1': the one host synchronisation.
+  auto* table =
+      reinterpret_cast<int32_t*>(static_cast<unsigned char*>(exchange) + kExchangeTableOffset);
+  ops_->copy_to_host(table, home.table, row_bytes * size_t(W), stream);
+
+  int64_t recv_rows = 0;
+  for (int64_t s = 0; s < W; ++s) {
+    int64_t routed = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int32_t count = table[s * E + e];
+      MB_REQUIRE(count >= 0, MOEBLAZE_ERR_INTERNAL, "count table: rank %lld, expert %lld: %d",
+                 (long long)s, (long long)e, int(count));
+      routed += count;
+      if (e >= expert_begin_ && e < expert_end_) recv_rows += count;
+    }
+    MB_REQUIRE(routed % rd.k == 0, MOEBLAZE_ERR_INTERNAL,
+               "count table: rank %lld routed %lld rows, not a multiple of top_k = %lld",
+               (long long)s, (long long)routed, (long long)rd.k);
+    if (s == rank_) {
+      MB_REQUIRE(routed == T * rd.k, MOEBLAZE_ERR_INTERNAL,
+                 "count table: this rank routed %lld rows for %lld tokens", (long long)routed,
+                 (long long)T);
+    }
+  }
+  require_recv_rows(recv_rows, "the rows this rank's experts receive");
+
+  header->state = kStepBegun;
+  header->layer_tag = layer_tag_;
+  header->num_tokens = T;
+  header->recv_rows = recv_rows;
+  header->rank = rank_;
+  header->world_size = world_size_;
+  header->magic = kExchangeMagic;
+  return recv_rows;
+}
+
+void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange,
+                             size_t exchange_bytes, void* stream) {
+  Backend& backend = *context_->backend;
+  const LayerDesc& rd = router_desc_;
+  const int64_t T = a.num_tokens;
+  const int64_t E = rd.E;
+  const int64_t W = world_size_;
+  const int64_t k = rd.k;
+  const int64_t d = rd.d;
+  const int64_t N = T * k;
+  const size_t es = rd.elem_size();
+  const size_t rs = rd.relem_size();
+
+  MB_REQUIRE_ARG(a.flags == 0, "args->flags = %u must be 0 (reserved)", a.flags);
+  api::require_num_tokens(rd, T, "args->num_tokens");
+  const ExchangeHeader& header =
+      read_exchange(exchange, exchange_bytes, T, kStepBegun, "moeblaze_ep_forward_finish");
+  const int64_t R = header.recv_rows;
+  const bool empty = T == 0;
+  api::require_tensor(backend, a.x, true, empty, es, "args->x");
+  api::require_tensor(backend, a.w_gate, true, false, es, "args->w_gate");
+  api::require_tensor(backend, a.w_up, rd.gated(), false, es, "args->w_up");
+  api::require_tensor(backend, a.w_down, true, false, es, "args->w_down");
+  api::require_tensor(backend, a.y, true, empty, es, "args->y");
+  api::require_tensor(backend, a.logits_out, false, false, rs, "args->logits_out");
+  api::require_tensor(backend, a.ids_out, false, false, sizeof(int32_t), "args->ids_out");
+  api::require_tensor(backend, a.g_out, false, false, rs, "args->g_out");
+  api::require_tensor(backend, a.expert_counts, false, false, sizeof(int32_t),
+                      "args->expert_counts");
+  api::require_tensor(backend, a.losses, false, false, rs, "args->losses");
+  api::require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
+                      "args->home_saved", "args->home_saved_bytes",
+                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
+  MB_REQUIRE_ARG(a.expert_saved != nullptr,
+                 "args->expert_saved is NULL: forward_finish writes the received rows there "
+                 "(moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows) bytes)");
+  api::require_buffer(backend, a.expert_saved, a.expert_saved_bytes,
+                      saved_size(EpSaved::Expert, T, R), "args->expert_saved",
+                      "args->expert_saved_bytes",
+                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows)");
+  api::require_buffer(
+      backend, a.workspace, a.workspace_bytes, workspace_size(EpPass::ForwardFinish, T, R),
+      "args->workspace", "args->workspace_bytes",
+      "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_FORWARD_FINISH, recv_rows)");
+
+  const int32_t* table = reinterpret_cast<const int32_t*>(
+      static_cast<const unsigned char*>(exchange) + kExchangeTableOffset);
+  const Splits s = splits_from(header, table);
+
+  Carver home_carver(a.home_saved);
+  const HomeSaved home = carve_home(home_carver, rd, W, T);
+  Carver expert_carver(a.expert_saved);
+  const ExpertSaved expert = carve_expert(expert_carver, local_desc_, R);
+  Carver ws(a.workspace);
+  FinishScratch scratch;
+  scratch.rows = ws.carve(es * size_t(N * d));
+  scratch.send_g = ws.carve(rs * size_t(N));
+  scratch.y_rows = ws.carve(es * size_t(R * d));
+  scratch.global_counts = ws.carve<int32_t>(sizeof(int32_t) * size_t(E));
+  scratch.sub = carve_sub(ws, backend.workspace_size(local_desc_, Pass::ExpertsForward, R));
+
+  // F2: the routed rows in send order (by expert, hence by destination rank; tokens ascending),
+  // and g along with them (option B of the design: the expert rank applies it).
+  ops_->gather_rows(scratch.rows, a.x, home.expert_token_indices, N, es * size_t(d), stream);
+  ops_->scatter_rows(scratch.send_g, home.g, home.token_index_map, N, rs, stream);
+
+  // F3: dispatch.
+  transport_->exchange({rows_tensor(s, scratch.rows, expert.recv, es * size_t(d), true),
+                        rows_tensor(s, scratch.send_g, expert.recv_g, rs, true)},
+                       "forward_finish: dispatch", layer_tag_, stream);
+
+  // F4: the local experts on the received rows, a batch of R tokens with top_k = 1.
+  ops_->local_expert_ids(home.table, W, E, expert_begin_, expert_end_ - expert_begin_, R,
+                         expert.local_ids, stream);
+  {
+    ExpertsForwardCall experts;
+    experts.T = R;
+    experts.x = expert.recv;
+    experts.ids = expert.local_ids;
+    experts.g = expert.recv_g;
+    experts.w_gate = a.w_gate;
+    experts.w_up = rd.gated() ? a.w_up : nullptr;
+    experts.w_down = a.w_down;
+    experts.y = scratch.y_rows;
+    Carver saved_carver(expert.experts.ptr);
+    experts.saved = carve_saved(saved_carver, local_desc_, Pass::ExpertsForward, R);
+    experts.has_saved = true;
+    experts.saved_pass = Pass::ExpertsForward;
+    experts.workspace = scratch.sub;
+    experts.stream = stream;
+    std::lock_guard<std::mutex> lock(context_->execute_mutex);
+    backend.experts_forward(local_desc_, experts);
+  }
+
+  // F5: the weighted rows go home, into send order.
+  transport_->exchange({rows_tensor(s, scratch.y_rows, scratch.rows, es * size_t(d), false)},
+                       "forward_finish: return", layer_tag_, stream);
+
+  // F6: y_t = sum_j rows[(t, j)], j ascending, rounded once.
+  ops_->combine_rows(rd.dtype, a.y, scratch.rows, home.token_index_map, T, k, d, stream);
+
+  if (a.expert_counts || a.losses) {
+    ops_->global_counts(home.table, W, E, scratch.global_counts, stream);
+  }
+  if (a.expert_counts) {
+    backend.copy(a.expert_counts, scratch.global_counts, sizeof(int32_t) * size_t(E), stream);
+  }
+  if (a.losses) {
+    LossShareCall loss;
+    loss.T = T;
+    loss.global_tokens = s.global_tokens;
+    loss.logits = home.logits;
+    loss.global_counts = scratch.global_counts;
+    loss.stream = stream;
+    ops_->loss_shares_forward(global_desc_, loss, a.losses);
+  }
+  if (a.logits_out) backend.copy(a.logits_out, home.logits, rs * size_t(T * E), stream);
+  if (a.ids_out) backend.copy(a.ids_out, home.ids, sizeof(int32_t) * size_t(N), stream);
+  if (a.g_out) backend.copy(a.g_out, home.g, rs * size_t(N), stream);
+
+  static_cast<ExchangeHeader*>(exchange)->state = kStepFinished;
+}
+
+// ---- backward -----------------------------------------------------------------------------------
+
+void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchange,
+                       size_t exchange_bytes, void* stream) {
+  Backend& backend = *context_->backend;
+  const LayerDesc& rd = router_desc_;
+  const int64_t T = a.num_tokens;
+  const int64_t E = rd.E;
+  const int64_t W = world_size_;
+  const int64_t k = rd.k;
+  const int64_t d = rd.d;
+  const int64_t N = T * k;
+  const size_t es = rd.elem_size();
+  const size_t rs = rd.relem_size();
+
+  MB_REQUIRE_ARG((a.flags & ~MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD) == 0,
+                 "args->flags = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1)",
+                 a.flags);
+  api::require_num_tokens(rd, T, "args->num_tokens");
+  const ExchangeHeader& header =
+      read_exchange(exchange, exchange_bytes, T, kStepFinished, "moeblaze_ep_backward");
+  const int64_t R = header.recv_rows;
+  const bool empty = T == 0;
+  api::require_tensor(backend, a.dy, true, empty, es, "args->dy");
+  api::require_tensor(backend, a.d_losses, false, false, rs, "args->d_losses");
+  api::require_tensor(backend, a.x, true, empty, es, "args->x");
+  api::require_tensor(backend, a.w_router, true, false, es, "args->w_router");
+  api::require_tensor(backend, a.w_gate, true, false, es, "args->w_gate");
+  api::require_tensor(backend, a.w_up, rd.gated(), false, es, "args->w_up");
+  api::require_tensor(backend, a.w_down, true, false, es, "args->w_down");
+  api::require_tensor(backend, a.dx, false, false, es, "args->dx");
+  api::require_tensor(backend, a.dw_router, false, false, es, "args->dw_router");
+  api::require_tensor(backend, a.dw_gate, false, false, es, "args->dw_gate");
+  api::require_tensor(backend, a.dw_up, false, false, es, "args->dw_up");
+  api::require_tensor(backend, a.dw_down, false, false, es, "args->dw_down");
+  api::require_tensor(backend, a.dg, false, false, rs, "args->dg");
+  api::require_tensor(backend, a.d_logits, false, false, rs, "args->d_logits");
+  MB_REQUIRE_ARG(a.home_saved != nullptr && a.expert_saved != nullptr,
+                 "args->home_saved and args->expert_saved must be the buffers of the forward step "
+                 "(one is NULL)");
+  api::require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
+                      "args->home_saved", "args->home_saved_bytes",
+                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
+  api::require_buffer(backend, a.expert_saved, a.expert_saved_bytes,
+                      saved_size(EpSaved::Expert, T, R), "args->expert_saved",
+                      "args->expert_saved_bytes",
+                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows)");
+  api::require_buffer(backend, a.workspace, a.workspace_bytes,
+                      workspace_size(EpPass::Backward, T, R), "args->workspace",
+                      "args->workspace_bytes",
+                      "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_BACKWARD, recv_rows)");
+
+  const int32_t* table = reinterpret_cast<const int32_t*>(
+      static_cast<const unsigned char*>(exchange) + kExchangeTableOffset);
+  const Splits s = splits_from(header, table);
+  const bool accumulate = (a.flags & MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD) != 0;
+
+  Carver home_carver(const_cast<void*>(a.home_saved));
+  const HomeSaved home = carve_home(home_carver, rd, W, T);
+  Carver expert_carver(const_cast<void*>(a.expert_saved));
+  const ExpertSaved expert = carve_expert(expert_carver, local_desc_, R);
+  Carver ws(a.workspace);
+  BackwardScratch scratch;
+  scratch.rows = ws.carve(es * size_t(N * d));
+  scratch.recv_dy = ws.carve(es * size_t(R * d));
+  scratch.dx_rows = ws.carve(es * size_t(R * d));
+  scratch.dg_rows = ws.carve(rs * size_t(R));
+  scratch.back_dg = ws.carve(rs * size_t(N));
+  scratch.dg = ws.carve(rs * size_t(N));
+  scratch.d_logits = ws.carve(rs * size_t(T * E));
+  scratch.global_counts = ws.carve<int32_t>(sizeof(int32_t) * size_t(E));
+  size_t sub_bytes = backend.workspace_size(local_desc_, Pass::ExpertsBackward, R);
+  for (Pass p : {Pass::RouterBackward, Pass::RouterProjectBackward}) {
+    sub_bytes = std::max(sub_bytes, backend.workspace_size(rd, p, T));
+  }
+  scratch.sub = carve_sub(ws, sub_bytes);
+
+  // B0, B1: the unscaled dy rows to the experts' ranks, with the forward's sizes.
+  ops_->gather_rows(scratch.rows, a.dy, home.expert_token_indices, N, es * size_t(d), stream);
+  transport_->exchange({rows_tensor(s, scratch.rows, scratch.recv_dy, es * size_t(d), true)},
+                       "backward: dispatch", layer_tag_, stream);
+
+  // B2: the local experts' backward. dx and dg rows are always computed: other ranks need them.
+  {
+    ExpertsBackwardCall experts;
+    experts.T = R;
+    experts.dy = scratch.recv_dy;
+    experts.x = expert.recv;
+    experts.ids = expert.local_ids;
+    experts.g = expert.recv_g;
+    experts.w_gate = a.w_gate;
+    experts.w_up = rd.gated() ? a.w_up : nullptr;
+    experts.w_down = a.w_down;
+    Carver saved_carver(expert.experts.ptr);
+    experts.saved = carve_saved(saved_carver, local_desc_, Pass::ExpertsForward, R);
+    experts.saved_pass = Pass::ExpertsForward;
+    experts.dx = scratch.dx_rows;
+    experts.dw_gate = a.dw_gate;
+    experts.dw_up = rd.gated() ? a.dw_up : nullptr;
+    experts.dw_down = a.dw_down;
+    experts.dg = scratch.dg_rows;
+    experts.accumulate_wgrad = accumulate;
+    experts.workspace = scratch.sub;
+    experts.stream = stream;
+    std::lock_guard<std::mutex> lock(context_->execute_mutex);
+    backend.experts_backward(local_desc_, experts);
+  }
+
+  // B3: dx rows and dg home, into send order.
+  transport_->exchange({rows_tensor(s, scratch.dx_rows, scratch.rows, es * size_t(d), false),
+                        rows_tensor(s, scratch.dg_rows, scratch.back_dg, rs, false)},
+                       "backward: return", layer_tag_, stream);
+
+  // B4: this rank's tokens.
+  const bool need_router = a.dx != nullptr || a.dw_router != nullptr || a.d_logits != nullptr;
+  if (!need_router && a.dg == nullptr) return;
+  void* dg = a.dg ? a.dg : scratch.dg;
+  ops_->gather_rows(dg, scratch.back_dg, home.token_index_map, N, rs, stream);
+  if (a.dx) ops_->combine_rows(rd.dtype, a.dx, scratch.rows, home.token_index_map, T, k, d, stream);
+  if (!need_router) return;
+
+  void* d_logits = a.d_logits ? a.d_logits : scratch.d_logits;
+  {
+    RouterBackwardCall route;
+    route.T = T;
+    route.logits = home.logits;
+    route.ids = home.ids;
+    route.dg = dg;
+    route.d_logits = d_logits;
+    route.workspace = scratch.sub;
+    route.stream = stream;
+    std::lock_guard<std::mutex> lock(context_->execute_mutex);
+    backend.router_backward(rd, route);
+  }
+  if (global_desc_.aux_loss_coeff != 0.0f || global_desc_.z_loss_coeff != 0.0f) {
+    ops_->global_counts(home.table, W, E, scratch.global_counts, stream);
+    LossShareCall loss;
+    loss.T = T;
+    loss.global_tokens = s.global_tokens;
+    loss.logits = home.logits;
+    loss.global_counts = scratch.global_counts;
+    loss.stream = stream;
+    ops_->loss_shares_backward(global_desc_, loss, a.d_losses, d_logits);
+  }
+  if (a.dx == nullptr && a.dw_router == nullptr) return;
+  RouterProjectBackwardCall project;
+  project.T = T;
+  project.d_logits = d_logits;
+  project.x = a.x;
+  project.w_router = a.w_router;
+  project.dx = a.dx;
+  project.dw_router = a.dw_router;
+  project.accumulate_wgrad = accumulate;
+  project.workspace = scratch.sub;
+  project.stream = stream;
+  std::lock_guard<std::mutex> lock(context_->execute_mutex);
+  backend.router_project_backward(rd, project);
+}
+
+}  // namespace ep
+}  // namespace moeblaze

@@ -1,0 +1,100 @@
+// One rank's expert-parallel plan: the global layer's router (replicated), this rank's experts run
+// as a local layer (E_r experts, top_k = 1) on the rows the exchange brings, and the transport.
+// The data flow is that of docs/design/expert-parallel.md, sections 2 and 3; the arithmetic is the
+// backend's own (router projection, router, routing build, experts) plus EpOps (gathers, the
+// combine, loss shares), so that results equal the one-device layer on the global batch.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "api/handles.hpp"
+#include "common/backend.hpp"
+#include "common/layer_desc.hpp"
+#include "ep/ep_ops.hpp"
+#include "ep/local_group.hpp"
+#include "ep/transport.hpp"
+
+namespace moeblaze {
+namespace ep {
+
+// Host-side state of one step (the caller's `exchange` buffer): this header, then the count table.
+struct ExchangeHeader {
+  uint32_t magic;
+  uint32_t state;  // kStepBegun or kStepFinished
+  uint64_t layer_tag;
+  int64_t num_tokens;
+  int64_t recv_rows;
+  int32_t rank;
+  int32_t world_size;
+};
+constexpr uint32_t kExchangeMagic = 0x5845424du;  // "MBEX" little-endian
+constexpr uint32_t kStepBegun = 1;
+constexpr uint32_t kStepFinished = 2;
+constexpr size_t kExchangeTableOffset = 64;  // the table starts here, 8-byte aligned
+static_assert(sizeof(ExchangeHeader) <= kExchangeTableOffset, "exchange header too large");
+
+enum class EpPass : int32_t { ForwardBegin = 0, ForwardFinish = 1, Backward = 2 };
+enum class EpSaved : int32_t { Home = 0, Expert = 1 };
+
+class EpLayer {
+ public:
+  EpLayer(std::shared_ptr<api::ContextState> context, const LayerDesc& global_desc,
+          int32_t transport_kind, int32_t rank, int32_t world_size, void* communicator,
+          std::shared_ptr<LocalGroupState> group);
+
+  int64_t expert_begin() const { return expert_begin_; }
+  int64_t expert_end() const { return expert_end_; }
+  int32_t rank() const { return rank_; }
+  int32_t world_size() const { return world_size_; }
+  const LayerDesc& global_desc() const { return global_desc_; }
+
+  size_t exchange_size() const;
+  size_t workspace_size(EpPass pass, int64_t T, int64_t R) const;
+  size_t saved_size(EpSaved part, int64_t T, int64_t R) const;
+
+  // Largest rows this rank's experts can receive for `T` tokens on every rank: the limit of the
+  // local layer's int32 row indices.
+  void require_recv_rows(int64_t R, const char* argument) const;
+
+  int64_t forward_begin(const moeblaze_ep_forward_args_t& args, void* exchange,
+                        size_t exchange_bytes, void* stream);
+  void forward_finish(const moeblaze_ep_forward_args_t& args, void* exchange, size_t exchange_bytes,
+                      void* stream);
+  void backward(const moeblaze_ep_backward_args_t& args, const void* exchange,
+                size_t exchange_bytes, void* stream);
+
+ private:
+  struct Splits;  // the host sizes of one step, from the count table
+  Splits splits_from(const ExchangeHeader& header, const int32_t* table) const;
+  const ExchangeHeader& read_exchange(const void* exchange, size_t exchange_bytes, int64_t T,
+                                      uint32_t expected_state, const char* call) const;
+  ExchangeTensor rows_tensor(const Splits& s, const void* send, void* recv, size_t row_bytes,
+                             bool to_experts) const;
+
+  std::shared_ptr<api::ContextState> context_;
+  LayerDesc global_desc_;  // as created: the losses' coefficients
+  LayerDesc router_desc_;  // the global router without loss terms (EP computes loss shares)
+  LayerDesc local_desc_;   // this rank's experts: E_r experts, top_k = 1
+  int32_t rank_;
+  int32_t world_size_;
+  int64_t expert_begin_;
+  int64_t expert_end_;
+  std::vector<int64_t> rank_expert_begin_;  // [W + 1]
+  uint64_t layer_tag_;
+  std::unique_ptr<EpOps> ops_;
+  std::shared_ptr<LocalGroupState> group_;
+  std::unique_ptr<Transport> transport_;
+};
+
+}  // namespace ep
+}  // namespace moeblaze
+
+struct moeblaze_ep_layer_s {
+  std::unique_ptr<moeblaze::ep::EpLayer> layer;
+};
+
+struct moeblaze_ep_group_s {
+  std::shared_ptr<moeblaze::ep::LocalGroupState> state;
+};

@@ -1,0 +1,271 @@
+// EpOps for the CPU backend: host memory, plain loops. The loss arithmetic repeats the CPU router's
+// (src/cpu/router.cpp) operation for operation, so that with one rank the loss shares and their
+// gradients are bitwise the router's own, and with several ranks every token's d_logits is bitwise
+// the one-device value (the global counts and token count are the same numbers).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "common/status.hpp"
+#include "cpu/half.hpp"
+#include "ep/ep_ops.hpp"
+
+namespace moeblaze {
+namespace ep {
+namespace {
+
+using cpu::bf16;
+using cpu::f16;
+using cpu::from_acc;
+using cpu::to_acc;
+
+template <typename Fn>
+void dispatch_storage(Dtype dtype, Fn&& fn) {
+  switch (dtype) {
+    case Dtype::F32: fn(float{}); return;
+    case Dtype::BF16: fn(bf16{}); return;
+    case Dtype::F16: fn(f16{}); return;
+    case Dtype::F64: fn(double{}); return;
+  }
+  fail(MOEBLAZE_ERR_INTERNAL, "EP (CPU): unknown dtype %d", int(dtype));
+}
+
+template <typename Fn>
+void dispatch_routing(Dtype dtype, Fn&& fn) {
+  if (routing_dtype(dtype) == Dtype::F64) {
+    fn(double{});
+  } else {
+    fn(float{});
+  }
+}
+
+template <typename R>
+R logsumexp(const R* logits, int64_t n) {
+  R max_logit = logits[0];
+  for (int64_t e = 1; e < n; ++e) max_logit = std::max(max_logit, logits[e]);
+  R sum = 0;
+  for (int64_t e = 0; e < n; ++e) sum += std::exp(logits[e] - max_logit);
+  return max_logit + std::log(sum);
+}
+
+template <typename R>
+R softmax(const R* logits, int64_t n, R* probs) {
+  R max_logit = logits[0];
+  for (int64_t e = 1; e < n; ++e) max_logit = std::max(max_logit, logits[e]);
+  R sum = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    probs[e] = std::exp(logits[e] - max_logit);
+    sum += probs[e];
+  }
+  for (int64_t e = 0; e < n; ++e) probs[e] /= sum;
+  return max_logit + std::log(sum);
+}
+
+template <typename R>
+R sigmoid(R x) {
+  return R(1) / (R(1) + std::exp(-x));
+}
+
+// The score the aux loss balances: softmax, or sigmoid normalised over the experts.
+template <typename R>
+R balance_scores(const LayerDesc& desc, const R* row, R* balance) {
+  const int64_t E = desc.E;
+  const R lse = softmax(row, E, balance);
+  if (desc.score_function == ScoreFunction::Sigmoid) {
+    R sum = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      balance[e] = sigmoid(row[e]);
+      sum += balance[e];
+    }
+    for (int64_t e = 0; e < E; ++e) balance[e] = balance[e] / sum;
+  }
+  return lse;
+}
+
+template <typename R>
+void loss_forward_typed(const LayerDesc& desc, const LossShareCall& call, R* losses) {
+  const int64_t T = call.T;
+  const int64_t E = desc.E;
+  const int64_t k = desc.k;
+  const R* logits = static_cast<const R*>(call.logits);
+  losses[0] = 0;
+  losses[1] = 0;
+  const int64_t global_T = call.global_tokens;
+  if (global_T == 0) return;
+  std::vector<R> balance(size_t(std::max<int64_t>(T, 1) * E));
+  std::vector<R> lse(size_t(std::max<int64_t>(T, 1)));
+  for (int64_t t = 0; t < T; ++t) {
+    lse[size_t(t)] = balance_scores(desc, logits + t * E, balance.data() + t * E);
+  }
+  if (desc.aux_loss_coeff != 0.0f) {
+    R total = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      R mean_score = 0;
+      for (int64_t t = 0; t < T; ++t) mean_score += balance[size_t(t * E + e)];
+      mean_score /= R(global_T);
+      total += (R(call.global_counts[e]) / R(global_T * k)) * mean_score;
+    }
+    losses[0] = R(desc.aux_loss_coeff) * R(E) * total;
+  }
+  if (desc.z_loss_coeff != 0.0f) {
+    R total = 0;
+    for (int64_t t = 0; t < T; ++t) total += lse[size_t(t)] * lse[size_t(t)];
+    losses[1] = R(desc.z_loss_coeff) * total / R(global_T);
+  }
+}
+
+template <typename R>
+void loss_backward_typed(const LayerDesc& desc, const LossShareCall& call, const R* d_losses,
+                         R* d_logits) {
+  const int64_t T = call.T;
+  const int64_t E = desc.E;
+  const int64_t k = desc.k;
+  const int64_t global_T = call.global_tokens;
+  const R* logits = static_cast<const R*>(call.logits);
+  const bool with_aux = global_T > 0 && desc.aux_loss_coeff != 0.0f;
+  const bool with_z = global_T > 0 && desc.z_loss_coeff != 0.0f;
+  if (!with_aux && !with_z) return;
+  const R d_aux = d_losses ? d_losses[0] : R(1);
+  const R d_z = d_losses ? d_losses[1] : R(1);
+  std::vector<R> probs(static_cast<size_t>(E));
+  for (int64_t t = 0; t < T; ++t) {
+    const R* row = logits + t * E;
+    R* out = d_logits + t * E;
+    // As the router's backward: probs = softmax (softmax score functions) or sigmoid (SIGMOID).
+    if (desc.score_function == ScoreFunction::Sigmoid) {
+      for (int64_t e = 0; e < E; ++e) probs[size_t(e)] = sigmoid(row[e]);
+    } else {
+      softmax(row, E, probs.data());
+    }
+    if (with_aux) {
+      const R scale = d_aux * R(desc.aux_loss_coeff) * R(E) / (R(global_T) * R(global_T * k));
+      const int32_t* counts = call.global_counts;
+      if (desc.score_function == ScoreFunction::Sigmoid) {
+        R sum = 0;
+        for (int64_t e = 0; e < E; ++e) sum += probs[size_t(e)];
+        R q_dot_w = 0;
+        for (int64_t e = 0; e < E; ++e) {
+          q_dot_w += (probs[size_t(e)] / sum) * (scale * R(counts[e]));
+        }
+        for (int64_t e = 0; e < E; ++e) {
+          const R w = scale * R(counts[e]);
+          out[e] += (w - q_dot_w) / sum * probs[size_t(e)] * (R(1) - probs[size_t(e)]);
+        }
+      } else {
+        R q_dot_w = 0;
+        for (int64_t e = 0; e < E; ++e) q_dot_w += probs[size_t(e)] * (scale * R(counts[e]));
+        for (int64_t e = 0; e < E; ++e) {
+          out[e] += probs[size_t(e)] * (scale * R(counts[e]) - q_dot_w);
+        }
+      }
+    }
+    if (with_z) {
+      const R lse = desc.score_function == ScoreFunction::Sigmoid ? softmax(row, E, probs.data())
+                                                                  : logsumexp(row, E);
+      const R scale = d_z * R(desc.z_loss_coeff) * R(2) * lse / R(global_T);
+      for (int64_t e = 0; e < E; ++e) out[e] += scale * probs[size_t(e)];
+    }
+  }
+}
+
+class CpuEpOps final : public EpOps {
+ public:
+  void gather_rows(void* dst, const void* src, const int32_t* index, int64_t n, size_t row_bytes,
+                   void*) override {
+    auto* out = static_cast<unsigned char*>(dst);
+    const auto* in = static_cast<const unsigned char*>(src);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(out + size_t(i) * row_bytes, in + size_t(index[i]) * row_bytes, row_bytes);
+    }
+  }
+
+  void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n, size_t row_bytes,
+                    void*) override {
+    auto* out = static_cast<unsigned char*>(dst);
+    const auto* in = static_cast<const unsigned char*>(src);
+    for (int64_t i = 0; i < n; ++i) {
+      std::memcpy(out + size_t(index[i]) * row_bytes, in + size_t(i) * row_bytes, row_bytes);
+    }
+  }
+
+  void combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index, int64_t T,
+                    int64_t k, int64_t d, void*) override {
+    dispatch_storage(dtype, [&](auto tag) {
+      using S = decltype(tag);
+      using Acc = decltype(to_acc(S{}));
+      S* y = static_cast<S*>(out);
+      const S* in = static_cast<const S*>(rows);
+      std::vector<Acc> acc(static_cast<size_t>(d));
+      for (int64_t t = 0; t < T; ++t) {
+        std::fill(acc.begin(), acc.end(), Acc(0));
+        for (int64_t j = 0; j < k; ++j) {
+          const S* row = in + int64_t(index[t * k + j]) * d;
+          for (int64_t c = 0; c < d; ++c) acc[size_t(c)] += Acc(to_acc(row[c]));
+        }
+        for (int64_t c = 0; c < d; ++c) y[t * d + c] = from_acc<S>(acc[size_t(c)]);
+      }
+    });
+  }
+
+  void local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
+                        int64_t local_experts, int64_t R, int32_t* local_ids, void*) override {
+    int64_t row = 0;
+    for (int64_t s = 0; s < W; ++s) {
+      for (int64_t e = 0; e < local_experts; ++e) {
+        const int64_t count = table[s * E + expert_begin + e];
+        MB_REQUIRE(row + count <= R, MOEBLAZE_ERR_INTERNAL,
+                   "EP: the count table holds more received rows than the %lld expected",
+                   (long long)R);
+        for (int64_t i = 0; i < count; ++i) local_ids[row++] = int32_t(e);
+      }
+    }
+    MB_REQUIRE(row == R, MOEBLAZE_ERR_INTERNAL,
+               "EP: the count table holds %lld received rows, %lld expected", (long long)row,
+               (long long)R);
+  }
+
+  void global_counts(const int32_t* table, int64_t W, int64_t E, int32_t* counts, void*) override {
+    for (int64_t e = 0; e < E; ++e) {
+      int32_t sum = 0;
+      for (int64_t s = 0; s < W; ++s) sum += table[s * E + e];
+      counts[e] = sum;
+    }
+  }
+
+  void loss_shares_forward(const LayerDesc& desc, const LossShareCall& call,
+                           void* losses) override {
+    dispatch_routing(desc.dtype, [&](auto tag) {
+      using R = decltype(tag);
+      loss_forward_typed<R>(desc, call, static_cast<R*>(losses));
+    });
+  }
+
+  void loss_shares_backward(const LayerDesc& desc, const LossShareCall& call, const void* d_losses,
+                            void* d_logits) override {
+    dispatch_routing(desc.dtype, [&](auto tag) {
+      using R = decltype(tag);
+      loss_backward_typed<R>(desc, call, static_cast<const R*>(d_losses),
+                             static_cast<R*>(d_logits));
+    });
+  }
+
+  void copy_to_host(void* host_dst, const void* src, size_t bytes, void*) override {
+    if (bytes) std::memcpy(host_dst, src, bytes);
+  }
+
+  void copy_between_ranks(void* dst, const void* src, size_t bytes) override {
+    if (bytes && dst != src) std::memcpy(dst, src, bytes);
+  }
+
+  void synchronize(void*) override {}
+};
+
+}  // namespace
+
+std::unique_ptr<EpOps> make_cpu_ep_ops() {
+  return std::make_unique<CpuEpOps>();
+}
+
+}  // namespace ep
+}  // namespace moeblaze

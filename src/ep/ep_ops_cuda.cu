@@ -1,0 +1,254 @@
+// EpOps for the CUDA backend: small memory-bound kernels on the caller's stream. Each output
+// element is written by one thread that reduces in a fixed order (no atomics): bitwise repeatable.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "common/status.hpp"
+#include "ep/ep_ops.hpp"
+
+namespace moeblaze {
+namespace ep {
+namespace {
+
+void check(cudaError_t result, const char* what) {
+  if (result == cudaSuccess) return;
+  fail(MOEBLAZE_ERR_CUDA, "EP: %s failed: %s", what, cudaGetErrorString(result));
+}
+
+cudaStream_t as_stream(void* stream) {
+  return static_cast<cudaStream_t>(stream);
+}
+
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+    device_ = device;
+  }
+  ~DeviceScope() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+
+ private:
+  int previous_ = 0;
+  int device_ = 0;
+};
+
+constexpr int kThreads = 256;
+
+int blocks_for(int64_t work) {
+  const int64_t blocks = (work + kThreads - 1) / kThreads;
+  return int(blocks < 65535 * 32 ? (blocks > 0 ? blocks : 1) : 65535 * 32);
+}
+
+// Row moves in units of Unit (16, 8, 4 or 2 bytes, whatever divides the row and the pointers).
+template <typename Unit, bool kScatter>
+__global__ void move_rows_kernel(Unit* dst, const Unit* src, const int32_t* index, int64_t n,
+                                 int64_t units_per_row) {
+  const int64_t total = n * units_per_row;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t row = i / units_per_row;
+    const int64_t unit = i - row * units_per_row;
+    const int64_t other = index[row];
+    if (kScatter) {
+      dst[other * units_per_row + unit] = src[row * units_per_row + unit];
+    } else {
+      dst[row * units_per_row + unit] = src[other * units_per_row + unit];
+    }
+  }
+}
+
+template <bool kScatter>
+void move_rows(void* dst, const void* src, const int32_t* index, int64_t n, size_t row_bytes,
+               cudaStream_t stream) {
+  if (n == 0 || row_bytes == 0) return;
+  const uintptr_t alignment =
+      reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(row_bytes);
+  const int64_t total_bytes = n * int64_t(row_bytes);
+  if (alignment % 16 == 0) {
+    move_rows_kernel<uint4, kScatter><<<blocks_for(total_bytes / 16), kThreads, 0, stream>>>(
+        static_cast<uint4*>(dst), static_cast<const uint4*>(src), index, n, row_bytes / 16);
+  } else if (alignment % 4 == 0) {
+    move_rows_kernel<uint32_t, kScatter><<<blocks_for(total_bytes / 4), kThreads, 0, stream>>>(
+        static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), index, n, row_bytes / 4);
+  } else {
+    move_rows_kernel<uint16_t, kScatter><<<blocks_for(total_bytes / 2), kThreads, 0, stream>>>(
+        static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), index, n, row_bytes / 2);
+  }
+  check(cudaGetLastError(), kScatter ? "scatter_rows launch" : "gather_rows launch");
+}
+
+__device__ inline float load_float(const float* p) {
+  return *p;
+}
+__device__ inline float load_float(const __nv_bfloat16* p) {
+  return __bfloat162float(*p);
+}
+__device__ inline float load_float(const __half* p) {
+  return __half2float(*p);
+}
+__device__ inline void store_float(float* p, float v) {
+  *p = v;
+}
+__device__ inline void store_float(__nv_bfloat16* p, float v) {
+  *p = __float2bfloat16_rn(v);
+}
+__device__ inline void store_float(__half* p, float v) {
+  *p = __float2half_rn(v);
+}
+
+// out[t, c] = sum_j rows[index[t*k+j], c], j ascending from 0 in F32, rounded once.
+template <typename S>
+__global__ void combine_kernel(S* out, const S* rows, const int32_t* index, int64_t T, int64_t k,
+                               int64_t d) {
+  const int64_t total = T * d;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / d;
+    const int64_t c = i - t * d;
+    float acc = 0.0f;
+    for (int64_t j = 0; j < k; ++j) acc += load_float(rows + int64_t(index[t * k + j]) * d + c);
+    store_float(out + i, acc);
+  }
+}
+
+__global__ void local_ids_kernel(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
+                                 int64_t local_experts, int64_t R, int32_t* local_ids) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < R;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    // Segments (source s, local expert e) in order; W * E_r <= E: a short scan per row.
+    int64_t end = 0;
+    int32_t id = 0;
+    for (int64_t s = 0; s < W && end <= i; ++s) {
+      for (int64_t e = 0; e < local_experts; ++e) {
+        end += table[s * E + expert_begin + e];
+        if (i < end) {
+          id = int32_t(e);
+          s = W;
+          break;
+        }
+      }
+    }
+    local_ids[i] = id;
+  }
+}
+
+__global__ void global_counts_kernel(const int32_t* table, int64_t W, int64_t E, int32_t* counts) {
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < E;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    int32_t sum = 0;
+    for (int64_t s = 0; s < W; ++s) sum += table[s * E + e];
+    counts[e] = sum;
+  }
+}
+
+class CudaEpOps final : public EpOps {
+ public:
+  explicit CudaEpOps(int32_t device) : device_(device) {}
+
+  void gather_rows(void* dst, const void* src, const int32_t* index, int64_t n, size_t row_bytes,
+                   void* stream) override {
+    DeviceScope scope(device_);
+    move_rows<false>(dst, src, index, n, row_bytes, as_stream(stream));
+  }
+
+  void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n, size_t row_bytes,
+                    void* stream) override {
+    DeviceScope scope(device_);
+    move_rows<true>(dst, src, index, n, row_bytes, as_stream(stream));
+  }
+
+  void combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index, int64_t T,
+                    int64_t k, int64_t d, void* stream) override {
+    if (T == 0) return;
+    DeviceScope scope(device_);
+    const int blocks = blocks_for(T * d);
+    const cudaStream_t s = as_stream(stream);
+    switch (dtype) {
+      case Dtype::F32:
+        combine_kernel<float><<<blocks, kThreads, 0, s>>>(
+            static_cast<float*>(out), static_cast<const float*>(rows), index, T, k, d);
+        break;
+      case Dtype::BF16:
+        combine_kernel<__nv_bfloat16>
+            <<<blocks, kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(out),
+                                         static_cast<const __nv_bfloat16*>(rows), index, T, k, d);
+        break;
+      case Dtype::F16:
+        combine_kernel<__half><<<blocks, kThreads, 0, s>>>(
+            static_cast<__half*>(out), static_cast<const __half*>(rows), index, T, k, d);
+        break;
+      default: fail(MOEBLAZE_ERR_NOT_SUPPORTED, "EP on CUDA: %s is CPU only", dtype_name(dtype));
+    }
+    check(cudaGetLastError(), "combine_rows launch");
+  }
+
+  void local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
+                        int64_t local_experts, int64_t R, int32_t* local_ids,
+                        void* stream) override {
+    if (R == 0) return;
+    DeviceScope scope(device_);
+    local_ids_kernel<<<blocks_for(R), kThreads, 0, as_stream(stream)>>>(
+        table, W, E, expert_begin, local_experts, R, local_ids);
+    check(cudaGetLastError(), "local_expert_ids launch");
+  }
+
+  void global_counts(const int32_t* table, int64_t W, int64_t E, int32_t* counts,
+                     void* stream) override {
+    DeviceScope scope(device_);
+    global_counts_kernel<<<blocks_for(E), kThreads, 0, as_stream(stream)>>>(table, W, E, counts);
+    check(cudaGetLastError(), "global_counts launch");
+  }
+
+  void loss_shares_forward(const LayerDesc& desc, const LossShareCall& call,
+                           void* losses) override {
+    // EpLayer refuses loss coefficients on CUDA at creation; without them the shares are zero.
+    MB_REQUIRE(desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f, MOEBLAZE_ERR_NOT_SUPPORTED,
+               "EP on CUDA: router loss shares are not implemented");
+    DeviceScope scope(device_);
+    check(cudaMemsetAsync(losses, 0, 2 * desc.relem_size(), as_stream(call.stream)),
+          "cudaMemsetAsync (losses)");
+  }
+
+  void loss_shares_backward(const LayerDesc& desc, const LossShareCall&, const void*,
+                            void*) override {
+    MB_REQUIRE(desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f, MOEBLAZE_ERR_NOT_SUPPORTED,
+               "EP on CUDA: router loss shares are not implemented");
+  }
+
+  void copy_to_host(void* host_dst, const void* src, size_t bytes, void* stream) override {
+    DeviceScope scope(device_);
+    if (bytes) {
+      check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, as_stream(stream)),
+            "cudaMemcpyAsync (count table to the host)");
+    }
+    // The one host synchronisation of the EP forward.
+    check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize (count table)");
+  }
+
+  void copy_between_ranks(void* dst, const void* src, size_t bytes) override {
+    if (bytes == 0 || dst == src) return;
+    DeviceScope scope(device_);
+    check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy (LOCAL transport)");
+  }
+
+  void synchronize(void* stream) override {
+    DeviceScope scope(device_);
+    check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize (LOCAL transport)");
+  }
+
+ private:
+  int32_t device_;
+};
+
+}  // namespace
+
+std::unique_ptr<EpOps> make_cuda_ep_ops(int32_t device) {
+  return std::make_unique<CudaEpOps>(device);
+}
+
+}  // namespace ep
+}  // namespace moeblaze

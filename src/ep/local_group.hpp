@@ -1,0 +1,65 @@
+// The in-process group behind MOEBLAZE_EP_TRANSPORT_LOCAL: W ranks that are threads of one process
+// rendezvous inside every exchange. Protocol of one exchange: every rank makes its send data ready
+// (CUDA: synchronises its stream), publishes what it sends, and waits at a barrier; then every rank
+// copies the chunks addressed to it out of the senders' buffers; a second barrier keeps the send
+// buffers alive until every receiver is done. Each rank checks that the senders' sizes match its
+// own receive sizes and that every rank is in the same collective; any failure fails the exchange
+// on every rank. A barrier that waits more than kLocalGroupTimeoutSeconds breaks the group.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.hpp"
+#include "ep/transport.hpp"
+
+namespace moeblaze {
+namespace ep {
+
+constexpr int kLocalGroupTimeoutSeconds = 120;
+
+class LocalGroupState {
+ public:
+  explicit LocalGroupState(int32_t world_size);
+
+  int32_t world_size() const { return world_size_; }
+
+  // Records the backend of rank `rank`'s layer; every layer on the group must use one backend kind.
+  void check_backend(int32_t backend_kind, int32_t rank);
+
+  // The exchange protocol above, for rank `rank`.
+  void exchange(int32_t rank, EpOps& ops, const std::vector<ExchangeTensor>& tensors,
+                const char* step, uint64_t layer_tag, void* stream);
+
+ private:
+  struct Posting {
+    const std::vector<ExchangeTensor>* tensors = nullptr;
+    std::string step;
+    uint64_t layer_tag = 0;
+  };
+
+  // Waits until all ranks arrive; the last to arrive runs `on_last` (under the lock) first.
+  // Throws (and breaks the group) on timeout.
+  void barrier(std::unique_lock<std::mutex>& lock, int32_t rank, const char* step,
+               const std::function<void()>& on_last);
+
+  const int32_t world_size_;
+  std::mutex mutex_;
+  std::condition_variable arrived_;
+  int32_t waiting_ = 0;
+  uint64_t generation_ = 0;
+  bool broken_ = false;
+  std::string broken_reason_;
+  int32_t backend_kind_ = 0;
+  std::vector<Posting> postings_;
+  // The first failure of the exchange in progress, reported on every rank.
+  moeblaze_status_t collected_status_ = MOEBLAZE_OK;
+  std::string collected_error_;
+};
+
+}  // namespace ep
+}  // namespace moeblaze

@@ -1,0 +1,47 @@
+// How the ranks of an expert-parallel layer exchange bytes: one variable-size all-to-all per call,
+// possibly of several tensors at once (rows and their g). Sizes are host numbers, known on every
+// rank from the count table; both sides of a pair agree on them by construction.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "ep/ep_ops.hpp"
+
+namespace moeblaze {
+namespace ep {
+
+// One tensor of an exchange: the chunk for peer q is send[send_offset[q] .. + send_bytes[q]), the
+// chunk from peer q lands at recv[recv_offset[q] .. + recv_bytes[q]). Offsets and sizes in bytes,
+// one entry per rank. The chunk a rank sends itself is copied locally (skipped when it is already
+// in place).
+struct ExchangeTensor {
+  const void* send = nullptr;
+  void* recv = nullptr;
+  std::vector<size_t> send_offset, send_bytes, recv_offset, recv_bytes;
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  // `step` names the collective ("forward: dispatch") for messages, and on the LOCAL transport
+  // every rank's step and `layer_tag` must match (a mismatch is an error on every rank).
+  virtual void exchange(const std::vector<ExchangeTensor>& tensors, const char* step,
+                        uint64_t layer_tag, void* stream) = 0;
+};
+
+class LocalGroupState;  // ep/local_group.hpp
+
+std::unique_ptr<Transport> make_local_transport(std::shared_ptr<LocalGroupState> group,
+                                                int32_t rank, EpOps& ops);
+// `comm` is an ncclComm_t. Throws Error(NOT_SUPPORTED) when the build has no NCCL. Checks that
+// the communicator's rank and size are `rank` and `world_size`, and its device is `device`.
+std::unique_ptr<Transport> make_nccl_transport(void* comm, int32_t rank, int32_t world_size,
+                                               int32_t device, EpOps& ops);
+bool nccl_transport_built();
+
+}  // namespace ep
+}  // namespace moeblaze

@@ -1,0 +1,474 @@
+// Argument validation of the expert-parallel entry points: every failure has the right status and a
+// message naming the argument; nothing crashes, nothing hangs (one-rank groups, or a mismatch that
+// every rank of the group detects).
+#include <thread>
+
+#include "ep/ep_support.hpp"
+
+using namespace mbtest;
+using namespace mbtest::ep;
+
+namespace {
+
+bool last_error_mentions(const char* text) {
+  return std::strstr(moeblaze_last_error(), text) != nullptr;
+}
+
+#define CHECK_ERROR_NAMES(call, status, text)                                             \
+  do {                                                                                    \
+    MB_CHECK_STATUS(call, status);                                                        \
+    CHECK_MESSAGE(last_error_mentions(text),                                              \
+                  "the message should name '" << text << "': " << moeblaze_last_error()); \
+  } while (0)
+
+struct Group {
+  moeblaze_ep_group_t handle = nullptr;
+  explicit Group(int32_t world) { MB_CHECK(moeblaze_ep_local_group_create(&handle, world)); }
+  ~Group() { moeblaze_ep_local_group_destroy(handle); }
+};
+
+moeblaze_ep_config_t local_config(const Group& group, int32_t rank, int32_t world) {
+  moeblaze_ep_config_t ep;
+  MB_CHECK(moeblaze_ep_config_init(&ep, sizeof ep));
+  ep.transport = MOEBLAZE_EP_TRANSPORT_LOCAL;
+  ep.rank = rank;
+  ep.world_size = world;
+  ep.communicator = group.handle;
+  return ep;
+}
+
+struct EpLayer {
+  moeblaze_ep_layer_t handle = nullptr;
+  EpLayer(const Context& context, const moeblaze_layer_config_t& config,
+          const moeblaze_ep_config_t& ep) {
+    MB_CHECK(moeblaze_ep_layer_create(&handle, context.get(), &config, &ep));
+  }
+  ~EpLayer() { moeblaze_ep_layer_destroy(handle); }
+};
+
+}  // namespace
+
+TEST_CASE("ep errors: config init and group creation") {
+  moeblaze_ep_config_t ep;
+  MB_CHECK(moeblaze_ep_config_init(&ep, sizeof ep));
+  CHECK(ep.struct_size == sizeof ep);
+  CHECK(ep.transport == MOEBLAZE_EP_TRANSPORT_NCCL);
+  CHECK(ep.rank == 0);
+  CHECK(ep.world_size == 1);
+  CHECK(ep.communicator == nullptr);
+  MB_CHECK_STATUS(moeblaze_ep_config_init(nullptr, sizeof ep), MOEBLAZE_ERR_INVALID_ARGUMENT);
+  MB_CHECK_STATUS(moeblaze_ep_config_init(&ep, 4), MOEBLAZE_ERR_VERSION_MISMATCH);
+  moeblaze_ep_forward_args_t fa;
+  MB_CHECK(moeblaze_ep_forward_args_init(&fa, sizeof fa));
+  CHECK(fa.x == nullptr);
+  moeblaze_ep_backward_args_t ba;
+  MB_CHECK(moeblaze_ep_backward_args_init(&ba, sizeof ba));
+  CHECK(ba.dx == nullptr);
+
+  moeblaze_ep_group_t group = reinterpret_cast<moeblaze_ep_group_t>(&ep);
+  CHECK_ERROR_NAMES(moeblaze_ep_local_group_create(nullptr, 2), MOEBLAZE_ERR_INVALID_ARGUMENT,
+                    "out");
+  CHECK_ERROR_NAMES(moeblaze_ep_local_group_create(&group, 0), MOEBLAZE_ERR_INVALID_ARGUMENT,
+                    "world_size");
+  CHECK(group == nullptr);
+  MB_CHECK(moeblaze_ep_local_group_destroy(nullptr));
+  CHECK_ERROR_NAMES(moeblaze_ep_local_group_destroy(reinterpret_cast<moeblaze_ep_group_t>(&ep)),
+                    MOEBLAZE_ERR_INVALID_HANDLE, "group");
+}
+
+TEST_CASE("ep errors: layer creation") {
+  Context context;
+  Context other;
+  Group group(2);
+  const moeblaze_layer_config_t config = make_config(MOEBLAZE_DTYPE_F32, 8, 8, 4, 2);
+  moeblaze_ep_config_t ep = local_config(group, 0, 2);
+  moeblaze_ep_layer_t layer = reinterpret_cast<moeblaze_ep_layer_t>(&ep);
+
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_create(nullptr, context.get(), &config, &ep),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "out");
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, nullptr, &config, &ep),
+                    MOEBLAZE_ERR_INVALID_HANDLE, "context");
+  CHECK(layer == nullptr);
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), nullptr, &ep),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "config");
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, nullptr),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "ep_config");
+  {
+    moeblaze_layer_config_t bad = config;
+    bad.top_k = 9;
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &bad, &ep),
+                      MOEBLAZE_ERR_INVALID_ARGUMENT, "top_k");
+  }
+  {
+    moeblaze_ep_config_t bad = ep;
+    bad.struct_size = 4;
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_VERSION_MISMATCH, "ep_config");
+  }
+  {
+    moeblaze_ep_config_t bad = ep;
+    bad.rank = 2;
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_INVALID_ARGUMENT, "rank");
+    bad.rank = -1;
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_INVALID_ARGUMENT, "rank");
+  }
+  {
+    Group big(5);
+    moeblaze_ep_config_t bad = local_config(big, 0, 5);  // 5 ranks, 4 experts
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_INVALID_ARGUMENT, "world_size");
+    bad.world_size = 0;
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_INVALID_ARGUMENT, "world_size");
+  }
+  {
+    moeblaze_ep_config_t bad = ep;
+    bad.world_size = 3;  // the group has 2 ranks
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_INVALID_ARGUMENT, "world_size");
+  }
+  {
+    moeblaze_ep_config_t bad = ep;
+    bad.communicator = nullptr;
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_INVALID_ARGUMENT, "communicator");
+    bad.communicator = context.get();  // a live handle of the wrong kind
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_INVALID_HANDLE, "communicator");
+  }
+  {
+    moeblaze_ep_config_t bad = ep;
+    bad.transport = 7;
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_NOT_SUPPORTED, "transport");
+    bad.transport = MOEBLAZE_EP_TRANSPORT_NCCL;  // NCCL needs a CUDA context
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_NOT_SUPPORTED, "NCCL");
+  }
+  {
+    // A destroyed group.
+    moeblaze_ep_group_t gone = nullptr;
+    MB_CHECK(moeblaze_ep_local_group_create(&gone, 2));
+    MB_CHECK(moeblaze_ep_local_group_destroy(gone));
+    moeblaze_ep_config_t bad = ep;
+    bad.communicator = gone;
+    CHECK_ERROR_NAMES(moeblaze_ep_layer_create(&layer, context.get(), &config, &bad),
+                      MOEBLAZE_ERR_INVALID_HANDLE, "communicator");
+  }
+  CHECK(layer == nullptr);
+
+  // A group keeps working after its handle is destroyed while layers use it.
+  moeblaze_ep_group_t short_lived = nullptr;
+  MB_CHECK(moeblaze_ep_local_group_create(&short_lived, 1));
+  moeblaze_ep_config_t one;
+  MB_CHECK(moeblaze_ep_config_init(&one, sizeof one));
+  one.transport = MOEBLAZE_EP_TRANSPORT_LOCAL;
+  one.communicator = short_lived;
+  MB_CHECK(moeblaze_ep_layer_create(&layer, context.get(), &config, &one));
+  MB_CHECK(moeblaze_ep_local_group_destroy(short_lived));
+  int64_t begin = -1, end = -1;
+  MB_CHECK(moeblaze_ep_layer_get_experts(layer, &begin, &end));
+  CHECK(begin == 0);
+  CHECK(end == 4);
+  MB_CHECK(moeblaze_ep_layer_destroy(layer));
+  MB_CHECK(moeblaze_ep_layer_destroy(nullptr));
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_destroy(layer), MOEBLAZE_ERR_INVALID_HANDLE, "layer");
+}
+
+TEST_CASE("ep errors: queries") {
+  Context context;
+  Group group(2);
+  const moeblaze_layer_config_t config = make_config(MOEBLAZE_DTYPE_F32, 8, 8, 5, 2);
+  EpLayer layer(context, config, local_config(group, 1, 2));
+  Layer plain(context, config);
+  int64_t begin = -1, end = -1;
+  MB_CHECK(moeblaze_ep_layer_get_experts(layer.handle, &begin, &end));
+  CHECK(begin == 3);  // E = 5 over 2 ranks: [0, 3) and [3, 5)
+  CHECK(end == 5);
+  MB_CHECK(moeblaze_ep_layer_get_experts(layer.handle, nullptr, nullptr));
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_get_experts(nullptr, &begin, &end),
+                    MOEBLAZE_ERR_INVALID_HANDLE, "layer");
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_get_experts(
+                        reinterpret_cast<moeblaze_ep_layer_t>(plain.get()), &begin, &end),
+                    MOEBLAZE_ERR_INVALID_HANDLE, "moeblaze_layer_t");
+
+  size_t bytes = 1;
+  MB_CHECK(moeblaze_ep_layer_exchange_size(layer.handle, &bytes));
+  CHECK(bytes >= 2 * 5 * sizeof(int32_t));
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_exchange_size(layer.handle, nullptr),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes");
+  MB_CHECK(
+      moeblaze_ep_layer_workspace_size(layer.handle, MOEBLAZE_EP_PASS_BACKWARD, 10, 7, &bytes));
+  CHECK(bytes > 0);
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_workspace_size(layer.handle, 3, 10, 7, &bytes),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
+  CHECK(bytes == 0);
+  CHECK_ERROR_NAMES(
+      moeblaze_ep_layer_workspace_size(layer.handle, MOEBLAZE_EP_PASS_BACKWARD, -1, 7, &bytes),
+      MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_workspace_size(layer.handle, MOEBLAZE_EP_PASS_FORWARD_FINISH,
+                                                     10, -7, &bytes),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "recv_rows");
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_saved_size(layer.handle, 2, 10, 7, &bytes),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "part");
+  CHECK_ERROR_NAMES(
+      moeblaze_ep_layer_saved_size(layer.handle, MOEBLAZE_EP_SAVED_EXPERT, 10, 7, nullptr),
+      MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes");
+  // Sizes grow with what they depend on, and only with that.
+  size_t small = 0, large = 0;
+  MB_CHECK(moeblaze_ep_layer_saved_size(layer.handle, MOEBLAZE_EP_SAVED_EXPERT, 10, 7, &small));
+  MB_CHECK(moeblaze_ep_layer_saved_size(layer.handle, MOEBLAZE_EP_SAVED_EXPERT, 10, 70, &large));
+  CHECK(large > small);
+  MB_CHECK(moeblaze_ep_layer_saved_size(layer.handle, MOEBLAZE_EP_SAVED_HOME, 10, 7, &small));
+  MB_CHECK(moeblaze_ep_layer_saved_size(layer.handle, MOEBLAZE_EP_SAVED_HOME, 10, 70, &large));
+  CHECK(large == small);
+}
+
+namespace {
+
+// A one-rank layer and the buffers of one step, for the call-sequence and argument tests.
+struct OneRank {
+  Context context;
+  Group group{1};
+  EpCase c;
+  Global g;
+  moeblaze_ep_layer_t layer = nullptr;
+  HostTensor y, dx;
+  AlignedBytes exchange, home, expert, workspace;
+  moeblaze_ep_forward_args_t fa;
+  moeblaze_ep_backward_args_t ba;
+  int64_t recv_rows = -1;
+
+  OneRank() {
+    c.tokens = {6};
+    g = make_global(c, false);
+    const moeblaze_layer_config_t config = c.config();
+    const moeblaze_ep_config_t ep = local_config(group, 0, 1);
+    MB_CHECK(moeblaze_ep_layer_create(&layer, context.get(), &config, &ep));
+    y.reset(c.dtype, {6, c.d});
+    dx.reset(c.dtype, {6, c.d});
+    size_t bytes = 0;
+    MB_CHECK(moeblaze_ep_layer_exchange_size(layer, &bytes));
+    exchange.resize(bytes);
+    MB_CHECK(moeblaze_ep_layer_saved_size(layer, MOEBLAZE_EP_SAVED_HOME, 6, 0, &bytes));
+    home.resize(bytes);
+    // Bounds: every pair may land here.
+    MB_CHECK(moeblaze_ep_layer_saved_size(layer, MOEBLAZE_EP_SAVED_EXPERT, 6, 6 * c.k, &bytes));
+    expert.resize(bytes);
+    size_t ws = 0;
+    for (int32_t pass : {0, 1, 2}) {
+      MB_CHECK(moeblaze_ep_layer_workspace_size(layer, pass, 6, 6 * c.k, &bytes));
+      ws = std::max(ws, bytes);
+    }
+    workspace.resize(ws);
+    MB_CHECK(moeblaze_ep_forward_args_init(&fa, sizeof fa));
+    fa.num_tokens = 6;
+    fa.x = g.x.data();
+    fa.w_router = g.w_router.data();
+    fa.w_gate = g.w_gate.data();
+    fa.w_up = g.w_up.data();
+    fa.w_down = g.w_down.data();
+    fa.y = y.data();
+    fa.home_saved = home.data();
+    fa.home_saved_bytes = home.size();
+    fa.expert_saved = expert.data();
+    fa.expert_saved_bytes = expert.size();
+    fa.workspace = workspace.data();
+    fa.workspace_bytes = workspace.size();
+    MB_CHECK(moeblaze_ep_backward_args_init(&ba, sizeof ba));
+    ba.num_tokens = 6;
+    ba.dy = g.dy.data();
+    ba.x = g.x.data();
+    ba.w_router = g.w_router.data();
+    ba.w_gate = g.w_gate.data();
+    ba.w_up = g.w_up.data();
+    ba.w_down = g.w_down.data();
+    ba.home_saved = home.data();
+    ba.home_saved_bytes = home.size();
+    ba.expert_saved = expert.data();
+    ba.expert_saved_bytes = expert.size();
+    ba.dx = dx.data();
+    ba.workspace = workspace.data();
+    ba.workspace_bytes = workspace.size();
+  }
+  ~OneRank() { moeblaze_ep_layer_destroy(layer); }
+
+  moeblaze_status_t begin(const moeblaze_ep_forward_args_t& args) {
+    return moeblaze_ep_forward_begin(layer, &args, exchange.data(), exchange.size(), &recv_rows,
+                                     nullptr);
+  }
+  moeblaze_status_t finish(const moeblaze_ep_forward_args_t& args) {
+    return moeblaze_ep_forward_finish(layer, &args, exchange.data(), exchange.size(), nullptr);
+  }
+  moeblaze_status_t backward(const moeblaze_ep_backward_args_t& args) {
+    return moeblaze_ep_backward(layer, &args, exchange.data(), exchange.size(), nullptr);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("ep errors: call order (finish without begin, backward without finish, twice)") {
+  OneRank one;
+  // A fresh (zeroed) exchange buffer was never begun.
+  CHECK_ERROR_NAMES(one.finish(one.fa), MOEBLAZE_ERR_INVALID_ARGUMENT, "forward_begin");
+  CHECK_ERROR_NAMES(one.backward(one.ba), MOEBLAZE_ERR_INVALID_ARGUMENT, "forward_begin");
+  MB_CHECK(one.begin(one.fa));
+  CHECK(one.recv_rows == 6 * one.c.k);  // one rank owns every expert
+  CHECK_ERROR_NAMES(one.backward(one.ba), MOEBLAZE_ERR_INVALID_ARGUMENT, "forward_finish");
+  moeblaze_ep_forward_args_t other_tokens = one.fa;
+  other_tokens.num_tokens = 5;
+  CHECK_ERROR_NAMES(one.finish(other_tokens), MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
+  MB_CHECK(one.finish(one.fa));
+  CHECK_ERROR_NAMES(one.finish(one.fa), MOEBLAZE_ERR_INVALID_ARGUMENT, "already finished");
+  MB_CHECK(one.backward(one.ba));
+  MB_CHECK(one.backward(one.ba));  // backward may run more than once per step
+  moeblaze_ep_backward_args_t bad_tokens = one.ba;
+  bad_tokens.num_tokens = 7;
+  CHECK_ERROR_NAMES(one.backward(bad_tokens), MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
+  // An exchange of another layer (another configuration) is refused.
+  EpCase other_case;
+  other_case.E = 4;
+  other_case.tokens = {6};
+  const moeblaze_layer_config_t other_config = other_case.config();
+  const moeblaze_ep_config_t ep = local_config(one.group, 0, 1);
+  EpLayer other(one.context, other_config, ep);
+  CHECK_ERROR_NAMES(moeblaze_ep_forward_finish(other.handle, &one.fa, one.exchange.data(),
+                                               one.exchange.size(), nullptr),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "exchange");
+}
+
+TEST_CASE("ep errors: arguments of the execute calls") {
+  OneRank one;
+  CHECK_ERROR_NAMES(moeblaze_ep_forward_begin(nullptr, &one.fa, one.exchange.data(),
+                                              one.exchange.size(), &one.recv_rows, nullptr),
+                    MOEBLAZE_ERR_INVALID_HANDLE, "layer");
+  CHECK_ERROR_NAMES(moeblaze_ep_forward_begin(one.layer, nullptr, one.exchange.data(),
+                                              one.exchange.size(), &one.recv_rows, nullptr),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "args");
+  CHECK_ERROR_NAMES(moeblaze_ep_forward_begin(one.layer, &one.fa, one.exchange.data(),
+                                              one.exchange.size(), nullptr, nullptr),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "recv_rows");
+  CHECK_ERROR_NAMES(moeblaze_ep_forward_begin(one.layer, &one.fa, nullptr, one.exchange.size(),
+                                              &one.recv_rows, nullptr),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "exchange");
+  CHECK_ERROR_NAMES(moeblaze_ep_forward_begin(one.layer, &one.fa, one.exchange.data(), 8,
+                                              &one.recv_rows, nullptr),
+                    MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "exchange_bytes");
+  {
+    moeblaze_ep_forward_args_t a = one.fa;
+    a.struct_size = 8;
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_VERSION_MISMATCH, "args");
+    a = one.fa;
+    a.flags = 1;
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->flags");
+    a = one.fa;
+    a.x = nullptr;
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->x");
+    a = one.fa;
+    a.w_router = nullptr;
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->w_router");
+    a = one.fa;
+    a.x = static_cast<const unsigned char*>(one.g.x.data()) + 1;
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->x");
+    a = one.fa;
+    a.num_tokens = -1;
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->num_tokens");
+    a = one.fa;
+    a.home_saved_bytes = 16;
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->home_saved_bytes");
+    a = one.fa;
+    a.workspace = nullptr;
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->workspace");
+  }
+  MB_CHECK(one.begin(one.fa));
+  {
+    moeblaze_ep_forward_args_t a = one.fa;
+    a.w_up = nullptr;  // SwiGLU is gated
+    CHECK_ERROR_NAMES(one.finish(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->w_up");
+    a = one.fa;
+    a.y = nullptr;
+    CHECK_ERROR_NAMES(one.finish(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->y");
+    a = one.fa;
+    a.expert_saved = nullptr;
+    CHECK_ERROR_NAMES(one.finish(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->expert_saved");
+    a = one.fa;
+    a.expert_saved_bytes = 64;
+    CHECK_ERROR_NAMES(one.finish(a), MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
+                      "args->expert_saved_bytes");
+    a = one.fa;
+    a.workspace_bytes = 64;
+    CHECK_ERROR_NAMES(one.finish(a), MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->workspace_bytes");
+  }
+  MB_CHECK(one.finish(one.fa));
+  {
+    moeblaze_ep_backward_args_t a = one.ba;
+    a.flags = 4;
+    CHECK_ERROR_NAMES(one.backward(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->flags");
+    a = one.ba;
+    a.dy = nullptr;
+    CHECK_ERROR_NAMES(one.backward(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->dy");
+    a = one.ba;
+    a.expert_saved = nullptr;
+    CHECK_ERROR_NAMES(one.backward(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "expert_saved");
+    a = one.ba;
+    a.dg = static_cast<unsigned char*>(one.dx.data()) + 2;
+    CHECK_ERROR_NAMES(one.backward(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->dg");
+  }
+  MB_CHECK(one.backward(one.ba));
+}
+
+TEST_CASE("ep errors: a collective mismatch fails on every rank instead of corrupting data") {
+  // Rank 0 runs a layer with E = 8, rank 1 one with E = 6: their exchanges do not match.
+  Group group(2);
+  std::vector<moeblaze_status_t> status(2, MOEBLAZE_OK);
+  std::vector<std::string> message(2);
+  auto body = [&](int32_t rank) {
+    Context context;
+    EpCase c;
+    c.E = rank == 0 ? 8 : 6;
+    c.tokens = {4, 4};
+    Global g = make_global(c, false);
+    const moeblaze_layer_config_t config = c.config();
+    moeblaze_ep_config_t ep;
+    moeblaze_ep_config_init(&ep, sizeof ep);
+    ep.transport = MOEBLAZE_EP_TRANSPORT_LOCAL;
+    ep.rank = rank;
+    ep.world_size = 2;
+    ep.communicator = group.handle;
+    moeblaze_ep_layer_t layer = nullptr;
+    status[size_t(rank)] = moeblaze_ep_layer_create(&layer, context.get(), &config, &ep);
+    if (status[size_t(rank)] != MOEBLAZE_OK) return;
+    size_t bytes = 0, ws = 0;
+    moeblaze_ep_layer_exchange_size(layer, &bytes);
+    AlignedBytes exchange(bytes);
+    moeblaze_ep_layer_saved_size(layer, MOEBLAZE_EP_SAVED_HOME, 4, 0, &bytes);
+    AlignedBytes home(bytes);
+    moeblaze_ep_layer_workspace_size(layer, MOEBLAZE_EP_PASS_FORWARD_BEGIN, 4, 0, &ws);
+    AlignedBytes workspace(ws);
+    moeblaze_ep_forward_args_t fa;
+    moeblaze_ep_forward_args_init(&fa, sizeof fa);
+    fa.num_tokens = 4;
+    fa.x = g.x.data();
+    fa.w_router = g.w_router.data();
+    fa.home_saved = home.data();
+    fa.home_saved_bytes = home.size();
+    fa.workspace = workspace.data();
+    fa.workspace_bytes = workspace.size();
+    int64_t recv = 0;
+    status[size_t(rank)] =
+        moeblaze_ep_forward_begin(layer, &fa, exchange.data(), exchange.size(), &recv, nullptr);
+    message[size_t(rank)] = moeblaze_last_error();
+    moeblaze_ep_layer_destroy(layer);
+  };
+  std::thread rank0(body, 0), rank1(body, 1);
+  rank0.join();
+  rank1.join();
+  for (int rank = 0; rank < 2; ++rank) {
+    CHECK_MESSAGE(status[size_t(rank)] == MOEBLAZE_ERR_INVALID_ARGUMENT,
+                  "rank " << rank << ": " << message[size_t(rank)]);
+    CHECK_MESSAGE(message[size_t(rank)].find("collective mismatch") != std::string::npos,
+                  message[size_t(rank)]);
+  }
+}
