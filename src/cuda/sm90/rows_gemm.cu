@@ -123,13 +123,42 @@ __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
 
 // B1's epilogue for one tile (see the file comment). Register 4j + q of lane (g, t4) holds row g
 // (q < 2) or g + 8 (q >= 2), column 8j + 2 t4 + (q & 1) of the tile.
+// One element of B1's activation backward: u (the saved one, or act(a, b) rounded once) and da, db
+// for du = g * v. SwiGLU and SiLU evaluate the sigmoid once and reuse it: the same operations in
+// the same order as act_math::forward / backward (hence the same bits, and the same u as F1's), but
+// one IEEE division per element instead of three. The division's slow path is an out-of-line call;
+// with 128 elements per thread, fully unrolled, the act_math form made the epilogue ~22k
+// instructions, far past the instruction cache (measured: conf3's B1 took 23.0 ms, the round-3
+// workshop's one-sigmoid epilogue 9.5 ms).
+template <typename T, int ACT>
+__device__ __forceinline__ void b1_element(float a, float b, float du, bool have_u, float u_saved,
+                                           float& u, float& da, float& db) {
+  constexpr Activation act = static_cast<Activation>(ACT);
+  if constexpr (act == Activation::SwiGLU || act == Activation::SiLU) {
+    const float s = act_math::sigmoid(a);
+    const float silu = a * s;
+    const float silu_grad = s * (1.f + a * (1.f - s));
+    if constexpr (act == Activation::SwiGLU) {
+      u = have_u ? u_saved : round_to<T>(silu * b);
+      da = du * b * silu_grad;
+      db = du * silu;
+    } else {
+      u = have_u ? u_saved : round_to<T>(silu);
+      da = du * silu_grad;
+      db = 0.f;
+    }
+  } else {
+    u = have_u ? u_saved : round_to<T>(act_math::forward(act, a, b));
+    act_math::backward(act, a, b, du, &da, &db);
+  }
+}
+
 // ACT is a template parameter: a runtime switch over the seven activations, inlined at each of the
 // 64 unrolled elements, made this epilogue four times slower (measured on the H200: 39.6 ms instead
 // of 9.5 ms for conf3's B1), most likely from the code size.
 template <typename T, int ACT>
 __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord& c, int tile_row,
                                             int g, int t4, const float (&acc)[128]) {
-  constexpr Activation act = static_cast<Activation>(ACT);
   const int64_t h = p.n_out;
   const int64_t dadb_ld = p.gated ? 2 * h : h;
   const T* a_src = static_cast<const T*>(p.a);
@@ -167,21 +196,13 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
         if (!(row_ok && c.n0 + 8 * j < h)) continue;
         const float2 af = unpack2<T>(ra[jj]);
         const float2 bf = unpack2<T>(rb[jj]);  // zeros when not gated
-        float u0, u1;
-        if (u_row) {
-          const float2 uf = unpack2<T>(ru[jj]);
-          u0 = uf.x;
-          u1 = uf.y;
-        } else {
-          u0 = round_to<T>(act_math::forward(act, af.x, bf.x));
-          u1 = round_to<T>(act_math::forward(act, af.y, bf.y));
-        }
+        const float2 uf = unpack2<T>(ru[jj]);  // used only under SAVE_ALL
         const float v0 = acc[4 * j + 2 * rr], v1 = acc[4 * j + 2 * rr + 1];
+        float u0, u1, da0, db0, da1, db1;
+        b1_element<T, ACT>(af.x, bf.x, gval * v0, u_row != nullptr, uf.x, u0, da0, db0);
+        b1_element<T, ACT>(af.y, bf.y, gval * v1, u_row != nullptr, uf.y, u1, da1, db1);
         dot += v0 * u0;
         dot += v1 * u1;
-        float da0, db0, da1, db1;
-        act_math::backward(act, af.x, bf.x, gval * v0, &da0, &db0);
-        act_math::backward(act, af.y, bf.y, gval * v1, &da1, &db1);
         *reinterpret_cast<uint32_t*>(da_row + 8 * j) = pack2<T>(da0, da1);
         if (p.gated) *reinterpret_cast<uint32_t*>(da_row + h + 8 * j) = pack2<T>(db0, db1);
         *reinterpret_cast<uint32_t*>(gu_row + 8 * j) = pack2<T>(gval * u0, gval * u1);
