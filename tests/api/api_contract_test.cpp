@@ -1,7 +1,6 @@
 // The C ABI contract: every public entry point rejects bad input with the documented status and a
 // message naming the argument, never crashes; handles, versioned structs, errors and versions
 // behave as the header says. Runs on the CPU backend (always available).
-#include <doctest/doctest.h>
 
 #include <cmath>
 #include <cstring>
@@ -10,63 +9,38 @@
 #include <thread>
 #include <vector>
 
-#include "moeblaze.h"
+#include "support/test_support.hpp"
 
 namespace {
 
-// Checks a call's status and that the thread's last error mentions `needle`.
-#define CHECK_STATUS(call, expected, needle)                                                      \
-  do {                                                                                            \
-    const moeblaze_status_t status_ = (call);                                                     \
-    CHECK_MESSAGE(status_ == (expected), #call " returned ", moeblaze_status_name(status_), " (", \
-                  moeblaze_last_error(), "), expected ", moeblaze_status_name(expected));         \
-    if (status_ != MOEBLAZE_OK) {                                                                 \
-      CHECK_MESSAGE(std::string(moeblaze_last_error()).find(needle) != std::string::npos,         \
-                    "message '", moeblaze_last_error(), "' does not mention '", needle, "'");     \
-    } else {                                                                                      \
-      CHECK(std::string(moeblaze_last_error()).empty());                                          \
-    }                                                                                             \
-  } while (0)
-
-#define CHECK_OK(call) CHECK_STATUS(call, MOEBLAZE_OK, "")
-
-struct CpuContext {
-  moeblaze_context_t ctx = nullptr;
-  CpuContext() { REQUIRE(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 0) == MOEBLAZE_OK); }
-  ~CpuContext() { moeblaze_context_destroy(ctx); }
-};
+using mbtest::AlignedBytes;
 
 moeblaze_layer_config_t small_config(int32_t activation = MOEBLAZE_ACTIVATION_SWIGLU) {
-  moeblaze_layer_config_t cfg;
-  REQUIRE(moeblaze_layer_config_init(&cfg, sizeof(cfg)) == MOEBLAZE_OK);
-  cfg.dtype = MOEBLAZE_DTYPE_F32;
-  cfg.d_model = 8;
-  cfg.d_ffn = 12;
-  cfg.num_experts = 4;
-  cfg.top_k = 2;
+  moeblaze_layer_config_t cfg = mbtest::make_config(MOEBLAZE_DTYPE_F32, 8, 12, 4, 2);
   cfg.activation = activation;
   return cfg;
 }
 
-struct CpuLayer {
-  CpuContext context;
-  moeblaze_layer_t layer = nullptr;
-  explicit CpuLayer(const moeblaze_layer_config_t& cfg) {
-    REQUIRE(moeblaze_layer_create(&layer, context.ctx, &cfg) == MOEBLAZE_OK);
-  }
-  CpuLayer() : CpuLayer(small_config()) {}
-  ~CpuLayer() { moeblaze_layer_destroy(layer); }
+// A layer of `cfg` on a CPU context of its own, alive as long as the layer.
+class CpuLayer {
+ public:
+  explicit CpuLayer(const moeblaze_layer_config_t& cfg = small_config()) : layer_(context_, cfg) {}
+  moeblaze_layer_t get() const { return layer_.get(); }
+
+ private:
+  mbtest::Context context_;
+  mbtest::Layer layer_;
 };
 
-// Host buffers for one experts/layer call with T tokens of small_config().
+// Host buffers for one experts/layer call with T tokens of small_config(). Inputs are fixed
+// (sin-based) values and a fixed routing, so the cases below can corrupt one element on purpose.
 struct Buffers {
   static constexpr int64_t T = 5, d = 8, h = 12, E = 4, k = 2;
   std::vector<float> x, w_router, w_gate, w_up, w_down, y, g, dy, dx, dw_router, dw_gate, dw_up,
       dw_down, dg, logits, d_logits, losses;
   std::vector<int32_t> ids;
-  std::vector<unsigned char> saved_storage, workspace_storage;
-  void* saved = nullptr;
-  void* workspace = nullptr;
+  AlignedBytes saved, workspace;
+  // The sizes the library asked for (`workspace` may be grown past it for another pass).
   size_t saved_bytes = 0, workspace_bytes = 0;
 
   Buffers(moeblaze_layer_t layer, int32_t forward_pass, int32_t workspace_pass) {
@@ -92,62 +66,50 @@ struct Buffers {
     losses.assign(2, 0.0f);
     ids = {0, 1, 2, 3, 1, 2, 3, 0, 0, 2};
     g = {0.6f, 0.4f, 0.7f, 0.3f, 0.5f, 0.5f, 0.9f, 0.1f, 0.2f, 0.8f};
-    REQUIRE(moeblaze_layer_saved_size(layer, forward_pass, T, &saved_bytes) == MOEBLAZE_OK);
-    REQUIRE(moeblaze_layer_workspace_size(layer, workspace_pass, T, &workspace_bytes) ==
-            MOEBLAZE_OK);
-    saved_storage.resize(saved_bytes + 64);
-    workspace_storage.resize(workspace_bytes + 64);
-    saved = align16(saved_storage.data());
-    workspace = align16(workspace_storage.data());
-  }
-
-  static void* align16(unsigned char* p) {
-    const uintptr_t v = reinterpret_cast<uintptr_t>(p);
-    return reinterpret_cast<void*>((v + 15) / 16 * 16);
+    MB_CHECK(moeblaze_layer_saved_size(layer, forward_pass, T, &saved_bytes));
+    MB_CHECK(moeblaze_layer_workspace_size(layer, workspace_pass, T, &workspace_bytes));
+    saved.resize(saved_bytes);
+    workspace.resize(workspace_bytes);
   }
 
   moeblaze_forward_args_t forward_args() {
     moeblaze_forward_args_t a;
-    REQUIRE(moeblaze_forward_args_init(&a, sizeof(a)) == MOEBLAZE_OK);
-    a.num_tokens = T;
-    a.x = x.data();
-    a.w_router = w_router.data();
-    a.w_gate = w_gate.data();
-    a.w_up = w_up.data();
-    a.w_down = w_down.data();
-    a.ids = ids.data();
-    a.g = g.data();
+    MB_CHECK(moeblaze_forward_args_init(&a, sizeof(a)));
+    point_inputs(a);
     a.y = y.data();
-    a.saved = saved;
-    a.saved_bytes = saved_bytes;
-    a.workspace = workspace;
-    a.workspace_bytes = workspace_bytes;
     return a;
   }
 
   moeblaze_backward_args_t backward_args() {
     moeblaze_backward_args_t a;
-    REQUIRE(moeblaze_backward_args_init(&a, sizeof(a)) == MOEBLAZE_OK);
-    a.num_tokens = T;
+    MB_CHECK(moeblaze_backward_args_init(&a, sizeof(a)));
+    point_inputs(a);
     a.dy = dy.data();
-    a.x = x.data();
-    a.w_router = w_router.data();
-    a.w_gate = w_gate.data();
-    a.w_up = w_up.data();
-    a.w_down = w_down.data();
-    a.ids = ids.data();
-    a.g = g.data();
-    a.saved = saved;
-    a.saved_bytes = saved_bytes;
     a.dx = dx.data();
     a.dw_router = dw_router.data();
     a.dw_gate = dw_gate.data();
     a.dw_up = dw_up.data();
     a.dw_down = dw_down.data();
     a.dg = dg.data();
-    a.workspace = workspace;
-    a.workspace_bytes = workspace_bytes;
     return a;
+  }
+
+ private:
+  // The fields both args structs share.
+  template <typename Args>
+  void point_inputs(Args& a) {
+    a.num_tokens = T;
+    a.x = x.data();
+    a.w_router = w_router.data();
+    a.w_gate = w_gate.data();
+    a.w_up = w_up.data();
+    a.w_down = w_down.data();
+    a.ids = ids.data();
+    a.g = g.data();
+    a.saved = saved.data();
+    a.saved_bytes = saved_bytes;
+    a.workspace = workspace.data();
+    a.workspace_bytes = workspace_bytes;
   }
 };
 
@@ -185,7 +147,8 @@ TEST_SUITE("api") {
 
   TEST_CASE("last error: never NULL, cleared on success, per thread, copyable") {
     moeblaze_context_t ctx = nullptr;
-    CHECK_STATUS(moeblaze_context_create(&ctx, 42, 0), MOEBLAZE_ERR_INVALID_ARGUMENT, "backend");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_create(&ctx, 42, 0), MOEBLAZE_ERR_INVALID_ARGUMENT,
+                             "backend");
     CHECK(ctx == nullptr);
     const std::string message = moeblaze_last_error();
     CHECK(message.find("moeblaze_context_create") != std::string::npos);
@@ -211,10 +174,10 @@ TEST_SUITE("api") {
     CHECK(std::string(small) == message.substr(0, 7));
     CHECK(moeblaze_copy_last_error(nullptr, 0) == needed);
 
-    CHECK_OK(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 0));
+    MB_CHECK_OK(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 0));
     CHECK(std::string(moeblaze_last_error()).empty());
     CHECK(moeblaze_copy_last_error(small, sizeof(small)) == 1);
-    CHECK_OK(moeblaze_context_destroy(ctx));
+    MB_CHECK_OK(moeblaze_context_destroy(ctx));
   }
 
   TEST_CASE("contexts: create, info, threads, destroy, bad input") {
@@ -223,55 +186,59 @@ TEST_SUITE("api") {
     CHECK(moeblaze_backend_available(7) == 0);
 
     moeblaze_context_t ctx = nullptr;
-    CHECK_STATUS(moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "out");
-    CHECK_STATUS(moeblaze_context_create(&ctx, 0, 0), MOEBLAZE_ERR_INVALID_ARGUMENT, "backend");
-    CHECK_STATUS(moeblaze_context_create(&ctx, -1, 0), MOEBLAZE_ERR_INVALID_ARGUMENT, "backend");
-    CHECK_STATUS(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 1),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "device");
-    CHECK_STATUS(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, -3),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "device");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "out");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_create(&ctx, 0, 0), MOEBLAZE_ERR_INVALID_ARGUMENT,
+                             "backend");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_create(&ctx, -1, 0), MOEBLAZE_ERR_INVALID_ARGUMENT,
+                             "backend");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 1),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "device");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, -3),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "device");
     CHECK(ctx == nullptr);
     if (!moeblaze_backend_available(MOEBLAZE_BACKEND_CUDA)) {
-      CHECK_STATUS(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CUDA, 0),
-                   MOEBLAZE_ERR_NOT_SUPPORTED, "CUDA");
+      MB_CHECK_STATUS_MENTIONS(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CUDA, 0),
+                               MOEBLAZE_ERR_NOT_SUPPORTED, "CUDA");
       CHECK(ctx == nullptr);
     }
 
-    CHECK_OK(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 0));
+    MB_CHECK_OK(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 0));
     int32_t backend = -1, device = -1;
-    CHECK_OK(moeblaze_context_get_info(ctx, &backend, &device));
+    MB_CHECK_OK(moeblaze_context_get_info(ctx, &backend, &device));
     CHECK(backend == MOEBLAZE_BACKEND_CPU);
     CHECK(device == 0);
-    CHECK_OK(moeblaze_context_get_info(ctx, nullptr, nullptr));
-    CHECK_OK(moeblaze_context_set_num_threads(ctx, 3));
-    CHECK_OK(moeblaze_context_set_num_threads(ctx, 0));
-    CHECK_STATUS(moeblaze_context_set_num_threads(ctx, -1), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "num_threads");
-    CHECK_STATUS(moeblaze_context_set_num_threads(nullptr, 1), MOEBLAZE_ERR_INVALID_HANDLE,
-                 "context");
-    CHECK_STATUS(moeblaze_context_get_info(nullptr, &backend, &device), MOEBLAZE_ERR_INVALID_HANDLE,
-                 "context");
+    MB_CHECK_OK(moeblaze_context_get_info(ctx, nullptr, nullptr));
+    MB_CHECK_OK(moeblaze_context_set_num_threads(ctx, 3));
+    MB_CHECK_OK(moeblaze_context_set_num_threads(ctx, 0));
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_set_num_threads(ctx, -1),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "num_threads");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_set_num_threads(nullptr, 1),
+                             MOEBLAZE_ERR_INVALID_HANDLE, "context");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_get_info(nullptr, &backend, &device),
+                             MOEBLAZE_ERR_INVALID_HANDLE, "context");
 
-    CHECK_OK(moeblaze_context_destroy(ctx));
-    CHECK_OK(moeblaze_context_destroy(nullptr));
+    MB_CHECK_OK(moeblaze_context_destroy(ctx));
+    MB_CHECK_OK(moeblaze_context_destroy(nullptr));
     // A destroyed handle is recognised, not dereferenced.
-    CHECK_STATUS(moeblaze_context_destroy(ctx), MOEBLAZE_ERR_INVALID_HANDLE, "not a live");
-    CHECK_STATUS(moeblaze_context_set_num_threads(ctx, 1), MOEBLAZE_ERR_INVALID_HANDLE,
-                 "not a live");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_destroy(ctx), MOEBLAZE_ERR_INVALID_HANDLE,
+                             "not a live");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_set_num_threads(ctx, 1), MOEBLAZE_ERR_INVALID_HANDLE,
+                             "not a live");
     // A pointer that was never a handle.
     int not_a_handle = 0;
-    CHECK_STATUS(moeblaze_context_destroy(reinterpret_cast<moeblaze_context_t>(&not_a_handle)),
-                 MOEBLAZE_ERR_INVALID_HANDLE, "not a live");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_context_destroy(reinterpret_cast<moeblaze_context_t>(&not_a_handle)),
+        MOEBLAZE_ERR_INVALID_HANDLE, "not a live");
   }
 
   TEST_CASE("layer config: init, versioning and every field's range") {
     moeblaze_layer_config_t cfg;
-    CHECK_STATUS(moeblaze_layer_config_init(nullptr, sizeof(cfg)), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "config");
-    CHECK_STATUS(moeblaze_layer_config_init(&cfg, 4), MOEBLAZE_ERR_VERSION_MISMATCH,
-                 "smaller than any published");
-    CHECK_OK(moeblaze_layer_config_init(&cfg, sizeof(cfg)));
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_config_init(nullptr, sizeof(cfg)),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "config");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_config_init(&cfg, 4), MOEBLAZE_ERR_VERSION_MISMATCH,
+                             "smaller than any published");
+    MB_CHECK_OK(moeblaze_layer_config_init(&cfg, sizeof(cfg)));
     CHECK(cfg.struct_size == sizeof(cfg));
     CHECK(cfg.dtype == MOEBLAZE_DTYPE_BF16);
     CHECK(cfg.activation == MOEBLAZE_ACTIVATION_SWIGLU);
@@ -286,17 +253,17 @@ TEST_SUITE("api") {
       int64_t future_field;
     } newer;
     std::memset(&newer, 0xAB, sizeof(newer));
-    CHECK_OK(moeblaze_layer_config_init(&newer.base, sizeof(newer)));
+    MB_CHECK_OK(moeblaze_layer_config_init(&newer.base, sizeof(newer)));
     CHECK(newer.base.struct_size == sizeof(newer));
     CHECK(newer.future_field == 0);
 
-    CpuContext context;
+    mbtest::Context context;
     moeblaze_layer_t layer = nullptr;
     auto expect_bad = [&](void (*mutate)(moeblaze_layer_config_t&), const char* field) {
       moeblaze_layer_config_t c = small_config();
       mutate(c);
-      CHECK_STATUS(moeblaze_layer_create(&layer, context.ctx, &c), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                   field);
+      MB_CHECK_STATUS_MENTIONS(moeblaze_layer_create(&layer, context.get(), &c),
+                               MOEBLAZE_ERR_INVALID_ARGUMENT, field);
       CHECK(layer == nullptr);
     };
     expect_bad([](moeblaze_layer_config_t& c) { c.dtype = 9; }, "config.dtype");
@@ -337,77 +304,80 @@ TEST_SUITE("api") {
     // struct_size from the past, and from the future with unknown bytes set / zero.
     moeblaze_layer_config_t c = small_config();
     c.struct_size = 8;
-    CHECK_STATUS(moeblaze_layer_create(&layer, context.ctx, &c), MOEBLAZE_ERR_VERSION_MISMATCH,
-                 "struct_size");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_create(&layer, context.get(), &c),
+                             MOEBLAZE_ERR_VERSION_MISMATCH, "struct_size");
     Newer future;
     std::memset(&future, 0, sizeof(future));
     future.base = small_config();
     future.base.struct_size = sizeof(future);
     future.future_field = 1;
-    CHECK_STATUS(moeblaze_layer_create(&layer, context.ctx, &future.base),
-                 MOEBLAZE_ERR_NOT_SUPPORTED, "newer");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_create(&layer, context.get(), &future.base),
+                             MOEBLAZE_ERR_NOT_SUPPORTED, "newer");
     future.future_field = 0;
-    CHECK_OK(moeblaze_layer_create(&layer, context.ctx, &future.base));
-    CHECK_OK(moeblaze_layer_destroy(layer));
+    MB_CHECK_OK(moeblaze_layer_create(&layer, context.get(), &future.base));
+    MB_CHECK_OK(moeblaze_layer_destroy(layer));
 
-    CHECK_STATUS(moeblaze_layer_create(&layer, context.ctx, nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "config");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_create(&layer, context.get(), nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "config");
     c = small_config();
-    CHECK_STATUS(moeblaze_layer_create(nullptr, context.ctx, &c), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "out");
-    CHECK_STATUS(moeblaze_layer_create(&layer, nullptr, &c), MOEBLAZE_ERR_INVALID_HANDLE,
-                 "context");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_create(nullptr, context.get(), &c),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "out");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_create(&layer, nullptr, &c),
+                             MOEBLAZE_ERR_INVALID_HANDLE, "context");
   }
 
   TEST_CASE("layer handles: wrong kind, destroyed, get_config round trip") {
-    CpuContext context;
+    mbtest::Context context;
     moeblaze_layer_config_t cfg = small_config(MOEBLAZE_ACTIVATION_GELU);
     cfg.aux_loss_coeff = 0.01f;
     moeblaze_layer_t layer = nullptr;
-    CHECK_OK(moeblaze_layer_create(&layer, context.ctx, &cfg));
+    MB_CHECK_OK(moeblaze_layer_create(&layer, context.get(), &cfg));
 
     // A layer where a context is expected and vice versa (the "plan with the wrong context" mistake
     // bindings make when handles travel as integers).
     moeblaze_layer_t other = nullptr;
-    CHECK_STATUS(moeblaze_layer_create(&other, reinterpret_cast<moeblaze_context_t>(layer), &cfg),
-                 MOEBLAZE_ERR_INVALID_HANDLE, "is a moeblaze_layer_t, not a moeblaze_context_t");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_layer_create(&other, reinterpret_cast<moeblaze_context_t>(layer), &cfg),
+        MOEBLAZE_ERR_INVALID_HANDLE, "is a moeblaze_layer_t, not a moeblaze_context_t");
     size_t bytes = 0;
-    CHECK_STATUS(moeblaze_layer_workspace_size(reinterpret_cast<moeblaze_layer_t>(context.ctx),
-                                               MOEBLAZE_PASS_EXPERTS_FORWARD, 4, &bytes),
-                 MOEBLAZE_ERR_INVALID_HANDLE, "is a moeblaze_context_t, not a moeblaze_layer_t");
-    CHECK_STATUS(moeblaze_context_destroy(reinterpret_cast<moeblaze_context_t>(layer)),
-                 MOEBLAZE_ERR_INVALID_HANDLE, "not a moeblaze_context_t");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_layer_workspace_size(reinterpret_cast<moeblaze_layer_t>(context.get()),
+                                      MOEBLAZE_PASS_EXPERTS_FORWARD, 4, &bytes),
+        MOEBLAZE_ERR_INVALID_HANDLE, "is a moeblaze_context_t, not a moeblaze_layer_t");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_context_destroy(reinterpret_cast<moeblaze_context_t>(layer)),
+                             MOEBLAZE_ERR_INVALID_HANDLE, "not a moeblaze_context_t");
 
     moeblaze_layer_config_t back;
-    CHECK_OK(moeblaze_layer_config_init(&back, sizeof(back)));
-    CHECK_OK(moeblaze_layer_get_config(layer, &back));
+    MB_CHECK_OK(moeblaze_layer_config_init(&back, sizeof(back)));
+    MB_CHECK_OK(moeblaze_layer_get_config(layer, &back));
     CHECK(back.activation == MOEBLAZE_ACTIVATION_GELU);
     CHECK(back.d_ffn == 12);
     CHECK(back.aux_loss_coeff == doctest::Approx(0.01f));
-    CHECK_STATUS(moeblaze_layer_get_config(layer, nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "config");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_get_config(layer, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "config");
     back.struct_size = 3;
-    CHECK_STATUS(moeblaze_layer_get_config(layer, &back), MOEBLAZE_ERR_VERSION_MISMATCH,
-                 "struct_size");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_get_config(layer, &back), MOEBLAZE_ERR_VERSION_MISMATCH,
+                             "struct_size");
 
-    CHECK_OK(moeblaze_layer_destroy(layer));
-    CHECK_OK(moeblaze_layer_destroy(nullptr));
-    CHECK_STATUS(moeblaze_layer_destroy(layer), MOEBLAZE_ERR_INVALID_HANDLE, "not a live");
-    CHECK_STATUS(moeblaze_layer_get_config(layer, &back), MOEBLAZE_ERR_INVALID_HANDLE,
-                 "not a live");
+    MB_CHECK_OK(moeblaze_layer_destroy(layer));
+    MB_CHECK_OK(moeblaze_layer_destroy(nullptr));
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_destroy(layer), MOEBLAZE_ERR_INVALID_HANDLE,
+                             "not a live");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_get_config(layer, &back), MOEBLAZE_ERR_INVALID_HANDLE,
+                             "not a live");
   }
 
   TEST_CASE("a layer outlives its context handle") {
     moeblaze_context_t ctx = nullptr;
-    REQUIRE(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 0) == MOEBLAZE_OK);
+    MB_CHECK(moeblaze_context_create(&ctx, MOEBLAZE_BACKEND_CPU, 0));
     moeblaze_layer_config_t cfg = small_config();
     moeblaze_layer_t layer = nullptr;
-    REQUIRE(moeblaze_layer_create(&layer, ctx, &cfg) == MOEBLAZE_OK);
-    CHECK_OK(moeblaze_context_destroy(ctx));
+    MB_CHECK(moeblaze_layer_create(&layer, ctx, &cfg));
+    MB_CHECK_OK(moeblaze_context_destroy(ctx));
     Buffers b(layer, MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_EXPERTS_FORWARD);
     moeblaze_forward_args_t a = b.forward_args();
-    CHECK_OK(moeblaze_experts_forward(layer, &a, nullptr));
-    CHECK_OK(moeblaze_layer_destroy(layer));
+    MB_CHECK_OK(moeblaze_experts_forward(layer, &a, nullptr));
+    MB_CHECK_OK(moeblaze_layer_destroy(layer));
   }
 
   TEST_CASE("size queries") {
@@ -415,116 +385,136 @@ TEST_SUITE("api") {
     size_t bytes = 0;
     for (int32_t pass = MOEBLAZE_PASS_ROUTER_FORWARD; pass <= MOEBLAZE_PASS_LAYER_BACKWARD;
          ++pass) {
-      CHECK_OK(moeblaze_layer_workspace_size(L.layer, pass, 0, &bytes));
-      CHECK_OK(moeblaze_layer_workspace_size(L.layer, pass, 1000, &bytes));
+      MB_CHECK_OK(moeblaze_layer_workspace_size(L.get(), pass, 0, &bytes));
+      MB_CHECK_OK(moeblaze_layer_workspace_size(L.get(), pass, 1000, &bytes));
     }
-    CHECK_STATUS(moeblaze_layer_workspace_size(L.layer, 7, 10, &bytes),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
-    CHECK_STATUS(moeblaze_layer_workspace_size(L.layer, -1, 10, &bytes),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
-    CHECK_STATUS(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, -1, &bytes),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_workspace_size(L.get(), 7, 10, &bytes),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_workspace_size(L.get(), -1, 10, &bytes),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_layer_workspace_size(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, -1, &bytes),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
     // T * k must fit the int32 row indices.
-    CHECK_STATUS(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD,
-                                               int64_t(1) << 31, &bytes),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
-    CHECK_STATUS(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, 4, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes");
-    CHECK_STATUS(moeblaze_layer_workspace_size(nullptr, MOEBLAZE_PASS_EXPERTS_FORWARD, 4, &bytes),
-                 MOEBLAZE_ERR_INVALID_HANDLE, "layer");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_workspace_size(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD,
+                                                           int64_t(1) << 31, &bytes),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_layer_workspace_size(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, 4, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_layer_workspace_size(nullptr, MOEBLAZE_PASS_EXPERTS_FORWARD, 4, &bytes),
+        MOEBLAZE_ERR_INVALID_HANDLE, "layer");
 
     size_t experts = 0, whole = 0, experts_big = 0;
-    CHECK_OK(moeblaze_layer_saved_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, 100, &experts));
-    CHECK_OK(moeblaze_layer_saved_size(L.layer, MOEBLAZE_PASS_LAYER_FORWARD, 100, &whole));
-    CHECK_OK(moeblaze_layer_saved_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, 1000, &experts_big));
+    MB_CHECK_OK(moeblaze_layer_saved_size(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, 100, &experts));
+    MB_CHECK_OK(moeblaze_layer_saved_size(L.get(), MOEBLAZE_PASS_LAYER_FORWARD, 100, &whole));
+    MB_CHECK_OK(
+        moeblaze_layer_saved_size(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, 1000, &experts_big));
     CHECK(experts > 0);
     CHECK(whole > experts);  // the whole layer also keeps logits, ids and g
     CHECK(experts_big > experts);
     // SAVE_PREACT, SwiGLU: a and b (2*N*h elements) dominate.
     CHECK(experts_big >= size_t(2 * 1000 * 2 * 12) * sizeof(float));
-    CHECK_STATUS(moeblaze_layer_saved_size(L.layer, MOEBLAZE_PASS_ROUTER_FORWARD, 10, &bytes),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
-    CHECK_STATUS(moeblaze_layer_saved_size(L.layer, MOEBLAZE_PASS_EXPERTS_BACKWARD, 10, &bytes),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
-    CHECK_STATUS(moeblaze_layer_saved_size(L.layer, MOEBLAZE_PASS_LAYER_FORWARD, -2, &bytes),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
-    CHECK_STATUS(moeblaze_layer_saved_size(L.layer, MOEBLAZE_PASS_LAYER_FORWARD, 2, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_layer_saved_size(L.get(), MOEBLAZE_PASS_ROUTER_FORWARD, 10, &bytes),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_layer_saved_size(L.get(), MOEBLAZE_PASS_EXPERTS_BACKWARD, 10, &bytes),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_layer_saved_size(L.get(), MOEBLAZE_PASS_LAYER_FORWARD, -2, &bytes),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_layer_saved_size(L.get(), MOEBLAZE_PASS_LAYER_FORWARD, 2, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes");
 
     // RECOMPUTE keeps only indices: far smaller.
     moeblaze_layer_config_t cfg = small_config();
     cfg.checkpoint = MOEBLAZE_CHECKPOINT_RECOMPUTE;
     CpuLayer R(cfg);
     size_t recompute = 0;
-    CHECK_OK(moeblaze_layer_saved_size(R.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, 1000, &recompute));
+    MB_CHECK_OK(
+        moeblaze_layer_saved_size(R.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, 1000, &recompute));
     CHECK(recompute < size_t(4 * 1000 * 2) * 4 + 4096);
   }
 
   TEST_CASE("router entry points reject bad input") {
     CpuLayer L;
-    Buffers b(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_ROUTER_FORWARD);
+    Buffers b(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_ROUTER_FORWARD);
     const int64_t T = Buffers::T;
     std::vector<int32_t> ids(T * 2);
     std::vector<float> g(T * 2), counts_f(1);
     std::vector<int32_t> counts(4);
-    CHECK_OK(moeblaze_router_forward(L.layer, T, b.logits.data(), ids.data(), g.data(),
-                                     counts.data(), b.losses.data(), b.workspace, b.workspace_bytes,
-                                     nullptr));
-    CHECK_STATUS(moeblaze_router_forward(nullptr, T, b.logits.data(), ids.data(), g.data(), nullptr,
-                                         nullptr, b.workspace, b.workspace_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_HANDLE, "layer");
-    CHECK_STATUS(moeblaze_router_forward(L.layer, -1, b.logits.data(), ids.data(), g.data(),
-                                         nullptr, nullptr, b.workspace, b.workspace_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
-    CHECK_STATUS(moeblaze_router_forward(L.layer, T, nullptr, ids.data(), g.data(), nullptr,
-                                         nullptr, b.workspace, b.workspace_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "logits");
-    CHECK_STATUS(moeblaze_router_forward(L.layer, T, b.logits.data(), nullptr, g.data(), nullptr,
-                                         nullptr, b.workspace, b.workspace_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
-    CHECK_STATUS(moeblaze_router_forward(L.layer, T, b.logits.data(), ids.data(), nullptr, nullptr,
-                                         nullptr, b.workspace, b.workspace_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "g");
+    MB_CHECK_OK(moeblaze_router_forward(L.get(), T, b.logits.data(), ids.data(), g.data(),
+                                        counts.data(), b.losses.data(), b.workspace.data(),
+                                        b.workspace_bytes, nullptr));
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_forward(nullptr, T, b.logits.data(), ids.data(), g.data(), nullptr, nullptr,
+                                b.workspace.data(), b.workspace_bytes, nullptr),
+        MOEBLAZE_ERR_INVALID_HANDLE, "layer");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_forward(L.get(), -1, b.logits.data(), ids.data(), g.data(), nullptr,
+                                nullptr, b.workspace.data(), b.workspace_bytes, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_forward(L.get(), T, nullptr, ids.data(), g.data(), nullptr, nullptr,
+                                b.workspace.data(), b.workspace_bytes, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "logits");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_forward(L.get(), T, b.logits.data(), nullptr, g.data(), nullptr, nullptr,
+                                b.workspace.data(), b.workspace_bytes, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_forward(L.get(), T, b.logits.data(), ids.data(), nullptr, nullptr, nullptr,
+                                b.workspace.data(), b.workspace_bytes, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "g");
     // Misaligned float pointer.
-    CHECK_STATUS(moeblaze_router_forward(L.layer, T, b.logits.data(), ids.data(),
-                                         reinterpret_cast<char*>(g.data()) + 1, nullptr, nullptr,
-                                         b.workspace, b.workspace_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "aligned");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_forward(L.get(), T, b.logits.data(), ids.data(),
+                                reinterpret_cast<char*>(g.data()) + 1, nullptr, nullptr,
+                                b.workspace.data(), b.workspace_bytes, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "aligned");
     // T = 0 accepts NULL tensors.
-    CHECK_OK(moeblaze_router_forward(L.layer, 0, nullptr, nullptr, nullptr, nullptr, nullptr,
-                                     b.workspace, b.workspace_bytes, nullptr));
+    MB_CHECK_OK(moeblaze_router_forward(L.get(), 0, nullptr, nullptr, nullptr, nullptr, nullptr,
+                                        b.workspace.data(), b.workspace_bytes, nullptr));
     // Non-finite logits must be reported by the CPU backend.
     std::vector<float> bad_logits = b.logits;
     bad_logits[6] = std::numeric_limits<float>::quiet_NaN();
-    CHECK_STATUS(moeblaze_router_forward(L.layer, T, bad_logits.data(), ids.data(), g.data(),
-                                         nullptr, nullptr, b.workspace, b.workspace_bytes, nullptr),
-                 MOEBLAZE_ERR_NON_FINITE, "logits");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_forward(L.get(), T, bad_logits.data(), ids.data(), g.data(), nullptr,
+                                nullptr, b.workspace.data(), b.workspace_bytes, nullptr),
+        MOEBLAZE_ERR_NON_FINITE, "logits");
     bad_logits[6] = std::numeric_limits<float>::infinity();
-    CHECK_STATUS(moeblaze_router_forward(L.layer, T, bad_logits.data(), ids.data(), g.data(),
-                                         nullptr, nullptr, b.workspace, b.workspace_bytes, nullptr),
-                 MOEBLAZE_ERR_NON_FINITE, "logits");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_forward(L.get(), T, bad_logits.data(), ids.data(), g.data(), nullptr,
+                                nullptr, b.workspace.data(), b.workspace_bytes, nullptr),
+        MOEBLAZE_ERR_NON_FINITE, "logits");
 
     size_t bwd_ws = 0;
-    REQUIRE(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_ROUTER_BACKWARD, T, &bwd_ws) ==
-            MOEBLAZE_OK);
-    std::vector<unsigned char> ws(bwd_ws + 16);
-    void* wsp = Buffers::align16(ws.data());
+    MB_CHECK(moeblaze_layer_workspace_size(L.get(), MOEBLAZE_PASS_ROUTER_BACKWARD, T, &bwd_ws));
+    AlignedBytes ws(bwd_ws);
+    void* wsp = ws.data();
     std::vector<float> dg(T * 2, 0.1f), d_logits(T * 4);
-    CHECK_OK(moeblaze_router_backward(L.layer, T, b.logits.data(), ids.data(), dg.data(), nullptr,
-                                      d_logits.data(), wsp, bwd_ws, nullptr));
-    CHECK_STATUS(moeblaze_router_backward(L.layer, T, b.logits.data(), ids.data(), nullptr, nullptr,
-                                          d_logits.data(), wsp, bwd_ws, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "dg");
-    CHECK_STATUS(moeblaze_router_backward(L.layer, T, b.logits.data(), ids.data(), dg.data(),
-                                          nullptr, nullptr, wsp, bwd_ws, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "d_logits");
-    CHECK_STATUS(moeblaze_router_backward(L.layer, T, nullptr, ids.data(), dg.data(), nullptr,
-                                          d_logits.data(), wsp, bwd_ws, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "logits");
+    MB_CHECK_OK(moeblaze_router_backward(L.get(), T, b.logits.data(), ids.data(), dg.data(),
+                                         nullptr, d_logits.data(), wsp, bwd_ws, nullptr));
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_backward(L.get(), T, b.logits.data(), ids.data(), nullptr, nullptr,
+                                 d_logits.data(), wsp, bwd_ws, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "dg");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_backward(L.get(), T, b.logits.data(), ids.data(), dg.data(), nullptr,
+                                 nullptr, wsp, bwd_ws, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "d_logits");
+    MB_CHECK_STATUS_MENTIONS(
+        moeblaze_router_backward(L.get(), T, nullptr, ids.data(), dg.data(), nullptr,
+                                 d_logits.data(), wsp, bwd_ws, nullptr),
+        MOEBLAZE_ERR_INVALID_ARGUMENT, "logits");
     if (bwd_ws > 0) {
-      CHECK_STATUS(moeblaze_router_backward(L.layer, T, b.logits.data(), ids.data(), dg.data(),
-                                            nullptr, d_logits.data(), wsp, bwd_ws - 1, nullptr),
-                   MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "workspace_bytes");
+      MB_CHECK_STATUS_MENTIONS(
+          moeblaze_router_backward(L.get(), T, b.logits.data(), ids.data(), dg.data(), nullptr,
+                                   d_logits.data(), wsp, bwd_ws - 1, nullptr),
+          MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "workspace_bytes");
     }
   }
 
@@ -532,56 +522,56 @@ TEST_SUITE("api") {
     CpuLayer L;
     const int64_t T = 5;
     size_t ws_bytes = 0;
-    REQUIRE(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_ROUTING_BUILD, T, &ws_bytes) ==
-            MOEBLAZE_OK);
-    std::vector<unsigned char> ws(ws_bytes + 16);
-    void* wsp = Buffers::align16(ws.data());
+    MB_CHECK(moeblaze_layer_workspace_size(L.get(), MOEBLAZE_PASS_ROUTING_BUILD, T, &ws_bytes));
+    AlignedBytes ws(ws_bytes);
+    void* wsp = ws.data();
     std::vector<int32_t> ids = {0, 1, 2, 3, 1, 2, 3, 0, 0, 2};
     std::vector<int32_t> offsets(5), eti(10), tim(10);
-    CHECK_OK(moeblaze_routing_build(L.layer, T, ids.data(), offsets.data(), eti.data(), tim.data(),
-                                    wsp, ws_bytes, nullptr));
+    MB_CHECK_OK(moeblaze_routing_build(L.get(), T, ids.data(), offsets.data(), eti.data(),
+                                       tim.data(), wsp, ws_bytes, nullptr));
     CHECK(offsets[4] == 10);
-    CHECK_STATUS(moeblaze_routing_build(L.layer, T, ids.data(), nullptr, eti.data(), tim.data(),
-                                        wsp, ws_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "expert_offsets");
-    CHECK_STATUS(moeblaze_routing_build(L.layer, T, nullptr, offsets.data(), eti.data(), tim.data(),
-                                        wsp, ws_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
-    CHECK_STATUS(moeblaze_routing_build(L.layer, T, ids.data(), offsets.data(), nullptr, tim.data(),
-                                        wsp, ws_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "expert_token_indices");
-    CHECK_STATUS(moeblaze_routing_build(L.layer, T, ids.data(), offsets.data(), eti.data(), nullptr,
-                                        wsp, ws_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "token_index_map");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_routing_build(L.get(), T, ids.data(), nullptr, eti.data(),
+                                                    tim.data(), wsp, ws_bytes, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "expert_offsets");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_routing_build(L.get(), T, nullptr, offsets.data(), eti.data(),
+                                                    tim.data(), wsp, ws_bytes, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_routing_build(L.get(), T, ids.data(), offsets.data(), nullptr,
+                                                    tim.data(), wsp, ws_bytes, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "expert_token_indices");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_routing_build(L.get(), T, ids.data(), offsets.data(),
+                                                    eti.data(), nullptr, wsp, ws_bytes, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "token_index_map");
     std::vector<int32_t> bad = ids;
     bad[3] = 4;  // E = 4: out of range
-    CHECK_STATUS(moeblaze_routing_build(L.layer, T, bad.data(), offsets.data(), eti.data(),
-                                        tim.data(), wsp, ws_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_routing_build(L.get(), T, bad.data(), offsets.data(),
+                                                    eti.data(), tim.data(), wsp, ws_bytes, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
     bad = ids;
     bad[5] = -1;
-    CHECK_STATUS(moeblaze_routing_build(L.layer, T, bad.data(), offsets.data(), eti.data(),
-                                        tim.data(), wsp, ws_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_routing_build(L.get(), T, bad.data(), offsets.data(),
+                                                    eti.data(), tim.data(), wsp, ws_bytes, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
     bad = ids;
     bad[3] = bad[2];  // token 1 routed twice to expert 2
-    CHECK_STATUS(moeblaze_routing_build(L.layer, T, bad.data(), offsets.data(), eti.data(),
-                                        tim.data(), wsp, ws_bytes, nullptr),
-                 MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_routing_build(L.get(), T, bad.data(), offsets.data(),
+                                                    eti.data(), tim.data(), wsp, ws_bytes, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
   }
 
   TEST_CASE("args structs: init and versioning") {
     moeblaze_forward_args_t f;
     moeblaze_backward_args_t bw;
-    CHECK_STATUS(moeblaze_forward_args_init(nullptr, sizeof(f)), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "args");
-    CHECK_STATUS(moeblaze_backward_args_init(nullptr, sizeof(bw)), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "args");
-    CHECK_STATUS(moeblaze_forward_args_init(&f, 3), MOEBLAZE_ERR_VERSION_MISMATCH, "struct_size");
-    CHECK_STATUS(moeblaze_backward_args_init(&bw, 16), MOEBLAZE_ERR_VERSION_MISMATCH,
-                 "struct_size");
-    CHECK_OK(moeblaze_forward_args_init(&f, sizeof(f)));
-    CHECK_OK(moeblaze_backward_args_init(&bw, sizeof(bw)));
+    MB_CHECK_STATUS_MENTIONS(moeblaze_forward_args_init(nullptr, sizeof(f)),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "args");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_backward_args_init(nullptr, sizeof(bw)),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "args");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_forward_args_init(&f, 3), MOEBLAZE_ERR_VERSION_MISMATCH,
+                             "struct_size");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_backward_args_init(&bw, 16), MOEBLAZE_ERR_VERSION_MISMATCH,
+                             "struct_size");
+    MB_CHECK_OK(moeblaze_forward_args_init(&f, sizeof(f)));
+    MB_CHECK_OK(moeblaze_backward_args_init(&bw, sizeof(bw)));
     CHECK(f.struct_size == sizeof(f));
     CHECK(f.x == nullptr);
     CHECK(f.num_tokens == 0);
@@ -590,26 +580,25 @@ TEST_SUITE("api") {
 
   TEST_CASE("experts forward and backward reject bad input") {
     CpuLayer L;
-    Buffers b(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_EXPERTS_BACKWARD);
+    Buffers b(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_EXPERTS_BACKWARD);
     size_t fwd_ws = 0;
-    REQUIRE(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, Buffers::T,
-                                          &fwd_ws) == MOEBLAZE_OK);
+    MB_CHECK(
+        moeblaze_layer_workspace_size(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, Buffers::T, &fwd_ws));
 
     moeblaze_forward_args_t good = b.forward_args();
     good.workspace_bytes = fwd_ws;
-    // workspace_storage was sized for the backward pass; use the larger of both.
+    // The workspace was sized for the backward pass; use the larger of both.
     if (fwd_ws > b.workspace_bytes) {
-      b.workspace_storage.resize(fwd_ws + 64);
-      b.workspace = Buffers::align16(b.workspace_storage.data());
-      good.workspace = b.workspace;
+      b.workspace.resize(fwd_ws);
+      good.workspace = b.workspace.data();
     }
-    CHECK_OK(moeblaze_experts_forward(L.layer, &good, nullptr));
+    MB_CHECK_OK(moeblaze_experts_forward(L.get(), &good, nullptr));
 
     auto expect_forward = [&](void (*mutate)(moeblaze_forward_args_t&), moeblaze_status_t status,
                               const char* needle) {
       moeblaze_forward_args_t a = good;
       mutate(a);
-      CHECK_STATUS(moeblaze_experts_forward(L.layer, &a, nullptr), status, needle);
+      MB_CHECK_STATUS_MENTIONS(moeblaze_experts_forward(L.get(), &a, nullptr), status, needle);
     };
     expect_forward([](moeblaze_forward_args_t& a) { a.x = nullptr; }, MOEBLAZE_ERR_INVALID_ARGUMENT,
                    "args->x");
@@ -646,31 +635,31 @@ TEST_SUITE("api") {
     }
     expect_forward([](moeblaze_forward_args_t& a) { a.struct_size = 0; },
                    MOEBLAZE_ERR_VERSION_MISMATCH, "struct_size");
-    CHECK_STATUS(moeblaze_experts_forward(L.layer, nullptr, nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "args");
-    CHECK_STATUS(moeblaze_experts_forward(nullptr, &good, nullptr), MOEBLAZE_ERR_INVALID_HANDLE,
-                 "layer");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_experts_forward(L.get(), nullptr, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "args");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_experts_forward(nullptr, &good, nullptr),
+                             MOEBLAZE_ERR_INVALID_HANDLE, "layer");
     // Bad ids are found by the CPU backend.
     b.ids[7] = 9;
-    CHECK_STATUS(moeblaze_experts_forward(L.layer, &good, nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "ids");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_experts_forward(L.get(), &good, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
     b.ids[7] = 0;
 
     // Inference: no saved buffer.
     moeblaze_forward_args_t inference = good;
     inference.saved = nullptr;
     inference.saved_bytes = 0;
-    CHECK_OK(moeblaze_experts_forward(L.layer, &inference, nullptr));
+    MB_CHECK_OK(moeblaze_experts_forward(L.get(), &inference, nullptr));
 
     // Backward.
-    CHECK_OK(moeblaze_experts_forward(L.layer, &good, nullptr));
+    MB_CHECK_OK(moeblaze_experts_forward(L.get(), &good, nullptr));
     moeblaze_backward_args_t bgood = b.backward_args();
-    CHECK_OK(moeblaze_experts_backward(L.layer, &bgood, nullptr));
+    MB_CHECK_OK(moeblaze_experts_backward(L.get(), &bgood, nullptr));
     auto expect_backward = [&](void (*mutate)(moeblaze_backward_args_t&), moeblaze_status_t status,
                                const char* needle) {
       moeblaze_backward_args_t a = bgood;
       mutate(a);
-      CHECK_STATUS(moeblaze_experts_backward(L.layer, &a, nullptr), status, needle);
+      MB_CHECK_STATUS_MENTIONS(moeblaze_experts_backward(L.get(), &a, nullptr), status, needle);
     };
     expect_backward([](moeblaze_backward_args_t& a) { a.saved = nullptr; },
                     MOEBLAZE_ERR_INVALID_ARGUMENT, "args->saved");
@@ -700,20 +689,20 @@ TEST_SUITE("api") {
     // A saved buffer written for a different token count is detected (CPU).
     moeblaze_backward_args_t fewer = bgood;
     fewer.num_tokens = Buffers::T - 1;
-    CHECK_STATUS(moeblaze_experts_backward(L.layer, &fewer, nullptr), MOEBLAZE_ERR_VERSION_MISMATCH,
-                 "saved");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_experts_backward(L.get(), &fewer, nullptr),
+                             MOEBLAZE_ERR_VERSION_MISMATCH, "saved");
     // ... and a buffer that was never filled.
-    std::memset(b.saved, 0, b.saved_bytes);
-    CHECK_STATUS(moeblaze_experts_backward(L.layer, &bgood, nullptr), MOEBLAZE_ERR_VERSION_MISMATCH,
-                 "saved");
+    b.saved.fill_byte(0);
+    MB_CHECK_STATUS_MENTIONS(moeblaze_experts_backward(L.get(), &bgood, nullptr),
+                             MOEBLAZE_ERR_VERSION_MISMATCH, "saved");
   }
 
   TEST_CASE("non-gated activations take w_up = NULL") {
     CpuLayer L(small_config(MOEBLAZE_ACTIVATION_RELU));
-    Buffers b(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_EXPERTS_FORWARD);
+    Buffers b(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_EXPERTS_FORWARD);
     moeblaze_forward_args_t a = b.forward_args();
     a.w_up = nullptr;
-    CHECK_OK(moeblaze_experts_forward(L.layer, &a, nullptr));
+    MB_CHECK_OK(moeblaze_experts_forward(L.get(), &a, nullptr));
   }
 
   TEST_CASE("whole layer forward and backward reject bad input") {
@@ -721,63 +710,64 @@ TEST_SUITE("api") {
     cfg.aux_loss_coeff = 0.01f;
     cfg.z_loss_coeff = 0.001f;
     CpuLayer L(cfg);
-    Buffers fb(L.layer, MOEBLAZE_PASS_LAYER_FORWARD, MOEBLAZE_PASS_LAYER_FORWARD);
+    Buffers fb(L.get(), MOEBLAZE_PASS_LAYER_FORWARD, MOEBLAZE_PASS_LAYER_FORWARD);
     moeblaze_forward_args_t f = fb.forward_args();
     f.ids = nullptr;  // not used by the whole layer
     f.g = nullptr;
     f.losses = fb.losses.data();
-    CHECK_OK(moeblaze_layer_forward(L.layer, &f, nullptr));
+    MB_CHECK_OK(moeblaze_layer_forward(L.get(), &f, nullptr));
     CHECK(std::isfinite(fb.losses[0]));
     CHECK(fb.losses[0] > 0.0f);
     CHECK(fb.losses[1] > 0.0f);
 
     moeblaze_forward_args_t bad = f;
     bad.w_router = nullptr;
-    CHECK_STATUS(moeblaze_layer_forward(L.layer, &bad, nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "args->w_router");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_forward(L.get(), &bad, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "args->w_router");
     bad = f;
     bad.saved_bytes = 100;
-    CHECK_STATUS(moeblaze_layer_forward(L.layer, &bad, nullptr),
-                 MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "MOEBLAZE_PASS_LAYER_FORWARD");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_forward(L.get(), &bad, nullptr),
+                             MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "MOEBLAZE_PASS_LAYER_FORWARD");
     bad = f;
     bad.losses = reinterpret_cast<char*>(fb.losses.data()) + 1;
-    CHECK_STATUS(moeblaze_layer_forward(L.layer, &bad, nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "args->losses");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_forward(L.get(), &bad, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "args->losses");
     // NaN in x shows up as non-finite logits.
     std::vector<float> nan_x = fb.x;
     nan_x[3] = std::numeric_limits<float>::quiet_NaN();
     bad = f;
     bad.x = nan_x.data();
-    CHECK_STATUS(moeblaze_layer_forward(L.layer, &bad, nullptr), MOEBLAZE_ERR_NON_FINITE, "logits");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_forward(L.get(), &bad, nullptr),
+                             MOEBLAZE_ERR_NON_FINITE, "logits");
 
     // Backward needs the layer-forward saved buffer and its own workspace size.
-    CHECK_OK(moeblaze_layer_forward(L.layer, &f, nullptr));
+    MB_CHECK_OK(moeblaze_layer_forward(L.get(), &f, nullptr));
     size_t bwd_ws = 0;
-    REQUIRE(moeblaze_layer_workspace_size(L.layer, MOEBLAZE_PASS_LAYER_BACKWARD, Buffers::T,
-                                          &bwd_ws) == MOEBLAZE_OK);
-    std::vector<unsigned char> ws(bwd_ws + 16);
+    MB_CHECK(
+        moeblaze_layer_workspace_size(L.get(), MOEBLAZE_PASS_LAYER_BACKWARD, Buffers::T, &bwd_ws));
+    AlignedBytes ws(bwd_ws);
     moeblaze_backward_args_t bw = fb.backward_args();
     bw.ids = nullptr;
     bw.g = nullptr;
     bw.dg = nullptr;
-    bw.workspace = Buffers::align16(ws.data());
+    bw.workspace = ws.data();
     bw.workspace_bytes = bwd_ws;
-    CHECK_OK(moeblaze_layer_backward(L.layer, &bw, nullptr));
+    MB_CHECK_OK(moeblaze_layer_backward(L.get(), &bw, nullptr));
     moeblaze_backward_args_t bbad = bw;
     bbad.w_router = nullptr;
-    CHECK_STATUS(moeblaze_layer_backward(L.layer, &bbad, nullptr), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                 "args->w_router");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_backward(L.get(), &bbad, nullptr),
+                             MOEBLAZE_ERR_INVALID_ARGUMENT, "args->w_router");
     bbad = bw;
     bbad.workspace_bytes = bwd_ws - 1;
-    CHECK_STATUS(moeblaze_layer_backward(L.layer, &bbad, nullptr),
-                 MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "MOEBLAZE_PASS_LAYER_BACKWARD");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_backward(L.get(), &bbad, nullptr),
+                             MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "MOEBLAZE_PASS_LAYER_BACKWARD");
     // An experts-forward saved buffer is smaller than a layer-forward one: rejected by size.
     size_t experts_saved = 0;
-    REQUIRE(moeblaze_layer_saved_size(L.layer, MOEBLAZE_PASS_EXPERTS_FORWARD, Buffers::T,
-                                      &experts_saved) == MOEBLAZE_OK);
+    MB_CHECK(moeblaze_layer_saved_size(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, Buffers::T,
+                                       &experts_saved));
     bbad = bw;
     bbad.saved_bytes = experts_saved;
-    CHECK_STATUS(moeblaze_layer_backward(L.layer, &bbad, nullptr),
-                 MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->saved_bytes");
+    MB_CHECK_STATUS_MENTIONS(moeblaze_layer_backward(L.get(), &bbad, nullptr),
+                             MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->saved_bytes");
   }
 }

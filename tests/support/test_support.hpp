@@ -1,7 +1,10 @@
-// Shared helpers of the C++ test suites (tests/cpu, tests/cuda). Public C API only: everything here
-// goes through "moeblaze.h", so the helpers test the library the way a user sees it.
+// Shared helpers of the C++ test suites (tests/api, tests/cpu, tests/cuda, tests/ep). Public C API
+// only: everything here goes through "moeblaze.h", so the helpers test the library the way a user
+// sees it.
 //
 //   MB_CHECK(call)            REQUIRE a status of MOEBLAZE_OK, printing moeblaze_last_error()
+//   MB_CHECK_STATUS_MENTIONS  CHECK a status and what the last error says (MB_CHECK_STATUS and
+//                             MB_CHECK_OK are its shorthands)
 //   Context, Layer            RAII handles
 //   HostTensor                host tensor of any dtype (F32/BF16/F16/F64 storage, double access)
 //   Rng, test_seed()          seeded RNG; MOEBLAZE_TEST_SEED overrides the seed, which is printed
@@ -44,14 +47,32 @@ inline std::string status_text(moeblaze_status_t status) {
     }                                                                      \
   } while (0)
 
-// CHECKs that a moeblaze call fails with `expected`, and that it left a message.
-#define MB_CHECK_STATUS(call, expected)                                                 \
-  do {                                                                                  \
-    const moeblaze_status_t mb_check_status_ = (call);                                  \
-    CHECK_MESSAGE(mb_check_status_ == (expected),                                       \
-                  #call " returned " << ::mbtest::status_text(mb_check_status_));       \
-    if (mb_check_status_ != MOEBLAZE_OK) CHECK(std::strlen(moeblaze_last_error()) > 0); \
+// CHECKs that a moeblaze call returns `expected` and that the thread's last error agrees: on
+// failure it is a message that mentions `needle` (any non-empty message for ""), on success it was
+// cleared.
+#define MB_CHECK_STATUS_MENTIONS(call, expected, needle)                                           \
+  do {                                                                                             \
+    const moeblaze_status_t mb_check_status_ = (call);                                             \
+    CHECK_MESSAGE(mb_check_status_ == (expected),                                                  \
+                  #call " returned " << ::mbtest::status_text(mb_check_status_) << ", expected "   \
+                                     << std::string(moeblaze_status_name(expected)));              \
+    const std::string mb_check_message_ = moeblaze_last_error();                                   \
+    if (mb_check_status_ != MOEBLAZE_OK) {                                                         \
+      const bool mb_check_mentions_ =                                                              \
+          !mb_check_message_.empty() && mb_check_message_.find(needle) != std::string::npos;       \
+      CHECK_MESSAGE(mb_check_mentions_, "message '" << mb_check_message_ << "' does not mention '" \
+                                                    << std::string(needle) << "'");                \
+    } else {                                                                                       \
+      CHECK_MESSAGE(mb_check_message_.empty(),                                                     \
+                    "success left the message '" << mb_check_message_ << "'");                     \
+    }                                                                                              \
   } while (0)
+
+// CHECKs that a moeblaze call fails with `expected`, and that it left a message.
+#define MB_CHECK_STATUS(call, expected) MB_CHECK_STATUS_MENTIONS(call, expected, "")
+
+// CHECKs (not fatal, unlike MB_CHECK) that a moeblaze call succeeds and clears the last error.
+#define MB_CHECK_OK(call) MB_CHECK_STATUS_MENTIONS(call, MOEBLAZE_OK, "")
 
 namespace mbtest {
 

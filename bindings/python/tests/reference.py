@@ -1,7 +1,11 @@
 """Plain PyTorch reference of the moeblaze layer: per-token loops, straight from the header's math.
 
 Autograd through this module gives the reference gradients (top-k selection is piecewise constant:
-ids are taken from the forward and do not carry gradient, exactly as in the library)."""
+ids are taken from the forward and do not carry gradient, exactly as in the library).
+
+Kept apart from bench/baselines.py (vectorised PyTorch MoE layers that the benchmark times and, in
+fp32/fp64, uses as its reference): this oracle stays as plain as the math, and the package tests
+run from the installed package layout, where bench/ does not exist."""
 
 import math
 
