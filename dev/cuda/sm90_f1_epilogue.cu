@@ -39,13 +39,13 @@
 //       warpgroup (64 rows, as in v1) issues m64n128k16 into a 64-register accumulator set whose
 //       j < 8 columns are a and j >= 8 columns are b of the same 64 h-columns;
 //     - each consumer warpgroup holds TWO sets (2 x 64 = 128 fp32 registers, the same as v1's one
-//       m64n256 set); the CTA's tiles alternate between them (the loop body runs two tiles so that
-//       each set's role is static); during tile i's main loop, tile i - 1's epilogue runs from the
-//       other set in 4 chunks (a; b; u cols 0-31; u cols 32-63), chunk q right after k-step
-//       q * max(1, k_tiles / 4)'s wgmma batch is committed and before the wait for the previous
-//       batch, so two batches are queued on the tensor cores while the warp does epilogue work;
-//       chunks without a k-step (k_tiles < 4) run after the loop, before its final wait; the CTA's
-//       last tile gets its whole epilogue after its main loop;
+//       m64n256 set); during tile i's main loop, tile i - 1's epilogue runs from the
+//       other set (acc_prev; acc is copied into it after each tile's final wait) in 6 chunks
+//       (a; b; u in four 16-column chunks), chunk q right after k-step q * max(1, k_tiles / 6)'s
+//       wgmma batch is committed and before the wait for the previous batch, so two batches are
+//       queued on the tensor cores while the warp does epilogue work; chunks without a k-step
+//       (k_tiles < 6) run after the loop, before its final wait; the CTA's last tile gets its
+//       whole epilogue after its main loop;
 //     - pipeline, barriers and parities are round 1's unchanged, with 6 stages x 32 KB (A 16 KB
 //       by cp.async, B 2 x 8 KB by TMA): full barrier count 129 (128 cp.async .noinc arrivals + the
 //       expect_tx arrival of 16 KB), empty barrier count 8 (every consumer warp releases every
@@ -658,7 +658,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // kernels 6, 7 (round 7, vA): DEFERRED EPILOGUE. Round 1's pipeline and barriers with 128-row tiles
 // of 64 h-columns; each consumer warpgroup holds two m64n128 accumulator sets and runs tile i - 1's
-// epilogue, in 4 chunks, between tile i's wgmma batches (see the header comment).
+// epilogue, in 6 chunks, between tile i's wgmma batches (see the header comment).
 
 constexpr int kVABN = 64;                                   // h columns per tile (gate and up each)
 constexpr int kVAStages = 6;
@@ -666,7 +666,9 @@ constexpr int kVABTileBytes = kVABN * kBK * 2;              // 8 KB each for gat
 constexpr int kVAStageBytes = kATileBytes + 2 * kVABTileBytes;  // 32 KB (1024-byte multiple)
 constexpr int kVAPipeBytes = kVAStages * kVAStageBytes;     // 192 KB
 constexpr int kVABarrierBytes = 2 * kVAStages * 8;
-constexpr int kVAChunks = 4;  // epilogue chunks per tile: a, b, u (cols 0..31), u (cols 32..63)
+// Epilogue chunks per tile: a; b; u in four 16-column chunks (u's silu is the costly part, and
+// smaller u chunks keep its temporaries within the 168 registers ptxas allows next to the two sets).
+constexpr int kVAChunks = 6;
 
 static size_t f1_va_smem_bytes(int E) {
   return 1024 /* alignment slack */ + kVAPipeBytes + kEpiBytes + kVABarrierBytes + kTokenBytes +
@@ -682,9 +684,9 @@ __device__ __forceinline__ void va_epilogue_chunk(const float (&acc)[64], uint32
                                                   const TileCoord& c, const F1Params& p,
                                                   int tile_row, int lane) {
   constexpr int OUT = CHUNK < 2 ? CHUNK : 2;  // 0: a, 1: b, 2: u
-  constexpr int JLO = CHUNK == 3 ? 4 : 0;
-  constexpr int JHI = CHUNK == 2 ? 4 : 8;
-  constexpr int CPR = JHI - JLO;  // 16-byte chunks per row in this pass (8 or 4)
+  constexpr int JLO = CHUNK < 2 ? 0 : 2 * (CHUNK - 2);
+  constexpr int JHI = CHUNK < 2 ? 8 : JLO + 2;
+  constexpr int CPR = JHI - JLO;  // 16-byte chunks per row in this pass (8 or 2)
   const int g = lane >> 2, t4 = lane & 3;
 #pragma unroll
   for (int jj = JLO; jj < JHI; ++jj) {
@@ -706,10 +708,13 @@ __device__ __forceinline__ void va_epilogue_chunk(const float (&acc)[64], uint32
   bf16* dst_base = OUT == 0 ? p.out_a : (OUT == 1 ? p.out_b : p.out_u);
 #pragma unroll
   for (int q = 0; q < 16 * CPR / 32; ++q) {
-    // CPR 8: a row per 8 lanes. CPR 4: lanes 0-3 of each 8 take row r, lanes 4-7 row r + 4, so
-    // the 8 lanes of a shared-memory phase read 8 distinct 16-byte bank groups.
-    const int row = CPR == 8 ? q * 4 + (lane >> 3) : q * 8 + (lane >> 3) + 4 * ((lane >> 2) & 1);
-    const int ch = JLO + (CPR == 8 ? (lane & 7) : (lane & 3));
+    // CPR 8: a row per 8 lanes. CPR 2 (one pass): the 8 lanes of a shared-memory phase take rows
+    // whose (row & 7) >> 1 are 0, 1, 2, 3, so the swizzle puts their chunk pairs in 8 distinct
+    // 16-byte bank groups.
+    const int phase = lane >> 3;
+    const int row = CPR == 8 ? q * 4 + phase
+                             : 2 * ((lane >> 1) & 3) + (phase & 1) + 8 * (phase >> 1);
+    const int ch = JLO + (CPR == 8 ? (lane & 7) : (lane & 1));
     const uint4 v = *reinterpret_cast<const uint4*>(stg + row * 32 + ((ch ^ (row & 7)) << 2));
     const int col = c.n0 + ch * 8;
     if (tile_row + row < c.rows && col < p.h) {
@@ -727,7 +732,9 @@ __device__ __forceinline__ void va_epilogue_chunk_rt(int chunk, const float (&ac
     case 0: va_epilogue_chunk<0>(acc, stg, c, p, tile_row, lane); break;
     case 1: va_epilogue_chunk<1>(acc, stg, c, p, tile_row, lane); break;
     case 2: va_epilogue_chunk<2>(acc, stg, c, p, tile_row, lane); break;
-    default: va_epilogue_chunk<3>(acc, stg, c, p, tile_row, lane); break;
+    case 3: va_epilogue_chunk<3>(acc, stg, c, p, tile_row, lane); break;
+    case 4: va_epilogue_chunk<4>(acc, stg, c, p, tile_row, lane); break;
+    default: va_epilogue_chunk<5>(acc, stg, c, p, tile_row, lane); break;
   }
 }
 
@@ -744,6 +751,8 @@ __device__ __forceinline__ void va_tile(float (&acc)[64], const float (&prev_acc
                                         int lane) {
   const bool run_epi = EPI != kEpiNone && have_prev;
   const int chunk_stride = max(1, p.k_tiles / kVAChunks);
+  int next_chunk = run_epi ? 0 : kVAChunks;  // chunk q runs at k-step q * chunk_stride
+  int next_chunk_kt = 0;
   int prev_s = 0;
   for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
     const int s = it % kVAStages;
@@ -760,18 +769,19 @@ __device__ __forceinline__ void va_tile(float (&acc)[64], const float (&prev_acc
       wgmma_m64n128k16(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
     }
     wgmma_commit();
-    if (run_epi && kt % chunk_stride == 0 && kt / chunk_stride < kVAChunks) {
-      va_epilogue_chunk_rt(kt / chunk_stride, prev_acc, stg, prev, p, tile_row, lane);
+    if (kt == next_chunk_kt && next_chunk < kVAChunks) {
+      va_epilogue_chunk_rt(next_chunk, prev_acc, stg, prev, p, tile_row, lane);
+      ++next_chunk;
+      next_chunk_kt += chunk_stride;
     }
     wgmma_wait<1>();
     fence_accumulators(acc);
     if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
     prev_s = s;
   }
-  if (run_epi) {  // chunks the k-loop had no step for (k_tiles < kVAChunks)
-    for (int q = (p.k_tiles - 1) / chunk_stride + 1; q < kVAChunks; ++q)
-      va_epilogue_chunk_rt(q, prev_acc, stg, prev, p, tile_row, lane);
-  }
+  // Chunks the k-loop had no step for (k_tiles < kVAChunks).
+  for (; next_chunk < kVAChunks; ++next_chunk)
+    va_epilogue_chunk_rt(next_chunk, prev_acc, stg, prev, p, tile_row, lane);
   wgmma_wait<0>();
   fence_accumulators(acc);
   if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
@@ -791,6 +801,8 @@ __device__ __forceinline__ void va_epilogue_all(const float (&acc)[64], uint32_t
   va_epilogue_chunk<1>(acc, stg, c, p, tile_row, lane);
   va_epilogue_chunk<2>(acc, stg, c, p, tile_row, lane);
   va_epilogue_chunk<3>(acc, stg, c, p, tile_row, lane);
+  va_epilogue_chunk<4>(acc, stg, c, p, tile_row, lane);
+  va_epilogue_chunk<5>(acc, stg, c, p, tile_row, lane);
 }
 
 template <int EPI>
@@ -904,12 +916,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     TileCoord prev = {0, 0, 0, 0};
     bool have_prev = false;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-      const TileCoord c = decode_tile<1, kVABN>(t, tile_start, p, 0);
       va_tile<EPI>(acc, acc_prev, prev, have_prev, it, smem, full_bar, empty_bar, wg, stg, p,
                    tile_row, lane);
 #pragma unroll
       for (int i = 0; i < 64; ++i) acc_prev[i] = acc[i];
-      prev = c;
+      // Decoded only now (the consumer needs a tile's coordinates for its epilogue alone): fewer
+      // registers live across the main loop.
+      prev = decode_tile<1, kVABN>(t, tile_start, p, 0);
       have_prev = true;
     }
     // The CTA's last tile: nothing left to overlap its epilogue with.
