@@ -15,6 +15,7 @@ source checkout; its ABI version is checked on first use.
 """
 
 from . import _lib
+from . import ep  # noqa: F401  (moeblaze.ep: expert parallelism, numpy)
 from ._lib import (  # noqa: F401  (re-exported)
     CudaError,
     InsufficientWorkspaceError,
