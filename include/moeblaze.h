@@ -580,7 +580,10 @@ MOEBLAZE_API moeblaze_status_t moeblaze_layer_backward(moeblaze_layer_t layer,
  *
  * These three calls are **collective**: every rank of the group must make them, in the same order,
  * for the same layer (as with any NCCL collective); a rank with no tokens passes `num_tokens = 0`.
- * Which optional outputs each rank requests may differ.
+ * Which optional outputs each rank requests may differ. Unlike a ::moeblaze_layer_t, an EP layer is
+ * not immutable: its execute calls reuse host scratch that the layer holds (sized at creation, so
+ * that they make no heap allocation), hence two execute calls of one EP layer must never overlap
+ * (being collectives, they cannot anyway: each rank makes them one after another).
  *
  * Gradient convention: the gradients are those of the sum of the ranks' objectives. `dw_gate`,
  * `dw_up`, `dw_down` of a rank's experts are complete (every rank's rows reach their owner);
@@ -664,7 +667,8 @@ typedef struct moeblaze_ep_config {
 MOEBLAZE_API moeblaze_status_t moeblaze_ep_config_init(moeblaze_ep_config_t* config,
                                                        size_t struct_size);
 
-/*! An expert-parallel layer plan: this rank's view of one layer. Opaque, immutable. */
+/*! An expert-parallel layer plan: this rank's view of one layer. Opaque; its execute calls must
+ *  not overlap (\ref ep). */
 typedef struct moeblaze_ep_layer_s* moeblaze_ep_layer_t;
 
 /*! \brief Creates this rank's expert-parallel plan of the layer `config` on `context`.

@@ -59,17 +59,48 @@ ExpertSaved carve_expert(Carver& c, const LayerDesc& local, int64_t R) {
   return s;
 }
 
+Buffer carve_sub(Carver& c, size_t bytes) {
+  return {c.carve(bytes), bytes};
+}
+
+// The workspaces of the three execute calls. rd = the router's description (the global layer),
+// local = this rank's experts; T = this rank's tokens, R = the rows its experts receive.
+
 struct BeginScratch {
   Buffer sub;
 };
+
+BeginScratch carve_begin(Carver& c, const Backend& backend, const LayerDesc& rd, int64_t T) {
+  size_t sub = 0;
+  for (Pass p : {Pass::RouterProjectForward, Pass::RouterForward, Pass::RoutingBuild}) {
+    sub = std::max(sub, backend.workspace_size(rd, p, T));
+  }
+  BeginScratch s;
+  s.sub = carve_sub(c, sub);
+  return s;
+}
 
 struct FinishScratch {
   void* rows = nullptr;              // [N,d]: sent rows, then the returned rows (send order)
   void* send_g = nullptr;            // [N] rtype
   void* y_rows = nullptr;            // [R,d]: the local experts' output rows
   int32_t* global_counts = nullptr;  // [E]
+  void* loss_scratch = nullptr;      // [kLossShareScratchRows,E] rtype
   Buffer sub;
 };
+
+FinishScratch carve_finish(Carver& c, const Backend& backend, const LayerDesc& rd,
+                           const LayerDesc& local, int64_t T, int64_t R) {
+  const int64_t N = T * rd.k;
+  FinishScratch s;
+  s.rows = c.carve(rd.elem_size() * size_t(N * rd.d));
+  s.send_g = c.carve(rd.relem_size() * size_t(N));
+  s.y_rows = c.carve(rd.elem_size() * size_t(R * rd.d));
+  s.global_counts = c.carve<int32_t>(sizeof(int32_t) * size_t(rd.E));
+  s.loss_scratch = c.carve(rd.relem_size() * size_t(kLossShareScratchRows * rd.E));
+  s.sub = carve_sub(c, backend.workspace_size(local, Pass::ExpertsForward, R));
+  return s;
+}
 
 struct BackwardScratch {
   void* rows = nullptr;              // [N,d]: dy rows sent, then the returned dx rows
@@ -80,11 +111,31 @@ struct BackwardScratch {
   void* dg = nullptr;                // [T,k] rtype (unless the caller asked for dg)
   void* d_logits = nullptr;          // [T,E] rtype (unless the caller asked for d_logits)
   int32_t* global_counts = nullptr;  // [E]
+  void* loss_scratch = nullptr;      // [kLossShareScratchRows,E] rtype
   Buffer sub;
 };
 
-Buffer carve_sub(Carver& c, size_t bytes) {
-  return {c.carve(bytes), bytes};
+BackwardScratch carve_backward(Carver& c, const Backend& backend, const LayerDesc& rd,
+                               const LayerDesc& local, int64_t T, int64_t R) {
+  const int64_t N = T * rd.k;
+  const size_t es = rd.elem_size();
+  const size_t rs = rd.relem_size();
+  BackwardScratch s;
+  s.rows = c.carve(es * size_t(N * rd.d));
+  s.recv_dy = c.carve(es * size_t(R * rd.d));
+  s.dx_rows = c.carve(es * size_t(R * rd.d));
+  s.dg_rows = c.carve(rs * size_t(R));
+  s.back_dg = c.carve(rs * size_t(N));
+  s.dg = c.carve(rs * size_t(N));
+  s.d_logits = c.carve(rs * size_t(T * rd.E));
+  s.global_counts = c.carve<int32_t>(sizeof(int32_t) * size_t(rd.E));
+  s.loss_scratch = c.carve(rs * size_t(kLossShareScratchRows * rd.E));
+  size_t sub = backend.workspace_size(local, Pass::ExpertsBackward, R);
+  for (Pass p : {Pass::RouterBackward, Pass::RouterProjectBackward}) {
+    sub = std::max(sub, backend.workspace_size(rd, p, T));
+  }
+  s.sub = carve_sub(c, sub);
+  return s;
 }
 
 uint64_t make_layer_tag(const LayerDesc& desc, int32_t world_size) {
@@ -93,15 +144,6 @@ uint64_t make_layer_tag(const LayerDesc& desc, int32_t world_size) {
 }
 
 }  // namespace
-
-struct EpLayer::Splits {
-  // Row counts per rank: this rank sends send_rows[q] rows to rank q, starting at send_begin[q] of
-  // the send order; it receives recv_rows[s] rows from rank s at recv_begin[s] of its received
-  // rows.
-  std::vector<int64_t> send_rows, send_begin, recv_rows, recv_begin;
-  int64_t total_recv = 0;
-  int64_t global_tokens = 0;
-};
 
 // ---- construction -------------------------------------------------------------------------------
 
@@ -153,6 +195,13 @@ EpLayer::EpLayer(std::shared_ptr<api::ContextState> context, const LayerDesc& gl
   } else {
     transport_ = make_nccl_transport(communicator, rank, world_size, context_->device, *ops_);
   }
+
+  const size_t W = size_t(world_size);
+  for (std::vector<int64_t>* v :
+       {&splits_.send_rows, &splits_.send_begin, &splits_.recv_rows, &splits_.recv_begin}) {
+    v->assign(W, 0);
+  }
+  exchange_sizes_.assign(kMaxExchangeTensors * 4 * W, 0);
 }
 
 // ---- sizes --------------------------------------------------------------------------------------
@@ -173,45 +222,15 @@ size_t EpLayer::saved_size(EpSaved part, int64_t T, int64_t R) const {
 
 size_t EpLayer::workspace_size(EpPass pass, int64_t T, int64_t R) const {
   const Backend& backend = *context_->backend;
-  const LayerDesc& rd = router_desc_;
-  const int64_t N = T * rd.k;
-  const size_t es = rd.elem_size();
-  const size_t rs = rd.relem_size();
-  Carver c;
+  Carver measure;
   switch (pass) {
-    case EpPass::ForwardBegin: {
-      size_t sub = 0;
-      for (Pass p : {Pass::RouterProjectForward, Pass::RouterForward, Pass::RoutingBuild}) {
-        sub = std::max(sub, backend.workspace_size(rd, p, T));
-      }
-      carve_sub(c, sub);
-      break;
-    }
+    case EpPass::ForwardBegin: carve_begin(measure, backend, router_desc_, T); break;
     case EpPass::ForwardFinish:
-      c.carve(es * size_t(N * rd.d));
-      c.carve(rs * size_t(N));
-      c.carve(es * size_t(R * rd.d));
-      c.carve(sizeof(int32_t) * size_t(rd.E));
-      carve_sub(c, backend.workspace_size(local_desc_, Pass::ExpertsForward, R));
+      carve_finish(measure, backend, router_desc_, local_desc_, T, R);
       break;
-    case EpPass::Backward: {
-      c.carve(es * size_t(N * rd.d));
-      c.carve(es * size_t(R * rd.d));
-      c.carve(es * size_t(R * rd.d));
-      c.carve(rs * size_t(R));
-      c.carve(rs * size_t(N));
-      c.carve(rs * size_t(N));
-      c.carve(rs * size_t(T * rd.E));
-      c.carve(sizeof(int32_t) * size_t(rd.E));
-      size_t sub = backend.workspace_size(local_desc_, Pass::ExpertsBackward, R);
-      for (Pass p : {Pass::RouterBackward, Pass::RouterProjectBackward}) {
-        sub = std::max(sub, backend.workspace_size(rd, p, T));
-      }
-      carve_sub(c, sub);
-      break;
-    }
+    case EpPass::Backward: carve_backward(measure, backend, router_desc_, local_desc_, T, R); break;
   }
-  return c.size();
+  return measure.size();
 }
 
 void EpLayer::require_recv_rows(int64_t R, const char* argument) const {
@@ -254,14 +273,15 @@ const ExchangeHeader& EpLayer::read_exchange(const void* exchange, size_t exchan
   return *header;
 }
 
-EpLayer::Splits EpLayer::splits_from(const ExchangeHeader& header, const int32_t* table) const {
+void EpLayer::compute_splits(const ExchangeHeader& header, const int32_t* table) {
   const int64_t W = world_size_;
   const int64_t E = global_desc_.E;
-  Splits s;
-  s.send_rows.assign(size_t(W), 0);
-  s.send_begin.assign(size_t(W), 0);
-  s.recv_rows.assign(size_t(W), 0);
-  s.recv_begin.assign(size_t(W), 0);
+  Splits& s = splits_;  // sized at creation: only overwritten
+  for (std::vector<int64_t>* v : {&s.send_rows, &s.send_begin, &s.recv_rows, &s.recv_begin}) {
+    std::fill(v->begin(), v->end(), 0);
+  }
+  s.total_recv = 0;
+  s.global_tokens = 0;
   int64_t routed = 0;
   for (int64_t q = 0; q < W; ++q) {
     for (int64_t e = rank_expert_begin_[size_t(q)]; e < rank_expert_begin_[size_t(q) + 1]; ++e) {
@@ -278,27 +298,45 @@ EpLayer::Splits EpLayer::splits_from(const ExchangeHeader& header, const int32_t
   MB_REQUIRE(s.total_recv == header.recv_rows, MOEBLAZE_ERR_INTERNAL,
              "exchange: the count table gives %lld received rows, the header %lld",
              (long long)s.total_recv, (long long)header.recv_rows);
-  return s;
 }
 
-ExchangeTensor EpLayer::rows_tensor(const Splits& s, const void* send, void* recv, size_t row_bytes,
-                                    bool to_experts) const {
+ExchangeTensor& EpLayer::exchange_slot(size_t slot, const void* send, void* recv,
+                                       size_t** send_offset, size_t** send_bytes,
+                                       size_t** recv_offset, size_t** recv_bytes) {
+  MB_REQUIRE(slot < kMaxExchangeTensors, MOEBLAZE_ERR_INTERNAL, "EP: exchange slot %zu", slot);
+  const size_t W = size_t(world_size_);
+  size_t* sizes = exchange_sizes_.data() + slot * 4 * W;
+  *send_offset = sizes;
+  *send_bytes = sizes + W;
+  *recv_offset = sizes + 2 * W;
+  *recv_bytes = sizes + 3 * W;
+  ExchangeTensor& t = exchange_tensors_[slot];
+  t.send = send;
+  t.recv = recv;
+  t.send_offset = *send_offset;
+  t.send_bytes = *send_bytes;
+  t.recv_offset = *recv_offset;
+  t.recv_bytes = *recv_bytes;
+  return t;
+}
+
+void EpLayer::set_rows_tensor(size_t slot, const void* send, void* recv, size_t row_bytes,
+                              bool to_experts) {
   // Towards the experts: send by destination rank in send order, receive by source rank. Back home:
   // the transpose.
+  const Splits& s = splits_;
   const std::vector<int64_t>& out_rows = to_experts ? s.send_rows : s.recv_rows;
   const std::vector<int64_t>& out_begin = to_experts ? s.send_begin : s.recv_begin;
   const std::vector<int64_t>& in_rows = to_experts ? s.recv_rows : s.send_rows;
   const std::vector<int64_t>& in_begin = to_experts ? s.recv_begin : s.send_begin;
-  ExchangeTensor t;
-  t.send = send;
-  t.recv = recv;
-  for (int64_t q = 0; q < world_size_; ++q) {
-    t.send_offset.push_back(size_t(out_begin[size_t(q)]) * row_bytes);
-    t.send_bytes.push_back(size_t(out_rows[size_t(q)]) * row_bytes);
-    t.recv_offset.push_back(size_t(in_begin[size_t(q)]) * row_bytes);
-    t.recv_bytes.push_back(size_t(in_rows[size_t(q)]) * row_bytes);
+  size_t *send_offset, *send_bytes, *recv_offset, *recv_bytes;
+  exchange_slot(slot, send, recv, &send_offset, &send_bytes, &recv_offset, &recv_bytes);
+  for (size_t q = 0; q < size_t(world_size_); ++q) {
+    send_offset[q] = size_t(out_begin[q]) * row_bytes;
+    send_bytes[q] = size_t(out_rows[q]) * row_bytes;
+    recv_offset[q] = size_t(in_begin[q]) * row_bytes;
+    recv_bytes[q] = size_t(in_rows[q]) * row_bytes;
   }
-  return t;
 }
 
 // ---- forward ------------------------------------------------------------------------------------
@@ -337,8 +375,7 @@ int64_t EpLayer::forward_begin(const moeblaze_ep_forward_args_t& a, void* exchan
   Carver home_carver(a.home_saved);
   const HomeSaved home = carve_home(home_carver, rd, W, T);
   Carver ws_carver(a.workspace);
-  BeginScratch scratch;
-  scratch.sub = carve_sub(ws_carver, workspace_size(EpPass::ForwardBegin, T, 0));
+  const BeginScratch scratch = carve_begin(ws_carver, backend, rd, T);
 
   {
     std::lock_guard<std::mutex> lock(context_->execute_mutex);
@@ -373,17 +410,18 @@ int64_t EpLayer::forward_begin(const moeblaze_ep_forward_args_t& a, void* exchan
   }
 
   // F1: every rank's counts to every rank (the own row is already in place).
-  ExchangeTensor counts;
-  counts.send = home.table;
-  counts.recv = home.table;
   const size_t row_bytes = sizeof(int32_t) * size_t(E);
-  for (int64_t q = 0; q < W; ++q) {
-    counts.send_offset.push_back(size_t(rank_) * row_bytes);
-    counts.send_bytes.push_back(row_bytes);
-    counts.recv_offset.push_back(size_t(q) * row_bytes);
-    counts.recv_bytes.push_back(row_bytes);
+  {
+    size_t *send_offset, *send_bytes, *recv_offset, *recv_bytes;
+    exchange_slot(0, home.table, home.table, &send_offset, &send_bytes, &recv_offset, &recv_bytes);
+    for (size_t q = 0; q < size_t(W); ++q) {
+      send_offset[q] = size_t(rank_) * row_bytes;
+      send_bytes[q] = row_bytes;
+      recv_offset[q] = q * row_bytes;
+      recv_bytes[q] = row_bytes;
+    }
   }
-  transport_->exchange({counts}, "forward_begin: count exchange", layer_tag_, stream);
+  transport_->exchange(exchange_tensors_, 1, "forward_begin: count exchange", layer_tag_, stream);
 
   // F1': the one host synchronisation.
   auto* table =
@@ -468,19 +506,14 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
 
   const int32_t* table = reinterpret_cast<const int32_t*>(
       static_cast<const unsigned char*>(exchange) + kExchangeTableOffset);
-  const Splits s = splits_from(header, table);
+  compute_splits(header, table);
 
   Carver home_carver(a.home_saved);
   const HomeSaved home = carve_home(home_carver, rd, W, T);
   Carver expert_carver(a.expert_saved);
   const ExpertSaved expert = carve_expert(expert_carver, local_desc_, R);
   Carver ws(a.workspace);
-  FinishScratch scratch;
-  scratch.rows = ws.carve(es * size_t(N * d));
-  scratch.send_g = ws.carve(rs * size_t(N));
-  scratch.y_rows = ws.carve(es * size_t(R * d));
-  scratch.global_counts = ws.carve<int32_t>(sizeof(int32_t) * size_t(E));
-  scratch.sub = carve_sub(ws, backend.workspace_size(local_desc_, Pass::ExpertsForward, R));
+  const FinishScratch scratch = carve_finish(ws, backend, rd, local_desc_, T, R);
 
   // F2: the routed rows in send order (by expert, hence by destination rank; tokens ascending),
   // and g along with them (option B of the design: the expert rank applies it).
@@ -488,9 +521,9 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   ops_->scatter_rows(scratch.send_g, home.g, home.token_index_map, N, rs, stream);
 
   // F3: dispatch.
-  transport_->exchange({rows_tensor(s, scratch.rows, expert.recv, es * size_t(d), true),
-                        rows_tensor(s, scratch.send_g, expert.recv_g, rs, true)},
-                       "forward_finish: dispatch", layer_tag_, stream);
+  set_rows_tensor(0, scratch.rows, expert.recv, es * size_t(d), true);
+  set_rows_tensor(1, scratch.send_g, expert.recv_g, rs, true);
+  transport_->exchange(exchange_tensors_, 2, "forward_finish: dispatch", layer_tag_, stream);
 
   // F4: the local experts on the received rows, a batch of R tokens with top_k = 1.
   ops_->local_expert_ids(home.table, W, E, expert_begin_, expert_end_ - expert_begin_, R,
@@ -516,8 +549,8 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   }
 
   // F5: the weighted rows go home, into send order.
-  transport_->exchange({rows_tensor(s, scratch.y_rows, scratch.rows, es * size_t(d), false)},
-                       "forward_finish: return", layer_tag_, stream);
+  set_rows_tensor(0, scratch.y_rows, scratch.rows, es * size_t(d), false);
+  transport_->exchange(exchange_tensors_, 1, "forward_finish: return", layer_tag_, stream);
 
   // F6: y_t = sum_j rows[(t, j)], j ascending, rounded once.
   ops_->combine_rows(rd.dtype, a.y, scratch.rows, home.token_index_map, T, k, d, stream);
@@ -531,9 +564,10 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   if (a.losses) {
     LossShareCall loss;
     loss.T = T;
-    loss.global_tokens = s.global_tokens;
+    loss.global_tokens = splits_.global_tokens;
     loss.logits = home.logits;
     loss.global_counts = scratch.global_counts;
+    loss.scratch = scratch.loss_scratch;
     loss.stream = stream;
     ops_->loss_shares_forward(global_desc_, loss, a.losses);
   }
@@ -598,7 +632,7 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
 
   const int32_t* table = reinterpret_cast<const int32_t*>(
       static_cast<const unsigned char*>(exchange) + kExchangeTableOffset);
-  const Splits s = splits_from(header, table);
+  compute_splits(header, table);
   const bool accumulate = (a.flags & MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD) != 0;
 
   Carver home_carver(const_cast<void*>(a.home_saved));
@@ -606,25 +640,12 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   Carver expert_carver(const_cast<void*>(a.expert_saved));
   const ExpertSaved expert = carve_expert(expert_carver, local_desc_, R);
   Carver ws(a.workspace);
-  BackwardScratch scratch;
-  scratch.rows = ws.carve(es * size_t(N * d));
-  scratch.recv_dy = ws.carve(es * size_t(R * d));
-  scratch.dx_rows = ws.carve(es * size_t(R * d));
-  scratch.dg_rows = ws.carve(rs * size_t(R));
-  scratch.back_dg = ws.carve(rs * size_t(N));
-  scratch.dg = ws.carve(rs * size_t(N));
-  scratch.d_logits = ws.carve(rs * size_t(T * E));
-  scratch.global_counts = ws.carve<int32_t>(sizeof(int32_t) * size_t(E));
-  size_t sub_bytes = backend.workspace_size(local_desc_, Pass::ExpertsBackward, R);
-  for (Pass p : {Pass::RouterBackward, Pass::RouterProjectBackward}) {
-    sub_bytes = std::max(sub_bytes, backend.workspace_size(rd, p, T));
-  }
-  scratch.sub = carve_sub(ws, sub_bytes);
+  const BackwardScratch scratch = carve_backward(ws, backend, rd, local_desc_, T, R);
 
   // B0, B1: the unscaled dy rows to the experts' ranks, with the forward's sizes.
   ops_->gather_rows(scratch.rows, a.dy, home.expert_token_indices, N, es * size_t(d), stream);
-  transport_->exchange({rows_tensor(s, scratch.rows, scratch.recv_dy, es * size_t(d), true)},
-                       "backward: dispatch", layer_tag_, stream);
+  set_rows_tensor(0, scratch.rows, scratch.recv_dy, es * size_t(d), true);
+  transport_->exchange(exchange_tensors_, 1, "backward: dispatch", layer_tag_, stream);
 
   // B2: the local experts' backward. dx and dg rows are always computed: other ranks need them.
   {
@@ -653,9 +674,9 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   }
 
   // B3: dx rows and dg home, into send order.
-  transport_->exchange({rows_tensor(s, scratch.dx_rows, scratch.rows, es * size_t(d), false),
-                        rows_tensor(s, scratch.dg_rows, scratch.back_dg, rs, false)},
-                       "backward: return", layer_tag_, stream);
+  set_rows_tensor(0, scratch.dx_rows, scratch.rows, es * size_t(d), false);
+  set_rows_tensor(1, scratch.dg_rows, scratch.back_dg, rs, false);
+  transport_->exchange(exchange_tensors_, 2, "backward: return", layer_tag_, stream);
 
   // B4: this rank's tokens.
   const bool need_router = a.dx != nullptr || a.dw_router != nullptr || a.d_logits != nullptr;
@@ -682,9 +703,10 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
     ops_->global_counts(home.table, W, E, scratch.global_counts, stream);
     LossShareCall loss;
     loss.T = T;
-    loss.global_tokens = s.global_tokens;
+    loss.global_tokens = splits_.global_tokens;
     loss.logits = home.logits;
     loss.global_counts = scratch.global_counts;
+    loss.scratch = scratch.loss_scratch;
     loss.stream = stream;
     ops_->loss_shares_backward(global_desc_, loss, a.d_losses, d_logits);
   }

@@ -38,6 +38,9 @@ static_assert(sizeof(ExchangeHeader) <= kExchangeTableOffset, "exchange header t
 enum class EpPass : int32_t { ForwardBegin = 0, ForwardFinish = 1, Backward = 2 };
 enum class EpSaved : int32_t { Home = 0, Expert = 1 };
 
+// Not immutable: the execute calls (forward_begin, forward_finish, backward) overwrite the
+// layer's host scratch (the step's split sizes and exchange descriptors, sized at creation so that
+// an execute call never allocates). They are collectives, so one layer never runs two at once.
 class EpLayer {
  public:
   EpLayer(std::shared_ptr<api::ContextState> context, const LayerDesc& global_desc,
@@ -66,12 +69,27 @@ class EpLayer {
                 size_t exchange_bytes, void* stream);
 
  private:
-  struct Splits;  // the host sizes of one step, from the count table
-  Splits splits_from(const ExchangeHeader& header, const int32_t* table) const;
+  // The host sizes of one step, from the count table. Row counts per rank: this rank sends
+  // send_rows[q] rows to rank q, starting at send_begin[q] of the send order; it receives
+  // recv_rows[s] rows from rank s at recv_begin[s] of its received rows.
+  struct Splits {
+    std::vector<int64_t> send_rows, send_begin, recv_rows, recv_begin;  // [W] each
+    int64_t total_recv = 0;
+    int64_t global_tokens = 0;
+  };
+  // An exchange moves at most this many tensors at once (rows and their g).
+  static constexpr size_t kMaxExchangeTensors = 2;
+
+  // Fills splits_ from the count table.
+  void compute_splits(const ExchangeHeader& header, const int32_t* table);
   const ExchangeHeader& read_exchange(const void* exchange, size_t exchange_bytes, int64_t T,
                                       uint32_t expected_state, const char* call) const;
-  ExchangeTensor rows_tensor(const Splits& s, const void* send, void* recv, size_t row_bytes,
-                             bool to_experts) const;
+  // exchange_tensors_[slot] and its four [W] arrays, all overwritten.
+  ExchangeTensor& exchange_slot(size_t slot, const void* send, void* recv, size_t** send_offset,
+                                size_t** send_bytes, size_t** recv_offset, size_t** recv_bytes);
+  // exchange_tensors_[slot] = rows of `row_bytes` bytes by splits_: towards the experts, or home.
+  void set_rows_tensor(size_t slot, const void* send, void* recv, size_t row_bytes,
+                       bool to_experts);
 
   std::shared_ptr<api::ContextState> context_;
   LayerDesc global_desc_;  // as created: the losses' coefficients
@@ -86,6 +104,10 @@ class EpLayer {
   std::unique_ptr<EpOps> ops_;
   std::shared_ptr<LocalGroupState> group_;
   std::unique_ptr<Transport> transport_;
+  // Host scratch of the execute calls, sized at creation (see the class comment).
+  Splits splits_;
+  std::vector<size_t> exchange_sizes_;  // [kMaxExchangeTensors, 4, W]
+  ExchangeTensor exchange_tensors_[kMaxExchangeTensors];
 };
 
 }  // namespace ep

@@ -16,15 +16,20 @@
 namespace moeblaze {
 namespace ep {
 
+// Rows of E routing-dtype values that the loss shares use as scratch (LossShareCall::scratch).
+constexpr int64_t kLossShareScratchRows = 2;
+
 // The router losses of one rank's tokens with the global counts and token count (design section 3).
 struct LossShareCall {
   int64_t T = 0;                           // this rank's tokens
   int64_t global_tokens = 0;               // T over all ranks
   const void* logits = nullptr;            // [T,E] rtype
   const int32_t* global_counts = nullptr;  // [E] int32: routed rows per expert over all ranks
+  void* scratch = nullptr;                 // [2,E] rtype, workspace (kLossShareScratchRows rows)
   void* stream = nullptr;
 };
 
+// None of these operations allocates: scratch comes from the caller (the EP layer's workspace).
 class EpOps {
  public:
   virtual ~EpOps() = default;

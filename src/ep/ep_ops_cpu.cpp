@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <vector>
 
 #include "common/status.hpp"
 #include "cpu/half.hpp"
@@ -93,25 +92,26 @@ void loss_forward_typed(const LayerDesc& desc, const LossShareCall& call, R* los
   losses[1] = 0;
   const int64_t global_T = call.global_tokens;
   if (global_T == 0) return;
-  std::vector<R> balance(size_t(std::max<int64_t>(T, 1) * E));
-  std::vector<R> lse(size_t(std::max<int64_t>(T, 1)));
+  // One pass over the tokens; every sum still runs over t ascending from 0, as the router's.
+  R* balance = static_cast<R*>(call.scratch);  // [E]: one token's scores
+  R* score_sum = balance + E;                  // [E]: sum over t of the scores
+  std::fill(score_sum, score_sum + E, R(0));
+  R lse_square_sum = 0;
   for (int64_t t = 0; t < T; ++t) {
-    lse[size_t(t)] = balance_scores(desc, logits + t * E, balance.data() + t * E);
+    const R lse = balance_scores(desc, logits + t * E, balance);
+    for (int64_t e = 0; e < E; ++e) score_sum[e] += balance[e];
+    lse_square_sum += lse * lse;
   }
   if (desc.aux_loss_coeff != 0.0f) {
     R total = 0;
     for (int64_t e = 0; e < E; ++e) {
-      R mean_score = 0;
-      for (int64_t t = 0; t < T; ++t) mean_score += balance[size_t(t * E + e)];
-      mean_score /= R(global_T);
+      const R mean_score = score_sum[e] / R(global_T);
       total += (R(call.global_counts[e]) / R(global_T * k)) * mean_score;
     }
     losses[0] = R(desc.aux_loss_coeff) * R(E) * total;
   }
   if (desc.z_loss_coeff != 0.0f) {
-    R total = 0;
-    for (int64_t t = 0; t < T; ++t) total += lse[size_t(t)] * lse[size_t(t)];
-    losses[1] = R(desc.z_loss_coeff) * total / R(global_T);
+    losses[1] = R(desc.z_loss_coeff) * lse_square_sum / R(global_T);
   }
 }
 
@@ -128,43 +128,43 @@ void loss_backward_typed(const LayerDesc& desc, const LossShareCall& call, const
   if (!with_aux && !with_z) return;
   const R d_aux = d_losses ? d_losses[0] : R(1);
   const R d_z = d_losses ? d_losses[1] : R(1);
-  std::vector<R> probs(static_cast<size_t>(E));
+  R* probs = static_cast<R*>(call.scratch);  // [E]
   for (int64_t t = 0; t < T; ++t) {
     const R* row = logits + t * E;
     R* out = d_logits + t * E;
     // As the router's backward: probs = softmax (softmax score functions) or sigmoid (SIGMOID).
     if (desc.score_function == ScoreFunction::Sigmoid) {
-      for (int64_t e = 0; e < E; ++e) probs[size_t(e)] = sigmoid(row[e]);
+      for (int64_t e = 0; e < E; ++e) probs[e] = sigmoid(row[e]);
     } else {
-      softmax(row, E, probs.data());
+      softmax(row, E, probs);
     }
     if (with_aux) {
       const R scale = d_aux * R(desc.aux_loss_coeff) * R(E) / (R(global_T) * R(global_T * k));
       const int32_t* counts = call.global_counts;
       if (desc.score_function == ScoreFunction::Sigmoid) {
         R sum = 0;
-        for (int64_t e = 0; e < E; ++e) sum += probs[size_t(e)];
+        for (int64_t e = 0; e < E; ++e) sum += probs[e];
         R q_dot_w = 0;
         for (int64_t e = 0; e < E; ++e) {
-          q_dot_w += (probs[size_t(e)] / sum) * (scale * R(counts[e]));
+          q_dot_w += (probs[e] / sum) * (scale * R(counts[e]));
         }
         for (int64_t e = 0; e < E; ++e) {
           const R w = scale * R(counts[e]);
-          out[e] += (w - q_dot_w) / sum * probs[size_t(e)] * (R(1) - probs[size_t(e)]);
+          out[e] += (w - q_dot_w) / sum * probs[e] * (R(1) - probs[e]);
         }
       } else {
         R q_dot_w = 0;
-        for (int64_t e = 0; e < E; ++e) q_dot_w += probs[size_t(e)] * (scale * R(counts[e]));
+        for (int64_t e = 0; e < E; ++e) q_dot_w += probs[e] * (scale * R(counts[e]));
         for (int64_t e = 0; e < E; ++e) {
-          out[e] += probs[size_t(e)] * (scale * R(counts[e]) - q_dot_w);
+          out[e] += probs[e] * (scale * R(counts[e]) - q_dot_w);
         }
       }
     }
     if (with_z) {
-      const R lse = desc.score_function == ScoreFunction::Sigmoid ? softmax(row, E, probs.data())
+      const R lse = desc.score_function == ScoreFunction::Sigmoid ? softmax(row, E, probs)
                                                                   : logsumexp(row, E);
       const R scale = d_z * R(desc.z_loss_coeff) * R(2) * lse / R(global_T);
-      for (int64_t e = 0; e < E; ++e) out[e] += scale * probs[size_t(e)];
+      for (int64_t e = 0; e < E; ++e) out[e] += scale * probs[e];
     }
   }
 }
@@ -196,14 +196,20 @@ class CpuEpOps final : public EpOps {
       using Acc = decltype(to_acc(S{}));
       S* y = static_cast<S*>(out);
       const S* in = static_cast<const S*>(rows);
-      std::vector<Acc> acc(static_cast<size_t>(d));
+      // The accumulators of a chunk of columns live on the stack (no allocation); every output
+      // is still its own sum over j ascending from 0.
+      constexpr int64_t kChunk = 256;
+      Acc acc[kChunk];
       for (int64_t t = 0; t < T; ++t) {
-        std::fill(acc.begin(), acc.end(), Acc(0));
-        for (int64_t j = 0; j < k; ++j) {
-          const S* row = in + int64_t(index[t * k + j]) * d;
-          for (int64_t c = 0; c < d; ++c) acc[size_t(c)] += Acc(to_acc(row[c]));
+        for (int64_t c0 = 0; c0 < d; c0 += kChunk) {
+          const int64_t width = std::min(kChunk, d - c0);
+          std::fill(acc, acc + width, Acc(0));
+          for (int64_t j = 0; j < k; ++j) {
+            const S* row = in + int64_t(index[t * k + j]) * d + c0;
+            for (int64_t c = 0; c < width; ++c) acc[c] += Acc(to_acc(row[c]));
+          }
+          for (int64_t c = 0; c < width; ++c) y[t * d + c0 + c] = from_acc<S>(acc[c]);
         }
-        for (int64_t c = 0; c < d; ++c) y[t * d + c] = from_acc<S>(acc[size_t(c)]);
       }
     });
   }

@@ -1,6 +1,7 @@
 #include "ep/local_group.hpp"
 
 #include <chrono>
+#include <cstring>
 
 #include "common/status.hpp"
 
@@ -20,14 +21,17 @@ void LocalGroupState::check_backend(int32_t backend_kind, int32_t rank) {
 }
 
 void LocalGroupState::barrier(std::unique_lock<std::mutex>& lock, int32_t rank, const char* step,
-                              const std::function<void()>& on_last) {
+                              bool reset_collected) {
   MB_REQUIRE(!broken_, MOEBLAZE_ERR_INTERNAL, "LOCAL group is unusable: %s",
              broken_reason_.c_str());
   const uint64_t generation = generation_;
   if (++waiting_ == world_size_) {
     waiting_ = 0;
     ++generation_;
-    if (on_last) on_last();
+    if (reset_collected) {
+      collected_status_ = MOEBLAZE_OK;
+      collected_error_.clear();
+    }
     arrived_.notify_all();
     return;
   }
@@ -47,16 +51,13 @@ void LocalGroupState::barrier(std::unique_lock<std::mutex>& lock, int32_t rank, 
   }
 }
 
-void LocalGroupState::exchange(int32_t rank, EpOps& ops, const std::vector<ExchangeTensor>& tensors,
-                               const char* step, uint64_t layer_tag, void* stream) {
+void LocalGroupState::exchange(int32_t rank, EpOps& ops, const ExchangeTensor* tensors,
+                               size_t count, const char* step, uint64_t layer_tag, void* stream) {
   ops.synchronize(stream);  // the send data must be complete before another rank reads it
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    postings_[size_t(rank)] = Posting{&tensors, step, layer_tag};
-    barrier(lock, rank, step, [this] {
-      collected_status_ = MOEBLAZE_OK;
-      collected_error_.clear();
-    });
+    postings_[size_t(rank)] = Posting{tensors, count, step, layer_tag};
+    barrier(lock, rank, step, true);
   }
 
   // Every rank has published its sends and waits for the second barrier: read them.
@@ -65,19 +66,19 @@ void LocalGroupState::exchange(int32_t rank, EpOps& ops, const std::vector<Excha
   try {
     for (int32_t source = 0; source < world_size_; ++source) {
       const Posting& theirs = postings_[size_t(source)];
-      MB_REQUIRE_ARG(theirs.step == step && theirs.layer_tag == layer_tag &&
-                         theirs.tensors->size() == tensors.size(),
+      MB_REQUIRE_ARG(std::strcmp(theirs.step, step) == 0 && theirs.layer_tag == layer_tag &&
+                         theirs.count == count,
                      "collective mismatch: rank %d is in '%s' (layer tag %016llx), rank %d in "
                      "'%s' (layer tag %016llx); every rank must make the same EP calls in the "
                      "same order",
-                     int(rank), step, (unsigned long long)layer_tag, int(source),
-                     theirs.step.c_str(), (unsigned long long)theirs.layer_tag);
+                     int(rank), step, (unsigned long long)layer_tag, int(source), theirs.step,
+                     (unsigned long long)theirs.layer_tag);
     }
     for (int32_t source = 0; source < world_size_; ++source) {
       const Posting& theirs = postings_[size_t(source)];
-      for (size_t i = 0; i < tensors.size(); ++i) {
+      for (size_t i = 0; i < count; ++i) {
         const ExchangeTensor& mine = tensors[i];
-        const ExchangeTensor& sent = (*theirs.tensors)[i];
+        const ExchangeTensor& sent = theirs.tensors[i];
         const size_t bytes = mine.recv_bytes[size_t(source)];
         MB_REQUIRE(sent.send_bytes[size_t(rank)] == bytes, MOEBLAZE_ERR_INTERNAL,
                    "'%s': rank %d sends %zu bytes to rank %d, which expects %zu", step, int(source),
@@ -101,7 +102,7 @@ void LocalGroupState::exchange(int32_t rank, EpOps& ops, const std::vector<Excha
     collected_status_ = status;
     collected_error_ = format("rank %d: %s", int(rank), error.c_str());
   }
-  barrier(lock, rank, step, nullptr);
+  barrier(lock, rank, step, false);
   // collected_* stay as they are until every rank has passed the next exchange's first barrier.
   if (collected_status_ != MOEBLAZE_OK) {
     fail(collected_status_, "LOCAL exchange '%s' failed on %s", step, collected_error_.c_str());
@@ -115,9 +116,9 @@ class LocalTransport final : public Transport {
   LocalTransport(std::shared_ptr<LocalGroupState> group, int32_t rank, EpOps& ops)
       : group_(std::move(group)), rank_(rank), ops_(ops) {}
 
-  void exchange(const std::vector<ExchangeTensor>& tensors, const char* step, uint64_t layer_tag,
+  void exchange(const ExchangeTensor* tensors, size_t count, const char* step, uint64_t layer_tag,
                 void* stream) override {
-    group_->exchange(rank_, ops_, tensors, step, layer_tag, stream);
+    group_->exchange(rank_, ops_, tensors, count, step, layer_tag, stream);
   }
 
  private:

@@ -9,7 +9,6 @@
 
 #include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -32,20 +31,23 @@ class LocalGroupState {
   void check_backend(int32_t backend_kind, int32_t rank);
 
   // The exchange protocol above, for rank `rank`.
-  void exchange(int32_t rank, EpOps& ops, const std::vector<ExchangeTensor>& tensors,
+  void exchange(int32_t rank, EpOps& ops, const ExchangeTensor* tensors, size_t count,
                 const char* step, uint64_t layer_tag, void* stream);
 
  private:
+  // Borrowed from the posting rank, which stays inside its exchange until the second barrier: no
+  // copies, so that an exchange makes no heap allocation.
   struct Posting {
-    const std::vector<ExchangeTensor>* tensors = nullptr;
-    std::string step;
+    const ExchangeTensor* tensors = nullptr;
+    size_t count = 0;
+    const char* step = "";
     uint64_t layer_tag = 0;
   };
 
-  // Waits until all ranks arrive; the last to arrive runs `on_last` (under the lock) first.
-  // Throws (and breaks the group) on timeout.
+  // Waits until all ranks arrive; with `reset_collected`, the last to arrive clears the collected
+  // failure (under the lock) first. Throws (and breaks the group) on timeout.
   void barrier(std::unique_lock<std::mutex>& lock, int32_t rank, const char* step,
-               const std::function<void()>& on_last);
+               bool reset_collected);
 
   const int32_t world_size_;
   std::mutex mutex_;

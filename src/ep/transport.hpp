@@ -6,8 +6,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <string>
-#include <vector>
 
 #include "ep/ep_ops.hpp"
 
@@ -17,19 +15,24 @@ namespace ep {
 // One tensor of an exchange: the chunk for peer q is send[send_offset[q] .. + send_bytes[q]), the
 // chunk from peer q lands at recv[recv_offset[q] .. + recv_bytes[q]). Offsets and sizes in bytes,
 // one entry per rank. The chunk a rank sends itself is copied locally (skipped when it is already
-// in place).
+// in place). The four arrays are borrowed (the EP layer's scratch, sized at creation): an exchange
+// never allocates.
 struct ExchangeTensor {
   const void* send = nullptr;
   void* recv = nullptr;
-  std::vector<size_t> send_offset, send_bytes, recv_offset, recv_bytes;
+  const size_t* send_offset = nullptr;  // [W]
+  const size_t* send_bytes = nullptr;   // [W]
+  const size_t* recv_offset = nullptr;  // [W]
+  const size_t* recv_bytes = nullptr;   // [W]
 };
 
 class Transport {
  public:
   virtual ~Transport() = default;
   // `step` names the collective ("forward: dispatch") for messages, and on the LOCAL transport
-  // every rank's step and `layer_tag` must match (a mismatch is an error on every rank).
-  virtual void exchange(const std::vector<ExchangeTensor>& tensors, const char* step,
+  // every rank's step and `layer_tag` must match (a mismatch is an error on every rank). Makes no
+  // heap allocation (it is on the execute path), except to build an error message.
+  virtual void exchange(const ExchangeTensor* tensors, size_t count, const char* step,
                         uint64_t layer_tag, void* stream) = 0;
 };
 

@@ -43,7 +43,7 @@ class NcclTransport final : public Transport {
                 int32_t device)
       : nccl_(nccl), comm_(comm), rank_(rank), world_size_(world_size), device_(device) {}
 
-  void exchange(const std::vector<ExchangeTensor>& tensors, const char* step, uint64_t,
+  void exchange(const ExchangeTensor* tensors, size_t count, const char* step, uint64_t,
                 void* stream_ptr) override {
     const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
     int previous = 0;
@@ -58,7 +58,8 @@ class NcclTransport final : public Transport {
     } restore{previous, device_};
 
     // The own chunk never travels through NCCL: a device copy, skipped when already in place.
-    for (const ExchangeTensor& t : tensors) {
+    for (size_t i = 0; i < count; ++i) {
+      const ExchangeTensor& t = tensors[i];
       const size_t bytes = t.recv_bytes[size_t(rank_)];
       MB_REQUIRE(t.send_bytes[size_t(rank_)] == bytes, MOEBLAZE_ERR_INTERNAL,
                  "'%s': the own chunk is %zu bytes sent, %zu received", step,
@@ -74,7 +75,8 @@ class NcclTransport final : public Transport {
     if (world_size_ == 1) return;
     check_nccl(nccl_, nccl_.group_start(), "ncclGroupStart");
     try {
-      for (const ExchangeTensor& t : tensors) {
+      for (size_t i = 0; i < count; ++i) {
+        const ExchangeTensor& t = tensors[i];
         for (int32_t peer = 0; peer < world_size_; ++peer) {
           if (peer == rank_) continue;
           const size_t out = t.send_bytes[size_t(peer)];

@@ -714,7 +714,8 @@ extern "C" {
 pub struct moeblaze_ep_layer_s {
     _unused: [u8; 0],
 }
-#[doc = " An expert-parallel layer plan: this rank's view of one layer. Opaque, immutable."]
+#[doc = " An expert-parallel layer plan: this rank's view of one layer. Opaque; its execute calls must"]
+#[doc = "  not overlap (\\ref ep)."]
 pub type moeblaze_ep_layer_t = *mut moeblaze_ep_layer_s;
 extern "C" {
     #[must_use]
