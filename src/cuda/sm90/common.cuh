@@ -320,6 +320,18 @@ CUtensorMap make_map_2d(const void* base, uint64_t dim0, uint64_t dim1, uint64_t
   return map;
 }
 
+// With the device current: true when the image of `kernel` the runtime picked is an sm_90 one (a
+// build without 90a in MOEBLAZE_CUDA_ARCHS would run the trapping sm_80 image), after granting it
+// `smem_bytes` of dynamic shared memory. Called once per device (sm90/device.cu), never during a
+// launch, so no such runtime call happens inside a CUDA-graph capture.
+template <typename Kernel>
+bool prepare_kernel(Kernel kernel, size_t smem_bytes) {
+  cudaFuncAttributes attr;
+  return cudaFuncGetAttributes(&attr, kernel) == cudaSuccess && attr.binaryVersion >= 90 &&
+         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(smem_bytes)) == cudaSuccess;
+}
+
 inline bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }

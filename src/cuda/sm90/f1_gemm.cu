@@ -346,14 +346,7 @@ size_t sm90_f1_max_smem_bytes() {
 bool sm90_f1_prepare_kernels() {
   for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
     for (Activation act : kAllActivations) {
-      const KernelFn fn = kernel_for(dtype, act);
-      cudaFuncAttributes attr;
-      // binaryVersion: the image the runtime picked must be the sm_90a one (a build without 90a in
-      // MOEBLAZE_CUDA_ARCHS would run the trapping sm_80 image).
-      if (cudaFuncGetAttributes(&attr, fn) != cudaSuccess || attr.binaryVersion < 90 ||
-          cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(kMaxSmemBytes)) != cudaSuccess)
-        return false;
+      if (!prepare_kernel(kernel_for(dtype, act), kMaxSmemBytes)) return false;
     }
   }
   return true;

@@ -478,12 +478,7 @@ bool sm90_rows_prepare_kernels() {
     for (int kind : {kF2, kB4, kB1}) {
       for (Activation act : kAllActivations) {
         if (kind != kB1 && act != Activation::SwiGLU) continue;  // one kernel, any activation
-        const KernelFn fn = kernel_for(dtype, kind, act);
-        cudaFuncAttributes attr;
-        if (cudaFuncGetAttributes(&attr, fn) != cudaSuccess || attr.binaryVersion < 90 ||
-            cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                 int(kMaxSmemBytes)) != cudaSuccess)
-          return false;
+        if (!prepare_kernel(kernel_for(dtype, kind, act), kMaxSmemBytes)) return false;
       }
     }
   }

@@ -383,12 +383,7 @@ size_t sm90_wgrad_max_smem_bytes() {
 bool sm90_wgrad_prepare_kernels() {
   for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
     for (bool gather_a : {true, false}) {
-      const KernelFn fn = kernel_for(dtype, gather_a);
-      cudaFuncAttributes attr;
-      if (cudaFuncGetAttributes(&attr, fn) != cudaSuccess || attr.binaryVersion < 90 ||
-          cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               int(kMaxSmemBytes)) != cudaSuccess)
-        return false;
+      if (!prepare_kernel(kernel_for(dtype, gather_a), kMaxSmemBytes)) return false;
     }
   }
   return true;
