@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "cpu/cpu_kernels.hpp"
+#include "cpu/router_math.hpp"
 
 namespace moeblaze {
 namespace cpu {
@@ -40,34 +41,6 @@ void check_finite_logits(const R* logits, int64_t T, int64_t E) {
                  double(value));
     }
   }
-}
-
-template <typename R>
-R logsumexp(const R* logits, int64_t n) {
-  R max_logit = logits[0];
-  for (int64_t e = 1; e < n; ++e) max_logit = std::max(max_logit, logits[e]);
-  R sum = 0;
-  for (int64_t e = 0; e < n; ++e) sum += std::exp(logits[e] - max_logit);
-  return max_logit + std::log(sum);
-}
-
-// probs = softmax(logits) over n values; returns logsumexp(logits), bitwise equal to logsumexp().
-template <typename R>
-R softmax(const R* logits, int64_t n, R* probs) {
-  R max_logit = logits[0];
-  for (int64_t e = 1; e < n; ++e) max_logit = std::max(max_logit, logits[e]);
-  R sum = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    probs[e] = std::exp(logits[e] - max_logit);
-    sum += probs[e];
-  }
-  for (int64_t e = 0; e < n; ++e) probs[e] /= sum;
-  return max_logit + std::log(sum);
-}
-
-template <typename R>
-R sigmoid(R x) {
-  return R(1) / (R(1) + std::exp(-x));
 }
 
 // The k largest scores in descending order; among equal scores the lower expert id comes first.

@@ -1,13 +1,15 @@
-// EpOps for the CPU backend: host memory, plain loops. The loss arithmetic repeats the CPU router's
-// (src/cpu/router.cpp) operation for operation, so that with one rank the loss shares and their
-// gradients are bitwise the router's own, and with several ranks every token's d_logits is bitwise
-// the one-device value (the global counts and token count are the same numbers).
+// EpOps for the CPU backend: host memory, plain loops. The loss arithmetic uses the CPU router's
+// own per-token functions (cpu/router_math.hpp) in the router's order, so that with one rank the
+// loss shares and their gradients are bitwise the router's own, and with several ranks every
+// token's d_logits is bitwise the one-device value (the global counts and token count are the same
+// numbers).
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
 #include "common/status.hpp"
-#include "cpu/half.hpp"
+#include "cpu/cpu_kernels.hpp"
+#include "cpu/router_math.hpp"
 #include "ep/ep_ops.hpp"
 
 namespace moeblaze {
@@ -15,56 +17,14 @@ namespace ep {
 namespace {
 
 using cpu::bf16;
+using cpu::dispatch_routing;
+using cpu::dispatch_storage;
 using cpu::f16;
 using cpu::from_acc;
+using cpu::logsumexp;
+using cpu::sigmoid;
+using cpu::softmax;
 using cpu::to_acc;
-
-template <typename Fn>
-void dispatch_storage(Dtype dtype, Fn&& fn) {
-  switch (dtype) {
-    case Dtype::F32: fn(float{}); return;
-    case Dtype::BF16: fn(bf16{}); return;
-    case Dtype::F16: fn(f16{}); return;
-    case Dtype::F64: fn(double{}); return;
-  }
-  fail(MOEBLAZE_ERR_INTERNAL, "EP (CPU): unknown dtype %d", int(dtype));
-}
-
-template <typename Fn>
-void dispatch_routing(Dtype dtype, Fn&& fn) {
-  if (routing_dtype(dtype) == Dtype::F64) {
-    fn(double{});
-  } else {
-    fn(float{});
-  }
-}
-
-template <typename R>
-R logsumexp(const R* logits, int64_t n) {
-  R max_logit = logits[0];
-  for (int64_t e = 1; e < n; ++e) max_logit = std::max(max_logit, logits[e]);
-  R sum = 0;
-  for (int64_t e = 0; e < n; ++e) sum += std::exp(logits[e] - max_logit);
-  return max_logit + std::log(sum);
-}
-
-template <typename R>
-R softmax(const R* logits, int64_t n, R* probs) {
-  R max_logit = logits[0];
-  for (int64_t e = 1; e < n; ++e) max_logit = std::max(max_logit, logits[e]);
-  R sum = 0;
-  for (int64_t e = 0; e < n; ++e) {
-    probs[e] = std::exp(logits[e] - max_logit);
-    sum += probs[e];
-  }
-  for (int64_t e = 0; e < n; ++e) probs[e] /= sum;
-  return max_logit + std::log(sum);
-}
-
-template <typename R>
-R sigmoid(R x) {
-  return R(1) / (R(1) + std::exp(-x));
-}
 
 // The score the aux loss balances: softmax, or sigmoid normalised over the experts.
 template <typename R>
