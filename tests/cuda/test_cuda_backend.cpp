@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "support/gpu_support.hpp"
 #include "support/test_support.hpp"
 
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
@@ -25,32 +26,10 @@ namespace {
   return env && env[0] && env[0] != '0';
 }
 
-bool have_gpu() {
-#if defined(MOEBLAZE_TESTS_WITH_CUDA)
-  return moeblaze_backend_available(MOEBLAZE_BACKEND_CUDA) == 1;
-#else
-  return false;
-#endif
-}
-
-#define SKIP_WITHOUT_GPU()                                                \
-  do {                                                                    \
-    if (!have_gpu()) {                                                    \
-      MESSAGE("SKIPPED: no CUDA GPU (or the CUDA backend is not built)"); \
-      return;                                                             \
-    }                                                                     \
-  } while (0)
-
 }  // namespace
 
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
 namespace {
-
-#define CUDA_OK(call)                                                                             \
-  do {                                                                                            \
-    const cudaError_t cuda_ok_err_ = (call);                                                      \
-    REQUIRE_MESSAGE(cuda_ok_err_ == cudaSuccess, #call ": " << cudaGetErrorString(cuda_ok_err_)); \
-  } while (0)
 
 // A device allocation (RAII).
 class DevBuf {

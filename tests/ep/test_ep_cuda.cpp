@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "ep/ep_support.hpp"
+#include "support/gpu_support.hpp"
 
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -24,26 +25,6 @@
 using namespace mbtest;
 using namespace mbtest::ep;
 
-namespace {
-
-bool have_gpu() {
-#if defined(MOEBLAZE_TESTS_WITH_CUDA)
-  return moeblaze_backend_available(MOEBLAZE_BACKEND_CUDA) == 1;
-#else
-  return false;
-#endif
-}
-
-#define SKIP_WITHOUT_GPU()                                                \
-  do {                                                                    \
-    if (!have_gpu()) {                                                    \
-      MESSAGE("SKIPPED: no CUDA GPU (or the CUDA backend is not built)"); \
-      return;                                                             \
-    }                                                                     \
-  } while (0)
-
-}  // namespace
-
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
 namespace {
 
@@ -51,12 +32,6 @@ bool require_bitwise() {
   const char* env = std::getenv("MOEBLAZE_TEST_EP_REQUIRE_BITWISE");
   return env && env[0] == '1';
 }
-
-#define CUDA_OK(call)                                                                             \
-  do {                                                                                            \
-    const cudaError_t cuda_ok_err_ = (call);                                                      \
-    REQUIRE_MESSAGE(cuda_ok_err_ == cudaSuccess, #call ": " << cudaGetErrorString(cuda_ok_err_)); \
-  } while (0)
 
 // A device allocation holding a copy of a host tensor (or `bytes` of scratch); not thread-safe
 // for doctest assertions, so rank threads use the status-returning helpers below.
