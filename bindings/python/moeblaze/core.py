@@ -68,13 +68,46 @@ def _nbytes(array: Optional[np.ndarray]) -> int:
     return 0 if array is None else array.nbytes
 
 
+class _OwnedHandle:
+    """A library handle the object owns. `close()` (also on leaving a ``with`` block and on garbage
+    collection) destroys it once with the library function named by `_destroy`; `handle` raises
+    afterwards."""
+
+    _destroy = ""  # the moeblaze_*_destroy function of the subclass's handle type
+
+    @property
+    def handle(self):
+        if self._handle is None:
+            raise ValueError(f"moeblaze {type(self).__name__} is closed")
+        return self._handle
+
+    def close(self) -> None:
+        handle, self._handle = getattr(self, "_handle", None), None
+        if handle is not None:
+            getattr(self._lib, self._destroy)(handle)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: nothing sensible to report
+            pass
+
+
 # ------------------------------------------------------------------------------------------------
 # Context
 # ------------------------------------------------------------------------------------------------
 
 
-class Context:
+class Context(_OwnedHandle):
     """One backend on one device. `Context()` is the CPU reference backend."""
+
+    _destroy = "moeblaze_context_destroy"
 
     def __init__(self, backend="cpu", device: int = 0, num_threads: Optional[int] = None):
         self._lib = _lib.lib()
@@ -92,34 +125,11 @@ class Context:
             self.set_num_threads(num_threads)
 
     @property
-    def handle(self):
-        if self._handle is None:
-            raise ValueError("moeblaze Context is closed")
-        return self._handle
-
-    @property
     def backend_name(self) -> str:
         return {v: k for k, v in _lib.BACKENDS.items()}.get(self.backend, str(self.backend))
 
     def set_num_threads(self, num_threads: int) -> None:
         self._lib.moeblaze_context_set_num_threads(self.handle, int(num_threads))
-
-    def close(self) -> None:
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle is not None:
-            self._lib.moeblaze_context_destroy(handle)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: nothing sensible to report
-            pass
 
     def __repr__(self):
         state = "closed" if self._handle is None else f"{self.backend_name}:{self.device}"
@@ -236,8 +246,10 @@ def _name_of(table: dict, code: int) -> str:
     return str(code)
 
 
-class Layer:
+class Layer(_OwnedHandle):
     """An immutable MoE layer plan on a context. Keyword arguments as in make_config()."""
+
+    _destroy = "moeblaze_layer_destroy"
 
     def __init__(self, context: Optional[Context] = None, **config_kwargs):
         self.context = context if context is not None else default_context()
@@ -264,29 +276,6 @@ class Layer:
                                       else np.float32)
 
     # -- lifetime ---------------------------------------------------------------------------------
-
-    @property
-    def handle(self):
-        if self._handle is None:
-            raise ValueError("moeblaze Layer is closed")
-        return self._handle
-
-    def close(self) -> None:
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle is not None:
-            self._lib.moeblaze_layer_destroy(handle)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def __repr__(self):
         return (f"moeblaze.Layer(d_model={self.d_model}, d_ffn={self.d_ffn}, "

@@ -49,6 +49,7 @@ from . import _lib
 from .core import (
     Context,
     Layer,
+    _OwnedHandle,
     _name_of,
     _nbytes,
     _ptr,
@@ -70,7 +71,7 @@ _GRADIENTS = frozenset({"dx", "dw_router", "dw_gate", "dw_up", "dw_down", "dg", 
 # ------------------------------------------------------------------------------------------------
 
 
-class LocalGroup:
+class LocalGroup(_OwnedHandle):
     """An in-process group of `world_size` ranks (moeblaze_ep_group_t) for ``transport="local"``.
 
     Each rank is one thread of this process that creates its own `EpLayer` on this group and makes
@@ -81,35 +82,14 @@ class LocalGroup:
     call) fails with `InternalError`, and the group is unusable from then on.
     """
 
+    _destroy = "moeblaze_ep_local_group_destroy"
+
     def __init__(self, world_size: int):
         self._lib = _lib.lib()
         handle = _lib.ep_group_t()
         self._lib.moeblaze_ep_local_group_create(ctypes.byref(handle), int(world_size))
         self._handle = handle
         self.world_size = int(world_size)
-
-    @property
-    def handle(self):
-        if self._handle is None:
-            raise ValueError("moeblaze LocalGroup is closed")
-        return self._handle
-
-    def close(self) -> None:
-        handle, self._handle = getattr(self, "_handle", None), None
-        if handle is not None:
-            self._lib.moeblaze_ep_local_group_destroy(handle)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # interpreter shutdown: nothing sensible to report
-            pass
 
     def __repr__(self):
         state = "closed" if self._handle is None else f"world_size={self.world_size}"
@@ -221,7 +201,7 @@ def _communicator_pointer(communicator) -> int:
     return int(communicator)
 
 
-class EpLayer:
+class EpLayer(_OwnedHandle):
     """This rank's expert-parallel plan of one MoE layer (moeblaze_ep_layer_t).
 
     `config_kwargs` describe the GLOBAL layer, as for `moeblaze.Layer` (``num_experts`` = E of all
@@ -231,6 +211,8 @@ class EpLayer:
     collective; the library validates the placement and raises with its message (``rank`` outside
     0..world_size-1, ``world_size`` outside 1..num_experts, a group of another size, ...).
     """
+
+    _destroy = "moeblaze_ep_layer_destroy"
 
     # The numpy input handling is the one of the one-device Layer (same dtype rules: bfloat16 takes
     # bit patterns or floats, which are rounded; copies only to fix dtype, contiguity, alignment).
@@ -303,29 +285,9 @@ class EpLayer:
 
     # -- lifetime ---------------------------------------------------------------------------------
 
-    @property
-    def handle(self):
-        if self._handle is None:
-            raise ValueError("moeblaze EpLayer is closed")
-        return self._handle
-
     def close(self) -> None:
-        handle, self._handle = getattr(self, "_handle", None), None
         self._last_step = None
-        if handle is not None:
-            self._lib.moeblaze_ep_layer_destroy(handle)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:
-            pass
+        super().close()
 
     def __repr__(self):
         return (f"moeblaze.ep.EpLayer(rank={self.rank}, world_size={self.world_size}, "
