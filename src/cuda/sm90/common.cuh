@@ -268,56 +268,45 @@ inline EncodeTiledFn tensor_map_encoder() {
   return fn;
 }
 
-// A 3-D tensor of T (dim 0 contiguous; strides of dims 1 and 2 in elements) with box
-// {box0, box1, box2} and 128B swizzle. Coordinates past a dimension read as zeros. `what` names
-// the kernel in error messages.
-template <typename T>
-CUtensorMap make_map_3d(const void* base, uint64_t dim0, uint64_t dim1, uint64_t dim2,
-                        uint64_t stride1, uint64_t stride2, uint32_t box0, uint32_t box1,
-                        uint32_t box2, const char* what) {
+// The tensor map of a RANK-dimensional tensor of T (dim 0 contiguous; byte strides of dims 1..)
+// with 128B swizzle and element strides 1; coordinates past a dimension read as zeros. `what`
+// names the kernel in error messages.
+template <typename T, int RANK>
+CUtensorMap encode_map(const void* base, const cuuint64_t (&dims)[RANK],
+                       const cuuint64_t (&byte_strides)[RANK - 1], const cuuint32_t (&box)[RANK],
+                       const char* what) {
   CUtensorMap map;
   std::memset(&map, 0, sizeof(map));
-  const cuuint64_t dims[3] = {dim0, dim1, dim2};
-  const cuuint64_t strides[2] = {stride1 * sizeof(T), stride2 * sizeof(T)};
-  const cuuint32_t box[3] = {box0, box1, box2};
-  const cuuint32_t elem[3] = {1, 1, 1};
+  cuuint32_t elem[RANK];
+  for (int i = 0; i < RANK; ++i) elem[i] = 1;
   const CUtensorMapDataType type = std::is_same<T, __nv_bfloat16>::value
                                        ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
                                        : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   const EncodeTiledFn encode = tensor_map_encoder();
   MB_REQUIRE(encode != nullptr, MOEBLAZE_ERR_CUDA,
              "sm90 %s: cuTensorMapEncodeTiled is not available from the driver", what);
-  const CUresult r = encode(&map, type, 3, const_cast<void*>(base), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const CUresult r = encode(&map, type, RANK, const_cast<void*>(base), dims, byte_strides, box,
+                            elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   MB_REQUIRE(r == CUDA_SUCCESS, MOEBLAZE_ERR_CUDA, "sm90 %s: cuTensorMapEncodeTiled failed (%d)",
              what, int(r));
   return map;
 }
 
-// A 2-D tensor of T: dim1 rows of dim0 elements, rows stride1 elements apart, box {box0, box1},
-// 128B swizzle; coordinates past a dimension read as zeros. `what` names the kernel in errors.
+// A 3-D tensor of T (strides of dims 1 and 2 in elements) with box {box0, box1, box2}.
+template <typename T>
+CUtensorMap make_map_3d(const void* base, uint64_t dim0, uint64_t dim1, uint64_t dim2,
+                        uint64_t stride1, uint64_t stride2, uint32_t box0, uint32_t box1,
+                        uint32_t box2, const char* what) {
+  return encode_map<T, 3>(base, {dim0, dim1, dim2}, {stride1 * sizeof(T), stride2 * sizeof(T)},
+                          {box0, box1, box2}, what);
+}
+
+// A 2-D tensor of T: dim1 rows of dim0 elements, rows stride1 elements apart, box {box0, box1}.
 template <typename T>
 CUtensorMap make_map_2d(const void* base, uint64_t dim0, uint64_t dim1, uint64_t stride1,
                         uint32_t box0, uint32_t box1, const char* what) {
-  CUtensorMap map;
-  std::memset(&map, 0, sizeof(map));
-  const cuuint64_t dims[2] = {dim0, dim1};
-  const cuuint64_t strides[1] = {stride1 * sizeof(T)};
-  const cuuint32_t box[2] = {box0, box1};
-  const cuuint32_t elem[2] = {1, 1};
-  const CUtensorMapDataType type = std::is_same<T, __nv_bfloat16>::value
-                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  const EncodeTiledFn encode = tensor_map_encoder();
-  MB_REQUIRE(encode != nullptr, MOEBLAZE_ERR_CUDA,
-             "sm90 %s: cuTensorMapEncodeTiled is not available from the driver", what);
-  const CUresult r = encode(&map, type, 2, const_cast<void*>(base), dims, strides, box, elem,
-                            CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  MB_REQUIRE(r == CUDA_SUCCESS, MOEBLAZE_ERR_CUDA, "sm90 %s: cuTensorMapEncodeTiled failed (%d)",
-             what, int(r));
-  return map;
+  return encode_map<T, 2>(base, {dim0, dim1}, {stride1 * sizeof(T)}, {box0, box1}, what);
 }
 
 // With the device current: true when the image of `kernel` the runtime picked is an sm_90 one (a
