@@ -180,7 +180,10 @@ def markdown(doc, plot_names=()):
         f"Device **{doc.get('device')}**, commit `{doc.get('commit')}`, "
         f"{doc.get('date_utc', '')}; torch {env.get('torch')}"
         f"{', CUDA ' + str(env['cuda']) if env.get('cuda') else ''}; dtype {env.get('dtype')}.",
-        f"moeblaze: {env.get('moeblaze_build_info', env.get('moeblaze', '?'))}.",
+        f"moeblaze: {env.get('moeblaze_build_info', env.get('moeblaze', '?'))}"
+        + {True: "; backward consumes its saved buffer (consume_saved=True, the default).",
+           False: "; backward keeps its saved buffer (--keep-saved).",
+           None: "."}[env.get("moeblaze_consume_saved")],
         f"Command: `{doc.get('command')}`",
         "",
         *target_lines(doc),

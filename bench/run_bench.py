@@ -86,6 +86,10 @@ def parse_args(argv=None):
     p.add_argument("--impls", default="grouped_mm,loop,moeblaze")
     p.add_argument("--policies", default=",".join(ALL_POLICIES),
                    help="moeblaze checkpoint policies (save_preact is the one compared for speed)")
+    p.add_argument("--keep-saved", action="store_true",
+                   help="moeblaze backward keeps its saved buffer intact (consume_saved=False); "
+                        "default: it writes its activation gradients over it, as "
+                        "moeblaze.torch does by default")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -197,7 +201,8 @@ def device_slug(name):
 
 def environment(args):
     env = {"torch": torch.__version__, "python": sys.version.split()[0], "dtype": args.dtype,
-           "grouped_mm_available": baselines.grouped_mm_available()}
+           "grouped_mm_available": baselines.grouped_mm_available(),
+           "moeblaze_consume_saved": not args.keep_saved}
     if args.device == "cuda":
         prop = torch.cuda.get_device_properties(0)
         env.update({"cuda": torch.version.cuda, "sm_count": prop.multi_processor_count,
@@ -264,6 +269,9 @@ def make_impl(impl, policy, activation, args):
         fn, source = import_moeblaze(args)
         if fn is None:
             raise RuntimeError(f"moeblaze unavailable: {source}")
+        if args.keep_saved:
+            return lambda x, ids, g, wg, wu, wd: fn(x, ids, g, wg, wu, wd, activation=activation,
+                                                    checkpoint=policy, consume_saved=False)
         return lambda x, ids, g, wg, wu, wd: fn(x, ids, g, wg, wu, wd, activation=activation,
                                                 checkpoint=policy)
     raise ValueError(impl)

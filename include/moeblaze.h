@@ -333,6 +333,16 @@ MOEBLAZE_API moeblaze_status_t moeblaze_layer_get_config(moeblaze_layer_t layer,
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_workspace_size(moeblaze_layer_t layer, int32_t pass,
                                                              int64_t num_tokens, size_t* bytes);
 
+/*! \brief As moeblaze_layer_workspace_size(), for a backward call made with `flags` (the
+ *  `MOEBLAZE_BACKWARD_*` bits of ::moeblaze_backward_args_t::flags). With
+ *  ::MOEBLAZE_BACKWARD_CONSUME_SAVED the experts and layer backward need less; every other pass and
+ *  flag gives the same size as moeblaze_layer_workspace_size(). A pure function of (layer, pass,
+ *  num_tokens, flags).
+ *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (unknown pass or flag bits, num_tokens
+ *          out of range, `bytes` NULL); ::MOEBLAZE_ERR_INVALID_HANDLE. */
+MOEBLAZE_API moeblaze_status_t moeblaze_layer_workspace_size_with_flags(
+    moeblaze_layer_t layer, int32_t pass, int64_t num_tokens, uint32_t flags, size_t* bytes);
+
 /*! \brief Bytes of the saved buffer that the forward pass `pass` (::MOEBLAZE_PASS_EXPERTS_FORWARD
  * or
  *  ::MOEBLAZE_PASS_LAYER_FORWARD) writes for its backward pass, for `num_tokens` tokens.
@@ -460,12 +470,26 @@ typedef struct moeblaze_forward_args {
 /*! Flag for ::moeblaze_backward_args_t: add weight gradients to `dw_*` instead of overwriting. */
 #define MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD 1u
 
+/*! Flag for ::moeblaze_backward_args_t: the backward may overwrite the activations in `saved`,
+ *  which is then invalid for any later backward (the header and routing indices stay intact, the
+ *  activations do not). It lowers the backward's peak memory by the size of the saved activations:
+ *  the CUDA backend writes the activation gradients over the saved pre-activations instead of into
+ *  the workspace, which shrinks by `2*N*h` elements (gated; `N*h` otherwise), N = T*k. The results
+ *  are bitwise those of a backward without the flag. Query the workspace with
+ *  moeblaze_layer_workspace_size_with_flags() and the same flags to get the smaller size (the
+ *  larger one of moeblaze_layer_workspace_size() is also accepted). Do not set it when the same
+ *  saved buffer must serve another backward (PyTorch's `retain_graph=True`, double backward). A
+ *  backend may ignore it: the CPU backend does, and so does a layer whose checkpoint policy is
+ *  ::MOEBLAZE_CHECKPOINT_RECOMPUTE (it saves no activations). */
+#define MOEBLAZE_BACKWARD_CONSUME_SAVED 2u
+
 /*! \brief Arguments of moeblaze_experts_backward() and moeblaze_layer_backward(). Versioned: fill
  *  with moeblaze_backward_args_init(). The inputs must be those of the forward pass that filled
  *  `saved`. Every gradient output is optional: NULL skips it (e.g. frozen weights). */
 typedef struct moeblaze_backward_args {
   uint32_t struct_size; /*!< set by moeblaze_backward_args_init() */
-  uint32_t flags;       /*!< 0 or ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD */
+  uint32_t flags;       /*!< ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD and/or
+                             ::MOEBLAZE_BACKWARD_CONSUME_SAVED, or 0 */
   int64_t num_tokens;   /*!< T, as in the forward pass */
   /* inputs */
   const void* dy;       /*!< [T,d] dtype: dLoss/dy */

@@ -271,7 +271,26 @@ moeblaze_status_t moeblaze_layer_workspace_size(moeblaze_layer_t layer, int32_t 
     MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
     const Pass p = require_pass(pass, false, "pass");
     require_num_tokens(layer->desc, num_tokens, "num_tokens");
-    *bytes = workspace_size_for(*layer, p, num_tokens);
+    *bytes = workspace_size_for(*layer, p, num_tokens, 0);
+  });
+}
+
+moeblaze_status_t moeblaze_layer_workspace_size_with_flags(moeblaze_layer_t layer, int32_t pass,
+                                                           int64_t num_tokens, uint32_t flags,
+                                                           size_t* bytes) {
+  if (bytes != nullptr) *bytes = 0;
+  return guarded(__func__, [&] {
+    require_handle(layer, kLayerHandle, "layer");
+    MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
+    const Pass p = require_pass(pass, false, "pass");
+    require_num_tokens(layer->desc, num_tokens, "num_tokens");
+    constexpr uint32_t known = MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD | MOEBLAZE_BACKWARD_CONSUME_SAVED;
+    MB_REQUIRE_ARG((flags & ~known) == 0,
+                   "flags = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1 and "
+                   "MOEBLAZE_BACKWARD_CONSUME_SAVED = 2)",
+                   flags);
+    const bool backward = p == Pass::ExpertsBackward || p == Pass::LayerBackward;
+    *bytes = workspace_size_for(*layer, p, num_tokens, backward ? flags : 0);
   });
 }
 
@@ -306,7 +325,7 @@ moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_to
     require_tensor(backend, expert_counts, false, false, sizeof(int32_t), "expert_counts");
     require_tensor(backend, losses, false, false, desc.relem_size(), "losses");
     require_buffer(backend, workspace, workspace_bytes,
-                   backend.workspace_size(desc, Pass::RouterForward, num_tokens), "workspace",
+                   backend.workspace_size(desc, Pass::RouterForward, num_tokens, 0), "workspace",
                    "workspace_bytes",
                    "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_FORWARD)");
     RouterForwardCall call;
@@ -339,7 +358,7 @@ moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_t
     require_tensor(backend, d_losses, false, false, desc.relem_size(), "d_losses");
     require_tensor(backend, d_logits, true, empty, desc.relem_size(), "d_logits");
     require_buffer(backend, workspace, workspace_bytes,
-                   backend.workspace_size(desc, Pass::RouterBackward, num_tokens), "workspace",
+                   backend.workspace_size(desc, Pass::RouterBackward, num_tokens, 0), "workspace",
                    "workspace_bytes",
                    "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_BACKWARD)");
     RouterBackwardCall call;
@@ -372,7 +391,7 @@ moeblaze_status_t moeblaze_routing_build(moeblaze_layer_t layer, int64_t num_tok
                    "expert_token_indices");
     require_tensor(backend, token_index_map, true, empty, sizeof(int32_t), "token_index_map");
     require_buffer(backend, workspace, workspace_bytes,
-                   backend.workspace_size(desc, Pass::RoutingBuild, num_tokens), "workspace",
+                   backend.workspace_size(desc, Pass::RoutingBuild, num_tokens, 0), "workspace",
                    "workspace_bytes", "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTING_BUILD)");
     RoutingBuildCall call;
     call.T = num_tokens;

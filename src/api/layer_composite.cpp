@@ -27,9 +27,11 @@ struct LayerBackwardScratch {
 };
 
 size_t max_sub_workspace(const Backend& backend, const LayerDesc& desc, int64_t T,
-                         std::initializer_list<Pass> passes) {
+                         uint32_t backward_flags, std::initializer_list<Pass> passes) {
   size_t largest = 0;
-  for (Pass p : passes) largest = std::max(largest, backend.workspace_size(desc, p, T));
+  for (Pass p : passes) {
+    largest = std::max(largest, backend.workspace_size(desc, p, T, backward_flags));
+  }
   return largest;
 }
 
@@ -40,43 +42,54 @@ LayerForwardScratch carve_layer_forward(Carver& c, const Backend& backend, const
   s.ids = c.carve<int32_t>(sizeof(int32_t) * size_t(T * desc.k));
   s.g = c.carve(desc.relem_size() * size_t(T * desc.k));
   const size_t sub = max_sub_workspace(
-      backend, desc, T, {Pass::RouterProjectForward, Pass::RouterForward, Pass::ExpertsForward});
+      backend, desc, T, 0, {Pass::RouterProjectForward, Pass::RouterForward, Pass::ExpertsForward});
   s.sub = {c.carve(sub), sub};
   return s;
 }
 
 LayerBackwardScratch carve_layer_backward(Carver& c, const Backend& backend, const LayerDesc& desc,
-                                          int64_t T) {
+                                          int64_t T, uint32_t flags) {
   LayerBackwardScratch s;
   s.dg = c.carve(desc.relem_size() * size_t(T * desc.k));
   s.d_logits = c.carve(desc.relem_size() * size_t(T * desc.E));
-  const size_t sub = max_sub_workspace(
-      backend, desc, T, {Pass::ExpertsBackward, Pass::RouterBackward, Pass::RouterProjectBackward});
+  const size_t sub =
+      max_sub_workspace(backend, desc, T, flags,
+                        {Pass::ExpertsBackward, Pass::RouterBackward, Pass::RouterProjectBackward});
   s.sub = {c.carve(sub), sub};
   return s;
 }
 
-const char* query_name(Pass pass) {
+const char* query_name(Pass pass, uint32_t flags = 0) {
+  const bool consume = (flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
   switch (pass) {
     case Pass::ExpertsForward:
       return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_FORWARD)";
     case Pass::ExpertsBackward:
-      return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_BACKWARD)";
+      return consume ? "moeblaze_layer_workspace_size_with_flags(MOEBLAZE_PASS_EXPERTS_BACKWARD, "
+                       "flags)"
+                     : "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_BACKWARD)";
     case Pass::LayerForward: return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_LAYER_FORWARD)";
-    case Pass::LayerBackward: return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_LAYER_BACKWARD)";
+    case Pass::LayerBackward:
+      return consume ? "moeblaze_layer_workspace_size_with_flags(MOEBLAZE_PASS_LAYER_BACKWARD, "
+                       "flags)"
+                     : "moeblaze_layer_workspace_size(MOEBLAZE_PASS_LAYER_BACKWARD)";
     default: return "moeblaze_layer_workspace_size";
   }
 }
 
+// The flags a backward call accepts.
+constexpr uint32_t kBackwardFlags =
+    MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD | MOEBLAZE_BACKWARD_CONSUME_SAVED;
+
 }  // namespace
 
-size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T) {
+size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T, uint32_t flags) {
   const Backend& backend = *layer.context->backend;
   Carver measure;
   switch (pass) {
     case Pass::LayerForward: carve_layer_forward(measure, backend, layer.desc, T); break;
-    case Pass::LayerBackward: carve_layer_backward(measure, backend, layer.desc, T); break;
-    default: return backend.workspace_size(layer.desc, pass, T);
+    case Pass::LayerBackward: carve_layer_backward(measure, backend, layer.desc, T, flags); break;
+    default: return backend.workspace_size(layer.desc, pass, T, flags);
   }
   return measure.size();
 }
@@ -116,7 +129,7 @@ void run_forward(moeblaze_layer_s& layer, const moeblaze_forward_args_t& a, Pass
                    whole_layer ? "moeblaze_layer_saved_size(MOEBLAZE_PASS_LAYER_FORWARD)"
                                : "moeblaze_layer_saved_size(MOEBLAZE_PASS_EXPERTS_FORWARD)");
   }
-  const size_t ws_needed = workspace_size_for(layer, pass, T);
+  const size_t ws_needed = workspace_size_for(layer, pass, T, 0);
   require_buffer(backend, a.workspace, a.workspace_bytes, ws_needed, "args->workspace",
                  "args->workspace_bytes", query_name(pass));
 
@@ -192,8 +205,9 @@ void run_backward(moeblaze_layer_s& layer, const moeblaze_backward_args_t& a, Pa
   const Pass forward_pass = whole_layer ? Pass::LayerForward : Pass::ExpertsForward;
   const int64_t T = a.num_tokens;
 
-  MB_REQUIRE_ARG((a.flags & ~MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD) == 0,
-                 "args->flags = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1)",
+  MB_REQUIRE_ARG((a.flags & ~kBackwardFlags) == 0,
+                 "args->flags = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1 "
+                 "and MOEBLAZE_BACKWARD_CONSUME_SAVED = 2)",
                  a.flags);
   require_num_tokens(desc, T, "args->num_tokens");
   const bool empty = T == 0;
@@ -224,8 +238,9 @@ void run_backward(moeblaze_layer_s& layer, const moeblaze_backward_args_t& a, Pa
                  "args->saved_bytes",
                  whole_layer ? "moeblaze_layer_saved_size(MOEBLAZE_PASS_LAYER_FORWARD)"
                              : "moeblaze_layer_saved_size(MOEBLAZE_PASS_EXPERTS_FORWARD)");
-  require_buffer(backend, a.workspace, a.workspace_bytes, workspace_size_for(layer, pass, T),
-                 "args->workspace", "args->workspace_bytes", query_name(pass));
+  require_buffer(backend, a.workspace, a.workspace_bytes,
+                 workspace_size_for(layer, pass, T, a.flags), "args->workspace",
+                 "args->workspace_bytes", query_name(pass, a.flags));
 
   Carver saved_carver(const_cast<void*>(a.saved));
   ExpertsBackwardCall experts;
@@ -242,6 +257,7 @@ void run_backward(moeblaze_layer_s& layer, const moeblaze_backward_args_t& a, Pa
   experts.dw_up = desc.gated() ? a.dw_up : nullptr;
   experts.dw_down = a.dw_down;
   experts.accumulate_wgrad = (a.flags & MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD) != 0;
+  experts.consume_saved = (a.flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
   experts.stream = stream;
 
   std::lock_guard<std::mutex> lock(layer.context->execute_mutex);
@@ -255,7 +271,7 @@ void run_backward(moeblaze_layer_s& layer, const moeblaze_backward_args_t& a, Pa
   }
 
   Carver ws_carver(a.workspace);
-  LayerBackwardScratch scratch = carve_layer_backward(ws_carver, backend, desc, T);
+  LayerBackwardScratch scratch = carve_layer_backward(ws_carver, backend, desc, T, a.flags);
   const bool need_router = a.dx != nullptr || a.dw_router != nullptr || a.d_logits != nullptr;
 
   experts.ids = experts.saved.ids;

@@ -8,7 +8,8 @@
 namespace moeblaze {
 namespace api {
 
-size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T);
+// `flags`: the MOEBLAZE_BACKWARD_* flags the call will be made with (0 for forward passes).
+size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T, uint32_t flags);
 
 // pass: Pass::ExpertsForward or Pass::LayerForward.
 void run_forward(moeblaze_layer_s& layer, const moeblaze_forward_args_t& args, Pass pass,

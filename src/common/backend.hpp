@@ -115,6 +115,9 @@ struct ExpertsBackwardCall {
   void* dw_down = nullptr;  // optional
   void* dg = nullptr;       // [T,k] rtype out, optional
   bool accumulate_wgrad = false;
+  // MOEBLAZE_BACKWARD_CONSUME_SAVED: the backend may overwrite `saved`'s activations (and must then
+  // have been asked for the workspace size with that flag). A backend may ignore it.
+  bool consume_saved = false;
   Buffer workspace;
   void* stream = nullptr;
 };
@@ -130,8 +133,10 @@ class Backend {
   virtual void check_supported(const LayerDesc& desc) const = 0;
 
   // Scratch bytes for one call of `pass` (any Pass except LayerForward/LayerBackward, which the API
-  // layer composes from the others).
-  virtual size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T) const = 0;
+  // layer composes from the others). `backward_flags` (MOEBLAZE_BACKWARD_*) matter for
+  // Pass::ExpertsBackward only: CONSUME_SAVED may need less.
+  virtual size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T,
+                                uint32_t backward_flags) const = 0;
 
   virtual void router_forward(const LayerDesc& desc, const RouterForwardCall& call) = 0;
   virtual void router_backward(const LayerDesc& desc, const RouterBackwardCall& call) = 0;

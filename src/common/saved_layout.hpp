@@ -32,9 +32,14 @@ struct SavedView {
   void* logits = nullptr;  // [T,E] routing dtype
   int32_t* ids = nullptr;  // [T,k]
   void* g = nullptr;       // [T,k] routing dtype
-  // activations by policy, each [N,h] in the storage dtype, rows in expert-grouped order
+  // Activations by policy, in the storage dtype, rows in expert-grouped order. Gated activations
+  // keep a and b as the two halves of one [N, 2h] block (row r: a at [0, h), b at [h, 2h)), so
+  // ab_ld = 2h; otherwise a is [N, h] and ab_ld = h. That is exactly the layout of the backward's
+  // da|db, so a backward allowed to consume the saved buffer (MOEBLAZE_BACKWARD_CONSUME_SAVED)
+  // writes da, db over a, b in place and reads them back as one operand. u is [N, h].
   void* a = nullptr;
   void* b = nullptr;
+  int64_t ab_ld = 0;
   void* u = nullptr;
 };
 
@@ -55,18 +60,14 @@ inline SavedView carve_saved(Carver& carver, const LayerDesc& desc, Pass pass, i
     v.g = carver.carve(rs * size_t(N));
   }
   const size_t act_bytes = es * size_t(N) * size_t(desc.h);
-  switch (desc.checkpoint) {
-    case Checkpoint::SaveAll:
-      v.a = carver.carve(act_bytes);
-      if (desc.gated()) v.b = carver.carve(act_bytes);
-      v.u = carver.carve(act_bytes);
-      break;
-    case Checkpoint::SavePreact:
-      v.a = carver.carve(act_bytes);
-      if (desc.gated()) v.b = carver.carve(act_bytes);
-      break;
-    case Checkpoint::Recompute: break;
+  if (desc.checkpoint != Checkpoint::Recompute) {
+    const int64_t halves = desc.gated() ? 2 : 1;
+    v.ab_ld = halves * desc.h;
+    v.a = carver.carve(act_bytes * size_t(halves));
+    if (desc.gated() && v.a != nullptr)
+      v.b = static_cast<unsigned char*>(v.a) + es * size_t(desc.h);
   }
+  if (desc.checkpoint == Checkpoint::SaveAll) v.u = carver.carve(act_bytes);
   return v;
 }
 

@@ -27,7 +27,10 @@ class CpuBackend final : public Backend {
                "CPU backend: top_k = %lld exceeds %d", (long long)desc.k, MOEBLAZE_MAX_TOP_K);
   }
 
-  size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T) const override {
+  // The CPU backend ignores MOEBLAZE_BACKWARD_CONSUME_SAVED: its backward is a reference, not a
+  // memory-bound path.
+  size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T,
+                        uint32_t /*backward_flags*/) const override {
     Carver measure;
     switch (pass) {
       case Pass::RouterForward: cpu::carve_router_forward_scratch(measure, desc, T); break;

@@ -55,12 +55,14 @@ struct RoutingIndex {
 
 // First GEMM with its activation epilogue, for every routed row r (token t =
 // expert_token_indices[r], expert e): a[r] = x[t] . w_gate[e]^T, b[r] = x[t] . w_up[e]^T, u[r] =
-// act(a[r], b[r]), each rounded to S. Outputs that are nullptr are not written. Forward and
+// act(a[r], b[r]), each rounded to S. a and b rows are ab_ld elements apart (the saved buffer's
+// [N, 2h] a|b block, or h), u rows h. Outputs that are nullptr are not written. Forward and
 // backward's recomputation both run this one function, so every checkpoint policy sees the same a,
 // b and u bit for bit.
 template <typename S>
 void first_gemm(const LayerDesc& desc, const RoutingIndex& index, int64_t N, const S* x,
-                const S* w_gate, const S* w_up, S* a_out, S* b_out, S* u_out, ThreadPool& pool) {
+                const S* w_gate, const S* w_up, S* a_out, S* b_out, int64_t ab_ld, S* u_out,
+                ThreadPool& pool) {
   using Acc = acc_t<S>;
   const int64_t d = desc.d;
   const int64_t h = desc.h;
@@ -78,8 +80,8 @@ void first_gemm(const LayerDesc& desc, const RoutingIndex& index, int64_t N, con
       for (int64_t i = 0; i < h; ++i) {
         const S a = from_acc<S>(dot<Acc>(x_row, gate + i * d, d));
         const S b = gated ? from_acc<S>(dot<Acc>(x_row, up + i * d, d)) : from_acc<S>(Acc(0));
-        if (a_out) a_out[r * h + i] = a;
-        if (b_out) b_out[r * h + i] = b;
+        if (a_out) a_out[r * ab_ld + i] = a;
+        if (b_out) b_out[r * ab_ld + i] = b;
         if (u_out) {
           u_out[r * h + i] =
               from_acc<S>(act_math::forward<Acc>(desc.activation, to_acc(a), to_acc(b)));
@@ -122,7 +124,7 @@ void experts_forward_typed(const LayerDesc& desc, const ExpertsForwardCall& call
   S* b_saved = call.has_saved ? static_cast<S*>(saved.b) : nullptr;
   S* u = call.has_saved && saved.u ? static_cast<S*>(saved.u) : static_cast<S*>(scratch.u);
   first_gemm<S>(desc, index, N, x, static_cast<const S*>(call.w_gate),
-                static_cast<const S*>(call.w_up), a_saved, b_saved, u, pool);
+                static_cast<const S*>(call.w_up), a_saved, b_saved, saved.ab_ld, u, pool);
 
   // Second GEMM and combine: y[t, c] = sum_j g[t, j] * (u[r_j] . w_down[e_j][c]), j ascending,
   // the per-row products kept in Acc.
@@ -214,18 +216,23 @@ void experts_backward_typed(const LayerDesc& desc, const ExpertsBackwardCall& ca
   const S* a = static_cast<const S*>(saved.a);
   const S* b = static_cast<const S*>(saved.b);
   const S* u = static_cast<const S*>(saved.u);
+  int64_t ab_ld = saved.ab_ld;  // a, b rows: [r * ab_ld, + h)
   if (desc.checkpoint == Checkpoint::Recompute) {
     first_gemm<S>(desc, index, N, x, w_gate, w_up, static_cast<S*>(scratch.a),
-                  static_cast<S*>(scratch.b), static_cast<S*>(scratch.u), pool);
+                  static_cast<S*>(scratch.b), h, static_cast<S*>(scratch.u), pool);
     a = static_cast<const S*>(scratch.a);
     b = static_cast<const S*>(scratch.b);
     u = static_cast<const S*>(scratch.u);
+    ab_ld = h;
   } else if (!u) {
     S* u_out = static_cast<S*>(scratch.u);
-    pool.parallel_for(N * h, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) {
-        const Acc b_value = gated ? Acc(to_acc(b[i])) : Acc(0);
-        u_out[i] = from_acc<S>(act_math::forward<Acc>(desc.activation, to_acc(a[i]), b_value));
+    pool.parallel_for(N, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t i = 0; i < h; ++i) {
+          const Acc b_value = gated ? Acc(to_acc(b[r * ab_ld + i])) : Acc(0);
+          u_out[r * h + i] = from_acc<S>(
+              act_math::forward<Acc>(desc.activation, to_acc(a[r * ab_ld + i]), b_value));
+        }
       }
     });
     u = u_out;
@@ -266,9 +273,10 @@ void experts_backward_typed(const LayerDesc& desc, const ExpertsBackwardCall& ca
               const int64_t at = r * h + i0 + i;
               dg_value += v[i] * Acc(to_acc(u[at]));
               if (!want_da) continue;
-              const Acc b_value = gated ? Acc(to_acc(b[at])) : Acc(0);
+              const int64_t ab_at = r * ab_ld + i0 + i;
+              const Acc b_value = gated ? Acc(to_acc(b[ab_at])) : Acc(0);
               Acc da_value, db_value;
-              act_math::backward<Acc>(desc.activation, to_acc(a[at]), b_value, g_value * v[i],
+              act_math::backward<Acc>(desc.activation, to_acc(a[ab_at]), b_value, g_value * v[i],
                                       &da_value, &db_value);
               da[at] = from_acc<S>(da_value);
               if (gated) db[at] = from_acc<S>(db_value);

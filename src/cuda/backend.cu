@@ -189,7 +189,8 @@ class CudaBackend final : public Backend {
     MB_REQUIRE(desc.E <= 1024, MOEBLAZE_ERR_NOT_SUPPORTED, "the CUDA backend supports E <= 1024");
   }
 
-  size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T) const override {
+  size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T,
+                        uint32_t backward_flags) const override {
     Carver measure;
     switch (pass) {
       case Pass::RouterForward:
@@ -215,6 +216,7 @@ class CudaBackend final : public Backend {
       case Pass::ExpertsBackward: {
         ExpertsBackwardCall call;
         call.T = T;
+        call.consume_saved = (backward_flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
         cuda::experts_backward(desc, call, measure, false);
         break;
       }
@@ -224,7 +226,7 @@ class CudaBackend final : public Backend {
         size_t largest = 0;
         for (Pass p : {Pass::RouterForward, Pass::RouterBackward, Pass::RouterProjectForward,
                        Pass::RouterProjectBackward, Pass::ExpertsForward, Pass::ExpertsBackward}) {
-          const size_t s = workspace_size(desc, p, T);
+          const size_t s = workspace_size(desc, p, T, backward_flags);
           largest = s > largest ? s : largest;
         }
         return largest;

@@ -151,6 +151,7 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   GemmParams f1 = f1_params(desc, offsets, mtile, eti, call.x, call.w_gate, call.w_up);
   f1.ep.out_a = save_preact ? call.saved.a : nullptr;
   f1.ep.out_b = save_preact && desc.gated() ? call.saved.b : nullptr;
+  if (save_preact) f1.ep.ab_ld = call.saved.ab_ld;  // the saved [N, 2h] a|b block (gated)
   f1.ep.out_u = u;
   if (sm90_f1_supported(desc, T, call.x, call.w_gate, call.w_up, f1.ep.out_a, f1.ep.out_b,
                         f1.ep.out_u, f1.ep.ab_ld)) {
@@ -195,6 +196,9 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   const bool recompute = desc.checkpoint == Checkpoint::Recompute;
   const int64_t dadb_ld = gated ? 2 * h : h;
   const int64_t b1_tiles = max_b1_ntiles(desc);
+  // With MOEBLAZE_BACKWARD_CONSUME_SAVED, B1 writes da|db over the saved a|b block, whose layout is
+  // da|db's own ([N, 2h] gated, [N, h] otherwise): no da|db region in the workspace.
+  const bool consume = call.consume_saved && !recompute;
   int32_t* row_pair = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
   int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
   const size_t gu_bytes = es * size_t(N) * size_t(h);
@@ -202,7 +206,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   // B4's fp32 rows reuse g*u's region when they fit: g*u is written by B1 and last read by B2, and
   // all kernels run in order on one stream. (RECOMPUTE's a, b need no region: see below.)
   const bool dxr_in_gu = dxr_bytes <= gu_bytes;
-  void* dadb = ws.carve(es * size_t(N) * size_t(dadb_ld));
+  void* dadb = consume ? nullptr : ws.carve(es * size_t(N) * size_t(dadb_ld));
   void* gu = ws.carve(gu_bytes);
   float* dg_part = ws.carve<float>(sizeof(float) * size_t(b1_tiles) * size_t(N));
   float* dxr_own = ws.carve<float>(dxr_in_gu ? 0 : dxr_bytes);
@@ -217,7 +221,12 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   const void* a_src = sv.a;
   const void* b_src = sv.b;
   const void* u_src = desc.checkpoint == Checkpoint::SaveAll ? sv.u : nullptr;
-  int64_t ab_ld = h;
+  int64_t ab_ld = sv.ab_ld;
+  if (consume) {
+    // B1 reads every a, b element exactly once, in the thread that then overwrites that same
+    // element with da or db (as RECOMPUTE's path below relies on too).
+    dadb = sv.a;
+  }
   if (recompute) {
     // The recomputed a, b go where B1 writes da, db (a at [r, 0, h), b at [r, h, 2h) of row r of
     // da|db): B1 reads every a, b element exactly once, in the thread that then overwrites that

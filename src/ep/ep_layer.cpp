@@ -73,7 +73,7 @@ struct BeginScratch {
 BeginScratch carve_begin(Carver& c, const Backend& backend, const LayerDesc& rd, int64_t T) {
   size_t sub = 0;
   for (Pass p : {Pass::RouterProjectForward, Pass::RouterForward, Pass::RoutingBuild}) {
-    sub = std::max(sub, backend.workspace_size(rd, p, T));
+    sub = std::max(sub, backend.workspace_size(rd, p, T, 0));
   }
   BeginScratch s;
   s.sub = carve_sub(c, sub);
@@ -98,7 +98,7 @@ FinishScratch carve_finish(Carver& c, const Backend& backend, const LayerDesc& r
   s.y_rows = c.carve(rd.elem_size() * size_t(R * rd.d));
   s.global_counts = c.carve<int32_t>(sizeof(int32_t) * size_t(rd.E));
   s.loss_scratch = c.carve(rd.relem_size() * size_t(kLossShareScratchRows * rd.E));
-  s.sub = carve_sub(c, backend.workspace_size(local, Pass::ExpertsForward, R));
+  s.sub = carve_sub(c, backend.workspace_size(local, Pass::ExpertsForward, R, 0));
   return s;
 }
 
@@ -130,9 +130,9 @@ BackwardScratch carve_backward(Carver& c, const Backend& backend, const LayerDes
   s.d_logits = c.carve(rs * size_t(T * rd.E));
   s.global_counts = c.carve<int32_t>(sizeof(int32_t) * size_t(rd.E));
   s.loss_scratch = c.carve(rs * size_t(kLossShareScratchRows * rd.E));
-  size_t sub = backend.workspace_size(local, Pass::ExpertsBackward, R);
+  size_t sub = backend.workspace_size(local, Pass::ExpertsBackward, R, 0);
   for (Pass p : {Pass::RouterBackward, Pass::RouterProjectBackward}) {
-    sub = std::max(sub, backend.workspace_size(rd, p, T));
+    sub = std::max(sub, backend.workspace_size(rd, p, T, 0));
   }
   s.sub = carve_sub(c, sub);
   return s;

@@ -188,6 +188,55 @@ TEST_SUITE("cpu") {
     CHECK(run.dx.bitwise_equal(fresh.dx));  // dx is always overwritten
   }
 
+  TEST_CASE("edge: CONSUME_SAVED is accepted, sized, and gives the same gradients") {
+    Context context;
+    Rng rng(test_seed(757));
+    for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_SAVE_PREACT,
+                         MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+      CAPTURE(ckpt);
+      moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_BF16, 20, 28, 5, 2);
+      cfg.checkpoint = ckpt;
+      Layer layer(context, cfg);
+      LayerRun run(layer, 23);
+      run.init_random(rng);
+      MB_CHECK(run.layer_forward());
+      MB_CHECK(run.layer_backward());
+      const LayerRun plain = run;
+      run.clear_outputs();
+      MB_CHECK(run.layer_backward({}, MOEBLAZE_BACKWARD_CONSUME_SAVED));
+      for (const auto& pair :
+           {std::make_pair(&run.dx, &plain.dx), std::make_pair(&run.dw_gate, &plain.dw_gate),
+            std::make_pair(&run.dw_up, &plain.dw_up), std::make_pair(&run.dw_down, &plain.dw_down),
+            std::make_pair(&run.dw_router, &plain.dw_router)}) {
+        CHECK(pair.first->bitwise_equal(*pair.second));
+      }
+      // The CPU backend ignores the flag: every pass and flag combination has the plain size.
+      for (int32_t pass = MOEBLAZE_PASS_ROUTER_FORWARD; pass <= MOEBLAZE_PASS_LAYER_BACKWARD;
+           ++pass) {
+        CAPTURE(pass);
+        size_t plain_bytes = 0, flagged = 1;
+        MB_CHECK(moeblaze_layer_workspace_size(layer.get(), pass, 23, &plain_bytes));
+        MB_CHECK(moeblaze_layer_workspace_size_with_flags(
+            layer.get(), pass, 23,
+            MOEBLAZE_BACKWARD_CONSUME_SAVED | MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD, &flagged));
+        CHECK(flagged == plain_bytes);
+      }
+    }
+    moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_F32, 8, 12, 4, 2);
+    Layer layer(context, cfg);
+    size_t bytes = 7;
+    CHECK(moeblaze_layer_workspace_size_with_flags(layer.get(), MOEBLAZE_PASS_LAYER_BACKWARD, 4, 4u,
+                                                   &bytes) == MOEBLAZE_ERR_INVALID_ARGUMENT);
+    CHECK(bytes == 0);
+    CHECK(std::string(moeblaze_last_error()).find("flags = 4") != std::string::npos);
+    CHECK(moeblaze_layer_workspace_size_with_flags(layer.get(), 9, 4, 0u, &bytes) ==
+          MOEBLAZE_ERR_INVALID_ARGUMENT);
+    CHECK(moeblaze_layer_workspace_size_with_flags(layer.get(), MOEBLAZE_PASS_LAYER_BACKWARD, 4, 0u,
+                                                   nullptr) == MOEBLAZE_ERR_INVALID_ARGUMENT);
+    CHECK(moeblaze_layer_workspace_size_with_flags(nullptr, MOEBLAZE_PASS_LAYER_BACKWARD, 4, 0u,
+                                                   &bytes) == MOEBLAZE_ERR_INVALID_HANDLE);
+  }
+
   TEST_CASE("edge: NULL optional outputs are skipped, and the others do not change") {
     Context context;
     Rng rng(test_seed(808));

@@ -131,15 +131,19 @@ struct DeviceRun {
     down(counts, r.expert_counts);
   }
 
-  // Allocates workspaces (filled with garbage) and the saved buffer for these passes.
-  void prepare(int32_t fwd_pass, bool saved_buffer) {
+  // Allocates workspaces (filled with garbage) and the saved buffer for these passes; the backward
+  // workspace is sized for a backward called with `bwd_flags`.
+  void prepare(int32_t fwd_pass, bool saved_buffer, uint32_t bwd_flags = 0) {
     forward_pass = fwd_pass;
     with_saved = saved_buffer;
     const int32_t bwd_pass = fwd_pass == MOEBLAZE_PASS_LAYER_FORWARD
                                  ? MOEBLAZE_PASS_LAYER_BACKWARD
                                  : MOEBLAZE_PASS_EXPERTS_BACKWARD;
+    size_t bwd_bytes = 0;
+    MB_CHECK(moeblaze_layer_workspace_size_with_flags(r.layer.get(), bwd_pass, r.T, bwd_flags,
+                                                      &bwd_bytes));
     ws_fwd.alloc(r.layer.workspace_size(fwd_pass, r.T));
-    ws_bwd.alloc(r.layer.workspace_size(bwd_pass, r.T));
+    ws_bwd.alloc(bwd_bytes);
     if (ws_fwd.size()) CUDA_OK(cudaMemset(ws_fwd.get(), 0xff, ws_fwd.size()));
     if (ws_bwd.size()) CUDA_OK(cudaMemset(ws_bwd.get(), 0xff, ws_bwd.size()));
     saved.alloc(saved_buffer ? r.layer.saved_size(fwd_pass, r.T) : 0);
@@ -731,18 +735,21 @@ TEST_SUITE("cuda") {
 
   // The batched B1 epilogue must give the legacy loop's bits, and RECOMPUTE (a, b recomputed into
   // the da|db buffer) and SAVE_ALL must give SAVE_PREACT's bits.
-  TEST_CASE("cuda: B1 epilogue variants and checkpoint policies give bitwise identical layers") {
+  TEST_CASE(
+      "cuda: B1 epilogue variants, checkpoint policies and a consumed saved buffer give bitwise "
+      "identical layers") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
     Rng rng(test_seed(9808));
-    // The whole layer forward + backward of `run` on its layer's backend.
-    auto run_layer = [](LayerRun& run) {
+    // The whole layer forward + backward of `run` on its layer's backend, the backward called with
+    // `bwd_flags` and a workspace sized for them.
+    auto run_layer = [](LayerRun& run, uint32_t bwd_flags = 0) {
       run.clear_outputs();
       DeviceRun dev(run);
       dev.upload_all();
-      dev.prepare(MOEBLAZE_PASS_LAYER_FORWARD, true);
+      dev.prepare(MOEBLAZE_PASS_LAYER_FORWARD, true, bwd_flags);
       MB_CHECK(dev.enqueue_forward(nullptr));
-      MB_CHECK(dev.enqueue_backward(nullptr));
+      MB_CHECK(dev.enqueue_backward(nullptr, BackwardOutputs(), bwd_flags));
       dev.sync_download();
     };
     // Under compute-sanitizer (quick mode) one dtype and one activation cover the same kernels.
@@ -787,6 +794,28 @@ TEST_SUITE("cuda") {
             copy_inputs(r0, r);
             run_layer(r);
             check_same(r);
+            // MOEBLAZE_BACKWARD_CONSUME_SAVED: da|db written over the saved a|b, the same bits, and
+            // a workspace smaller by exactly the da|db region (none saved under RECOMPUTE).
+            for (int32_t pass : {MOEBLAZE_PASS_EXPERTS_BACKWARD, MOEBLAZE_PASS_LAYER_BACKWARD}) {
+              size_t plain = 0, consumed = 0;
+              MB_CHECK(moeblaze_layer_workspace_size(l.get(), pass, T, &plain));
+              MB_CHECK(moeblaze_layer_workspace_size_with_flags(
+                  l.get(), pass, T, MOEBLAZE_BACKWARD_CONSUME_SAVED, &consumed));
+              const size_t elem = c.dtype == MOEBLAZE_DTYPE_F32 ? 4 : 2;
+              const size_t halves = act == MOEBLAZE_ACTIVATION_SWIGLU ? 2 : 1;  // gated: da|db
+              const size_t dadb = elem * size_t(T * c.top_k) * size_t(c.d_ffn) * halves;
+              CAPTURE(pass);
+              if (ckpt == MOEBLAZE_CHECKPOINT_RECOMPUTE) {
+                CHECK(consumed == plain);
+              } else {
+                CHECK(plain - consumed >= dadb);
+                CHECK(plain - consumed <= dadb + 256);  // the region's alignment padding
+              }
+            }
+            LayerRun rc(l, T);
+            copy_inputs(r0, rc);
+            run_layer(rc, MOEBLAZE_BACKWARD_CONSUME_SAVED);
+            check_same(rc);
           }
           if (legacy) unsetenv("MOEBLAZE_CUDA_B1_EPILOGUE");
         }

@@ -74,6 +74,7 @@ EP_SAVED_EXPERT = 1
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
 BACKWARD_ACCUMULATE_WGRAD = 1
+BACKWARD_CONSUME_SAVED = 2
 
 ACTIVATIONS = {
     "swiglu": ACTIVATION_SWIGLU,
@@ -444,6 +445,9 @@ SIGNATURES = {
     "moeblaze_layer_get_config": (_STATUS, [layer_t, ctypes.POINTER(LayerConfig)]),
     "moeblaze_layer_workspace_size": (_STATUS, [layer_t, ctypes.c_int32, ctypes.c_int64,
                                                 _size_t_p]),
+    "moeblaze_layer_workspace_size_with_flags": (_STATUS, [layer_t, ctypes.c_int32,
+                                                           ctypes.c_int64, ctypes.c_uint32,
+                                                           _size_t_p]),
     "moeblaze_layer_saved_size": (_STATUS, [layer_t, ctypes.c_int32, ctypes.c_int64, _size_t_p]),
     "moeblaze_router_forward": (_STATUS, [layer_t, ctypes.c_int64, c_void_p, c_void_p, c_void_p,
                                           c_void_p, c_void_p, c_void_p, ctypes.c_size_t,

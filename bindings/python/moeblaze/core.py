@@ -285,10 +285,13 @@ class Layer(_OwnedHandle):
 
     # -- sizes ------------------------------------------------------------------------------------
 
-    def workspace_size(self, pass_code: int, num_tokens: int) -> int:
+    def workspace_size(self, pass_code: int, num_tokens: int, flags: int = 0) -> int:
+        """Workspace bytes of one call of `pass_code`; `flags`: the BACKWARD_* flags a backward
+        call will be made with (BACKWARD_CONSUME_SAVED may need less)."""
         size = ctypes.c_size_t()
-        self._lib.moeblaze_layer_workspace_size(self.handle, int(pass_code), int(num_tokens),
-                                                ctypes.byref(size))
+        self._lib.moeblaze_layer_workspace_size_with_flags(self.handle, int(pass_code),
+                                                           int(num_tokens), int(flags),
+                                                           ctypes.byref(size))
         return size.value
 
     def saved_size(self, pass_code: int, num_tokens: int) -> int:

@@ -356,7 +356,7 @@ def expert_parallel_moe(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.T
                         top_k: int, activation: str = "swiglu", checkpoint: str = "save_preact",
                         score_function: str = "softmax_topk", renormalize: bool = False,
                         aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-                        weights_on: str = "expert", group=None):
+                        weights_on: str = "expert", group=None, consume_saved: bool = True):
     """One expert-parallel MoE layer over `group` (default: the world).
 
     x [T,d] this rank's tokens; w_router [E,d] (the same on every rank); w_gate/w_up [E_r,h,d] and
@@ -415,7 +415,8 @@ def expert_parallel_moe(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.T
 
     # 4. The local experts on the received rows: a batch of R tokens with k = 1.
     recv_out = moe_experts(recv_rows, local_ids, recv_g, w_gate, w_up, w_down,
-                           activation=activation, checkpoint=checkpoint)
+                           activation=activation, checkpoint=checkpoint,
+                           consume_saved=consume_saved)
 
     # 5. Results home, back in pair order (t, j), combined in slot order j = 0..k-1.
     (back,) = _AllToAll.apply(plan.recv_splits, plan.send_splits, group, recv_out)
@@ -481,8 +482,10 @@ class ExpertParallelMoE(torch.nn.Module):
                  activation: str = "swiglu", checkpoint: str = "save_preact",
                  score_function: str = "softmax_topk", renormalize: bool = False,
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
-                 weights_on: str = "expert", process_group=None, dtype=None, device=None):
+                 weights_on: str = "expert", process_group=None, dtype=None, device=None,
+                 consume_saved: bool = True):
         super().__init__()
+        self.consume_saved = consume_saved  # see moeblaze.torch.moe_experts()
         if weights_on not in _WEIGHTS_ON:
             raise ValueError(f"weights_on must be one of {_WEIGHTS_ON}, got {weights_on!r}")
         self.process_group = process_group
@@ -553,7 +556,7 @@ class ExpertParallelMoE(torch.nn.Module):
             checkpoint=self.checkpoint, score_function=self.score_function,
             renormalize=self.renormalize, aux_loss_coeff=self.aux_loss_coeff,
             z_loss_coeff=self.z_loss_coeff, weights_on=self.weights_on,
-            group=self.process_group)
+            group=self.process_group, consume_saved=self.consume_saved)
         self.last_plan = plan
         self.last_expert_counts = plan.global_counts
         return y.reshape(shape), aux, z

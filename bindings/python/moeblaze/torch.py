@@ -136,6 +136,19 @@ def _check(tensor: torch.Tensor, name: str, shape, dtype: torch.dtype, device: t
         raise ValueError(f"{name}: expected device {device}, got {tensor.device}")
 
 
+def _claim_saved(ctx) -> None:
+    """A backward that consumes the saved buffer may run once per forward: with retain_graph=True
+    a second one would read overwritten activations, so it raises instead of returning wrong
+    gradients."""
+    if ctx.flags & _lib.BACKWARD_CONSUME_SAVED:
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError(
+                "moeblaze: this layer's saved activations were consumed by an earlier backward "
+                "(consume_saved=True, the default); to backpropagate through the same graph "
+                "twice (retain_graph=True), call it with consume_saved=False")
+        ctx.consumed = True
+
+
 # ------------------------------------------------------------------------------------------------
 # Experts: given ids and g
 # ------------------------------------------------------------------------------------------------
@@ -144,7 +157,7 @@ def _check(tensor: torch.Tensor, name: str, shape, dtype: torch.dtype, device: t
 class _ExpertsFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, ids, g, w_gate, w_up, w_down, layer):
+    def forward(ctx, x, ids, g, w_gate, w_up, w_down, layer, consume_saved):
         T = x.shape[0]
         device = x.device
         x, ids, g, w_gate, w_up, w_down = map(_ready, (x, ids, g, w_gate, w_up, w_down))
@@ -166,6 +179,7 @@ class _ExpertsFunction(torch.autograd.Function):
         if training:
             ctx.layer = layer
             ctx.saved_size = saved_size
+            ctx.flags = _lib.BACKWARD_CONSUME_SAVED if consume_saved else 0
             ctx.save_for_backward(x, ids, g, w_gate, w_up, w_down, saved)
         return y
 
@@ -173,8 +187,9 @@ class _ExpertsFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy):
         x, ids, g, w_gate, w_up, w_down, saved = ctx.saved_tensors
+        _claim_saved(ctx)
         layer = ctx.layer
-        need_x, _, need_g, need_gate, need_up, need_down, _ = ctx.needs_input_grad
+        need_x, _, need_g, need_gate, need_up, need_down, _, _ = ctx.needs_input_grad
         T = x.shape[0]
         dy = _ready(dy.to(x.dtype))
         dx = torch.empty_like(x) if need_x else None
@@ -182,9 +197,10 @@ class _ExpertsFunction(torch.autograd.Function):
         dw_gate = torch.empty_like(w_gate) if need_gate else None
         dw_up = torch.empty_like(w_up) if need_up and w_up is not None else None
         dw_down = torch.empty_like(w_down) if need_down else None
-        workspace_size = layer.workspace_size(_lib.PASS_EXPERTS_BACKWARD, T)
+        workspace_size = layer.workspace_size(_lib.PASS_EXPERTS_BACKWARD, T, ctx.flags)
         workspace = _bytes(x.device, workspace_size)
         args = _lib.BackwardArgs.create()
+        args.flags = ctx.flags
         args.num_tokens = T
         args.dy, args.x, args.ids, args.g = _ptr(dy), _ptr(x), _ptr(ids), _ptr(g)
         args.w_gate, args.w_up, args.w_down = _ptr(w_gate), _ptr(w_up), _ptr(w_down)
@@ -194,17 +210,22 @@ class _ExpertsFunction(torch.autograd.Function):
         args.workspace, args.workspace_bytes = _ptr(workspace), workspace_size
         with _DeviceScope(x.device) as stream:
             layer._lib.moeblaze_experts_backward(layer.handle, ctypes.byref(args), stream)
-        return dx, None, dg, dw_gate, dw_up, dw_down, None
+        return dx, None, dg, dw_gate, dw_up, dw_down, None, None
 
 
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, w_gate: torch.Tensor,
                 w_up: Optional[torch.Tensor], w_down: torch.Tensor, *, activation: str = "swiglu",
-                checkpoint: str = "save_preact") -> torch.Tensor:
+                checkpoint: str = "save_preact", consume_saved: bool = True) -> torch.Tensor:
     """y[t] = sum_j g[t,j] * expert_{ids[t,j]}(x[t]), differentiable in x, g and the weights.
 
     x [T,d] (float32/bfloat16/float16/float64), ids [T,k] int32, g [T,k] in the routing dtype
     (float64 for float64 x, else float32), w_gate/w_up [E,h,d], w_down [E,d,h]; w_up is None for
-    non-gated activations."""
+    non-gated activations.
+
+    consume_saved: the backward writes its activation gradients over the saved activations
+    (MOEBLAZE_BACKWARD_CONSUME_SAVED), which lowers the backward's peak memory by their size and
+    gives the same gradients bit for bit. The graph can then be backpropagated once only: a second
+    backward through it (retain_graph=True) raises; pass False to allow it."""
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, d_model], got shape {list(x.shape)}")
     if ids.dim() != 2 or w_gate.dim() != 3:
@@ -227,7 +248,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, w_gate: tor
         raise ValueError(f"w_up must be None for the non-gated activation {activation!r}")
     layer = get_layer(device, d_model=d, d_ffn=h, num_experts=E, top_k=k, activation=activation,
                       dtype=_storage_name(x.dtype), checkpoint=checkpoint.lower())
-    return _ExpertsFunction.apply(x, ids, g, w_gate, w_up, w_down, layer)
+    return _ExpertsFunction.apply(x, ids, g, w_gate, w_up, w_down, layer, bool(consume_saved))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,7 +259,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, w_gate: tor
 class _LayerFunction(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, x, w_router, w_gate, w_up, w_down, layer):
+    def forward(ctx, x, w_router, w_gate, w_up, w_down, layer, consume_saved):
         T, d = x.shape
         E, k = layer.num_experts, layer.top_k
         device = x.device
@@ -268,6 +289,7 @@ class _LayerFunction(torch.autograd.Function):
         if training:
             ctx.layer = layer
             ctx.saved_size = saved_size
+            ctx.flags = _lib.BACKWARD_CONSUME_SAVED if consume_saved else 0
             ctx.save_for_backward(x, w_router, w_gate, w_up, w_down, saved)
         return y, losses, counts, ids, g
 
@@ -275,8 +297,9 @@ class _LayerFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy, d_losses, _d_counts, _d_ids, _d_g):
         x, w_router, w_gate, w_up, w_down, saved = ctx.saved_tensors
+        _claim_saved(ctx)
         layer = ctx.layer
-        need_x, need_router, need_gate, need_up, need_down, _ = ctx.needs_input_grad
+        need_x, need_router, need_gate, need_up, need_down, _, _ = ctx.needs_input_grad
         T = x.shape[0]
         dy = _ready(dy.to(x.dtype))
         d_losses = _ready(d_losses.to(routing_dtype(x.dtype)))
@@ -285,9 +308,10 @@ class _LayerFunction(torch.autograd.Function):
         dw_gate = torch.empty_like(w_gate) if need_gate else None
         dw_up = torch.empty_like(w_up) if need_up and w_up is not None else None
         dw_down = torch.empty_like(w_down) if need_down else None
-        workspace_size = layer.workspace_size(_lib.PASS_LAYER_BACKWARD, T)
+        workspace_size = layer.workspace_size(_lib.PASS_LAYER_BACKWARD, T, ctx.flags)
         workspace = _bytes(x.device, workspace_size)
         args = _lib.BackwardArgs.create()
+        args.flags = ctx.flags
         args.num_tokens = T
         args.dy, args.d_losses, args.x, args.w_router = _ptr(dy), _ptr(d_losses), _ptr(x), \
             _ptr(w_router)
@@ -298,18 +322,19 @@ class _LayerFunction(torch.autograd.Function):
         args.workspace, args.workspace_bytes = _ptr(workspace), workspace_size
         with _DeviceScope(x.device) as stream:
             layer._lib.moeblaze_layer_backward(layer.handle, ctypes.byref(args), stream)
-        return dx, dw_router, dw_gate, dw_up, dw_down, None
+        return dx, dw_router, dw_gate, dw_up, dw_down, None, None
 
 
 def moe_layer(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.Tensor,
               w_up: Optional[torch.Tensor], w_down: torch.Tensor, *, top_k: int,
               activation: str = "swiglu", checkpoint: str = "save_preact",
               score_function: str = "softmax_topk", renormalize: bool = False,
-              aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0):
+              aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+              consume_saved: bool = True):
     """The whole layer (router + experts), differentiable in x and every weight.
 
     Returns (y [T,d], losses [2] = (aux, z) in the routing dtype, expert_counts [E] int32,
-    ids [T,k] int32, g [T,k])."""
+    ids [T,k] int32, g [T,k]). consume_saved: as in moe_experts()."""
     if x.dim() != 2:
         raise ValueError(f"x: expected [T, d_model], got shape {list(x.shape)}")
     T, d = x.shape
@@ -330,7 +355,7 @@ def moe_layer(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.Tensor,
                       checkpoint=checkpoint.lower(), score_function=score_function.lower(),
                       renormalize=bool(renormalize), aux_loss_coeff=float(aux_loss_coeff),
                       z_loss_coeff=float(z_loss_coeff))
-    return _LayerFunction.apply(x, w_router, w_gate, w_up, w_down, layer)
+    return _LayerFunction.apply(x, w_router, w_gate, w_up, w_down, layer, bool(consume_saved))
 
 
 def _init_moe_module(module: torch.nn.Module, d_model: int, d_ffn: int, num_experts: int,
@@ -391,8 +416,9 @@ class MoE(torch.nn.Module):
                  activation: str = "swiglu", checkpoint: str = "save_preact",
                  score_function: str = "softmax_topk", renormalize: bool = False,
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, dtype=None, device=None,
-                 process_group=None):
+                 process_group=None, consume_saved: bool = True):
         super().__init__()
+        self.consume_saved = consume_saved  # see moe_experts()
         _init_moe_module(self, d_model, d_ffn, num_experts, top_k, num_experts, activation,
                          checkpoint, score_function, renormalize, aux_loss_coeff, z_loss_coeff,
                          dtype, device)
@@ -407,7 +433,8 @@ class MoE(torch.nn.Module):
             x.reshape(-1, self.d_model), self.w_router, self.w_gate, self.w_up, self.w_down,
             top_k=self.top_k, activation=self.activation, checkpoint=self.checkpoint,
             score_function=self.score_function, renormalize=self.renormalize,
-            aux_loss_coeff=self.aux_loss_coeff, z_loss_coeff=self.z_loss_coeff)
+            aux_loss_coeff=self.aux_loss_coeff, z_loss_coeff=self.z_loss_coeff,
+            consume_saved=self.consume_saved)
         self.last_expert_counts = counts
         return y.reshape(shape), losses[0], losses[1]
 

@@ -71,8 +71,9 @@ def test_moe_experts_gradcheck_float64(seed, act, checkpoint):
     x, g, w_gate, w_up, w_down = leaves
 
     def fn(x, g, w_gate, w_up, w_down):
+        # gradcheck backpropagates through one graph many times: keep the saved buffer intact.
         return mbt.moe_experts(x, ids, g, w_gate, w_up, w_down, activation=act,
-                               checkpoint=checkpoint)
+                               checkpoint=checkpoint, consume_saved=False)
 
     assert torch.autograd.gradcheck(fn, (x, g, w_gate, w_up, w_down), eps=1e-6, atol=1e-7,
                                     rtol=1e-5)
@@ -88,7 +89,8 @@ def test_moe_layer_gradcheck_float64(seed):
 
     def fn(x, w_router, w_gate, w_up, w_down):
         y, losses, _, _, _ = mbt.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=k,
-                                           aux_loss_coeff=0.5, z_loss_coeff=0.25)
+                                           aux_loss_coeff=0.5, z_loss_coeff=0.25,
+                                           consume_saved=False)
         return y, losses
 
     assert torch.autograd.gradcheck(fn, (x, *weights), eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -123,6 +125,31 @@ def test_saved_buffer_goes_through_saved_tensor_hooks():
     assert (torch.uint8, saved_size) in packed
     y.sum().backward()
     assert x.grad is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("checkpoint", ["save_all", "save_preact", "recompute"])
+def test_consume_saved_same_gradients_and_single_backward(device, checkpoint):
+    """consume_saved (the default) gives the gradients of consume_saved=False bit for bit; a
+    second backward through the same graph raises instead of reading overwritten activations."""
+    x, ids, g, w_gate, w_up, w_down = experts_problem(7, 37, 16, 24, 5, 2, "swiglu",
+                                                      torch.bfloat16, device)
+    grads = {}
+    for consume in (False, True):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, g, w_gate, w_up, w_down)]
+        lx, lg, lgate, lup, ldown = leaves
+        y = mbt.moe_experts(lx, ids, lg, lgate, lup, ldown, checkpoint=checkpoint,
+                            consume_saved=consume)
+        dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y)
+        y.backward(dy, retain_graph=True)
+        grads[consume] = [t.grad.clone() for t in leaves]
+        if consume:
+            with pytest.raises(RuntimeError, match="consume_saved=False"):
+                y.backward(dy)
+        else:
+            y.backward(dy)  # allowed: the saved buffer is intact
+    for plain, consumed in zip(grads[False], grads[True]):
+        assert torch.equal(plain, consumed)
 
 
 def test_moe_experts_rejects_bad_input():

@@ -126,10 +126,10 @@ __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
 // One element of B1's activation backward: u (the saved one, or act(a, b) rounded once) and da, db
 // for du = g * v. SwiGLU and SiLU evaluate the sigmoid once and reuse it: the same operations in
 // the same order as act_math::forward / backward (hence the same bits, and the same u as F1's), but
-// one IEEE division per element instead of three. The division's slow path is an out-of-line call;
-// with 128 elements per thread, fully unrolled, the act_math form made the epilogue ~22k
+// one sigmoid per element instead of three. With IEEE division (whose slow path is an out-of-line
+// call) and 128 elements per thread, fully unrolled, the act_math form made the epilogue ~22k
 // instructions, far past the instruction cache (measured: conf3's B1 took 23.0 ms, the round-3
-// workshop's one-sigmoid epilogue 9.5 ms).
+// workshop's one-sigmoid epilogue 9.5 ms); act_math's sigmoid is now the MUFU form on the GPU.
 template <typename T, int ACT>
 __device__ __forceinline__ void b1_element(float a, float b, float du, bool have_u, float u_saved,
                                            float& u, float& da, float& db) {

@@ -10,6 +10,7 @@ pub const MOEBLAZE_ABI_VERSION: u32 = 0;
 pub const MOEBLAZE_MAX_EXPERTS: u32 = 1024;
 pub const MOEBLAZE_MAX_TOP_K: u32 = 32;
 pub const MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD: u32 = 1;
+pub const MOEBLAZE_BACKWARD_CONSUME_SAVED: u32 = 2;
 pub type __int32_t = ::std::os::raw::c_int;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __int64_t = ::std::os::raw::c_long;
@@ -321,6 +322,23 @@ extern "C" {
 }
 extern "C" {
     #[must_use]
+    #[doc = " \\brief As moeblaze_layer_workspace_size(), for a backward call made with `flags` (the"]
+    #[doc = "  `MOEBLAZE_BACKWARD_*` bits of ::moeblaze_backward_args_t::flags). With"]
+    #[doc = "  ::MOEBLAZE_BACKWARD_CONSUME_SAVED the experts and layer backward need less; every other pass and"]
+    #[doc = "  flag gives the same size as moeblaze_layer_workspace_size(). A pure function of (layer, pass,"]
+    #[doc = "  num_tokens, flags)."]
+    #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (unknown pass or flag bits, num_tokens"]
+    #[doc = "          out of range, `bytes` NULL); ::MOEBLAZE_ERR_INVALID_HANDLE."]
+    pub fn moeblaze_layer_workspace_size_with_flags(
+        layer: moeblaze_layer_t,
+        pass: i32,
+        num_tokens: i64,
+        flags: u32,
+        bytes: *mut usize,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
     #[doc = " \\brief Bytes of the saved buffer that the forward pass `pass` (::MOEBLAZE_PASS_EXPERTS_FORWARD"]
     #[doc = " or"]
     #[doc = "  ::MOEBLAZE_PASS_LAYER_FORWARD) writes for its backward pass, for `num_tokens` tokens."]
@@ -493,7 +511,8 @@ pub type moeblaze_forward_args_t = moeblaze_forward_args;
 pub struct moeblaze_backward_args {
     #[doc = "< set by moeblaze_backward_args_init()"]
     pub struct_size: u32,
-    #[doc = "< 0 or ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD"]
+    #[doc = "< ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD and/or"]
+    #[doc = "::MOEBLAZE_BACKWARD_CONSUME_SAVED, or 0"]
     pub flags: u32,
     #[doc = "< T, as in the forward pass"]
     pub num_tokens: i64,
