@@ -25,6 +25,10 @@ def main():
     p.add_argument("--act", default="swiglu")
     p.add_argument("--policy", default="save_preact")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--host", action="store_true",
+                   help="also time the host side: enqueue time per step, GPU idle time, the CPU "
+                        "calls that take longest, and a Chrome trace (--trace)")
+    p.add_argument("--trace", default=None, help="with --host: write a Chrome trace here")
     a = p.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -60,6 +64,37 @@ def main():
         step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=90))
+    if a.host:
+        profile_host(step, ms, a)
+
+
+def profile_host(step, gpu_step_ms, a):
+    """Is the GPU ever waiting for the host? Host enqueue time per step (no sync inside the
+    steps), the kernel time the profiler sees, and the CPU calls with the most self time."""
+    import time
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        step()
+    enqueue_ms = (time.perf_counter() - t0) * 1e3 / 5
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    def device_us(event):  # renamed in torch 2.4 (self_cuda_time_total -> self_device_time_total)
+        return getattr(event, "self_device_time_total", None) or getattr(
+            event, "self_cuda_time_total", 0)
+
+    kernel_ms = sum(device_us(e) for e in prof.key_averages()) / 1e3 / 2
+    print(f"host: enqueue {enqueue_ms:.3f} ms/step (no sync); GPU step {gpu_step_ms:.3f} ms; "
+          f"kernels {kernel_ms:.3f} ms/step; GPU idle {gpu_step_ms - kernel_ms:.3f} ms/step")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows,
+                                    max_name_column_width=90))
+    if a.trace:
+        prof.export_chrome_trace(a.trace)
+        print(f"trace: {a.trace}")
 
 
 if __name__ == "__main__":

@@ -3,9 +3,12 @@
 //
 // As a GEMM with M output rows, N output columns and K = the expert's routed rows:
 //   B2: A[m][k=r] = dy[tok_r][m] (gathered, M = d), B[k=r][n] = gu[r][n] (contiguous, N = h)
-//   B3: A[m][k=r] = dadb[r][m]   (contiguous, M = 2h, h or the h columns of one wanted half),
-//       B[k=r][n] = x[tok_r][n]  (gathered, N = d); output rows m < split go to out0 (dw_gate, or
-//       the one wanted gradient), m >= split to out1 (dw_up) row m - split.
+//   B3, transposed: A[m][k=r] = x[tok_r][m] (gathered, M = d), B[k=r][n] = dadb[r][n]
+//       (contiguous, N = 2h, h or the h columns of one wanted half); tile element (m, n) is
+//       dw[n][m]: columns n < split go to out0 (dw_gate, or the one wanted gradient), n >= split
+//       to out1 (dw_up) row n - split. (The direct form, x as the 256-column gathered side, moved
+//       32 KB a stage through cp.async instead of 16 KB and ran at 412 TFLOP/s on conf3 instead
+//       of 511.)
 // Tile: 128 output rows x 256 output columns x 64 routed rows (k), 4 stages of 48 KB.
 // 384 threads: warpgroup 0 produces (setmaxnreg 56: 40 spills the 16-pass gather), warpgroups 1
 // and 2 consume (setmaxnreg 224); consumer warpgroup w owns output rows [64w, 64w + 64) and
@@ -15,11 +18,11 @@
 // Stage = A: 2 boxes {64 m, 64 k} + B: 4 boxes {64 n, 64 k}, each box 64 k-rows of 128 bytes in
 // the 128-byte swizzle (16-byte chunk c of k-row r at r * 128 + ((c ^ (r & 7)) << 4)).
 // Producer, per stage of 64 routed rows (row0 = off + 64 kt, valid = min(64, count - 64 kt)):
-//   the gathered operand (dy for B2, x for B3): all 128 producer threads issue 16-byte cp.async
+//   the gathered operand A (dy for B2, x for B3): all 128 producer threads issue 16-byte cp.async
 //     with zero-fill (rows >= valid, columns >= the operand's width) into the swizzle, coalesced;
 //     the 64 token ids come from one __ldg per lane (lanes 0..15, issued before the empty wait)
 //     and warp shuffles;
-//   the contiguous operand (gu for B2, dadb for B3): a FULL stage (valid == 64) is TMA boxes
+//   the contiguous operand B (gu for B2, dadb for B3): a FULL stage (valid == 64) is TMA boxes
 //     {64 columns, 64 rows} of a 2-D map over [N rows, width] (one thread; boxes starting past
 //     the width are neither issued nor expected); a PARTIAL stage (the expert's last, when
 //     count % 64 != 0) is loaded by the same cp.async path with the identity row map,
@@ -36,7 +39,8 @@
 // expert index order; CTA c takes positions c, c + G, c + 2G, ... (G CTAs). Within an expert the
 // tiles run along the larger output dimension first, so a wave reads the larger operand once.
 // Epilogue: straight from the accumulators (each thread owns rows g, g + 8 of its warp's 16 and
-// column pairs 8j + 2 t4): 4-byte pair stores; accumulate loads the old pairs 8 at a time first.
+// column pairs 8j + 2 t4): B2 4-byte pair stores (accumulate loads the old pairs 8 at a time
+// first); B3 2-byte stores of the transposed elements.
 #include "cuda/sm90/wgrad_gemm.hpp"
 
 #include "common/status.hpp"
@@ -77,7 +81,7 @@ struct WgradParams {
   void* out0;                  // [E, split, N]
   void* out1;                  // [E, M - split, N] (nullptr when split == M)
   int64_t out_stride0, out_stride1;  // elements per expert
-  int split;                         // output rows m < split -> out0, else out1 (row m - split)
+  int split;  // output rows m < split -> out0, else out1 (row m - split); TRANS_OUT: columns n
   int M, N, E, m_tiles, n_tiles;
   int m_fast;  // tiles of one expert m-fastest (N > M) or n-fastest (see tile_origin)
   int accumulate;
@@ -91,8 +95,8 @@ constexpr int kConsumerWarps = 8;
 // Tile `local` of an expert. The CTAs running at one time hold consecutive tiles of one expert
 // and sweep k together; a wave covering all tiles along the fast dimension reads the operand of
 // the slow dimension from DRAM once, the other once per wave. Fast = the larger dimension, so the
-// larger operand is read once: n-fastest when N <= M (B3: M = 2h > d), m-fastest otherwise (B2:
-// M = d < N = h).
+// larger operand is read once: n-fastest when N <= M, m-fastest otherwise (B2: M = d < N = h;
+// B3: M = d < N = 2h).
 __device__ __forceinline__ void tile_origin(const WgradParams& p, int local, int& m0, int& n0) {
   if (p.m_fast) {
     const int nt = local / p.m_tiles;
@@ -150,9 +154,10 @@ __device__ __forceinline__ int token_row(int w, int j) {
 
 #endif  // MB_SM90_DEVICE
 
-// GATHER_A: B2 (A = dy rows gathered, B = gu rows by TMA); otherwise B3 (A = dadb rows by TMA,
-// B = x rows gathered).
-template <typename T, bool GATHER_A>
+// A is the gathered operand (rows by cp.async), B the contiguous one (rows by TMA). B2: A = dy,
+// B = gu. TRANS_OUT: B3 as the transposed product, A = x (M = d), B = dadb (N = 2h or h), tile
+// element (m, n) stored as dw[n][m].
+template <typename T, bool TRANS_OUT>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_wgrad_kernel(const __grid_constant__ CUtensorMap cmap, const WgradParams p) {
 #if MB_SM90_DEVICE
@@ -179,8 +184,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tiles_per_expert = p.m_tiles * p.n_tiles;
   const int total_tiles = p.E * tiles_per_expert;
   const int G = int(gridDim.x), cta = int(blockIdx.x);
-  constexpr int kGBoxes = GATHER_A ? kBM / 64 : kBN / 64;  // boxes of the gathered operand
-  constexpr int kCBoxes = GATHER_A ? kBN / 64 : kBM / 64;  // boxes of the contiguous operand
+  constexpr int kGBoxes = kBM / 64;  // boxes of the gathered operand (A)
+  constexpr int kCBoxes = kBN / 64;  // boxes of the contiguous operand (B)
 
   if (warp < 4) {
     // ================= producer warpgroup =================
@@ -189,13 +194,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     const T* csrc = static_cast<const T*>(p.csrc);
     uint32_t it = 0;
     uint32_t cp_filled = 0;  // thread 0: stages whose last contiguous-operand fill was cp.async
-    const int g_width = GATHER_A ? p.M : p.N, c_width = GATHER_A ? p.N : p.M;
+    const int g_width = p.M, c_width = p.N;
     const int my_token_row = token_row<kGBoxes>(warp, lane);
     for (int t = cta; t < total_tiles; t += G) {
       const int e = t / tiles_per_expert;
       int m0, n0;
       tile_origin(p, t - e * tiles_per_expert, m0, n0);
-      const int g_col0 = GATHER_A ? m0 : n0, c_col0 = GATHER_A ? n0 : m0;
+      const int g_col0 = m0, c_col0 = n0;
       const int off = __ldg(p.offsets + e);
       const int count = cnt_s[e];
       const int k_tiles = (count + kBK - 1) / kBK;
@@ -210,8 +215,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t full = smem_u32(full_bar + s);
         const uint32_t a_dst = smem_u32(smem + s * kStageBytes);
         const uint32_t b_dst = a_dst + kATileBytes;
-        const uint32_t c_dst = GATHER_A ? b_dst : a_dst;
-        const uint32_t g_dst = GATHER_A ? a_dst : b_dst;
+        const uint32_t c_dst = b_dst;
+        const uint32_t g_dst = a_dst;
         if (valid == kBK) {
           if (tid == 0) {
             if ((cp_filled >> s) & 1u) fence_proxy_async();  // generic writes before TMA's
@@ -283,44 +288,67 @@ __global__ void __launch_bounds__(kThreads, 1)
       // column 8j + 2 t4 + (q & 1) of the warp's 16 x 256 block.
       if (p.accumulate && count == 0) continue;  // empty expert: leave out untouched
       const int tile_row = wg * 64 + warp_in_wg * 16 + g;
-#pragma unroll  // rr indexes the accumulators: a runtime index would move them to local memory
-      for (int rr = 0; rr < 2; ++rr) {
-        const int m = m0 + tile_row + 8 * rr;
-        if (m >= p.M) continue;
-        T* orow =
-            m < p.split
-                ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(m) * p.N
-                : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 + size_t(m - p.split) * p.N;
-        orow += n0 + 2 * t4;
-        if (p.accumulate) {
+      if constexpr (TRANS_OUT) {
+        // Element (m, n) is output row n, column m: 2-byte stores, a warp instruction writes 8
+        // consecutive m of 4 output rows. The same fp32 add and single rounding as below.
 #pragma unroll
-          for (int j0 = 0; j0 < 32; j0 += 8) {
-            uint32_t old[8];
+        for (int rr = 0; rr < 2; ++rr) {
+          const int m = m0 + tile_row + 8 * rr;
+          if (m >= p.M) continue;
 #pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-              const bool ok = n0 + 8 * (j0 + jj) < p.N;  // N % 8 == 0: a pair is all in or out
-              old[jj] = ok ? *reinterpret_cast<const uint32_t*>(orow + 8 * (j0 + jj)) : 0u;
-            }
-#pragma unroll
-            for (int jj = 0; jj < 8; ++jj) {
-              const int jc = j0 + jj;
-              if (n0 + 8 * jc < p.N) {
-                const float2 o = unpack2<T>(old[jj]);
-                *reinterpret_cast<uint32_t*>(orow + 8 * jc) =
-                    pack2<T>(o.x + (live ? acc[4 * jc + 2 * rr] : 0.f),
-                             o.y + (live ? acc[4 * jc + 2 * rr + 1] : 0.f));
-              }
-            }
-          }
-        } else {
-#pragma unroll
-          for (int jc = 0; jc < 32; ++jc) {
-            if (n0 + 8 * jc < p.N)
-              *reinterpret_cast<uint32_t*>(orow + 8 * jc) = pack2<T>(
-                  live ? acc[4 * jc + 2 * rr] : 0.f, live ? acc[4 * jc + 2 * rr + 1] : 0.f);
+          for (int q = 0; q < 4 * 32; q += 2) {
+            const int jc = q >> 2, half = (q >> 1) & 1;  // q: 4 jc + 2 half, half = column parity
+            const int n = n0 + 8 * jc + 2 * t4 + half;
+            if (n >= p.N) continue;
+            T* o = n < p.split
+                       ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(n) * p.M + m
+                       : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
+                             size_t(n - p.split) * p.M + m;
+            float v = live ? acc[4 * jc + 2 * rr + half] : 0.f;
+            if (p.accumulate) v += to_float(*o);
+            *o = from_float<T>(v);
           }
         }
-      }
+      } else {
+#pragma unroll  // rr indexes the accumulators: a runtime index would move them to local memory
+        for (int rr = 0; rr < 2; ++rr) {
+          const int m = m0 + tile_row + 8 * rr;
+          if (m >= p.M) continue;
+          T* orow =
+              m < p.split
+                  ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(m) * p.N
+                  : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 + size_t(m - p.split) * p.N;
+          orow += n0 + 2 * t4;
+          if (p.accumulate) {
+#pragma unroll
+            for (int j0 = 0; j0 < 32; j0 += 8) {
+              uint32_t old[8];
+#pragma unroll
+              for (int jj = 0; jj < 8; ++jj) {
+                const bool ok = n0 + 8 * (j0 + jj) < p.N;  // N % 8 == 0: a pair is all in or out
+                old[jj] = ok ? *reinterpret_cast<const uint32_t*>(orow + 8 * (j0 + jj)) : 0u;
+              }
+#pragma unroll
+              for (int jj = 0; jj < 8; ++jj) {
+                const int jc = j0 + jj;
+                if (n0 + 8 * jc < p.N) {
+                  const float2 o = unpack2<T>(old[jj]);
+                  *reinterpret_cast<uint32_t*>(orow + 8 * jc) =
+                      pack2<T>(o.x + (live ? acc[4 * jc + 2 * rr] : 0.f),
+                               o.y + (live ? acc[4 * jc + 2 * rr + 1] : 0.f));
+                }
+              }
+            }
+          } else {
+#pragma unroll
+            for (int jc = 0; jc < 32; ++jc) {
+              if (n0 + 8 * jc < p.N)
+                *reinterpret_cast<uint32_t*>(orow + 8 * jc) = pack2<T>(
+                    live ? acc[4 * jc + 2 * rr] : 0.f, live ? acc[4 * jc + 2 * rr + 1] : 0.f);
+            }
+          }
+        }
+      }  // TRANS_OUT
     }
   }
 #else
@@ -332,11 +360,15 @@ __global__ void __launch_bounds__(kThreads, 1)
 
 using KernelFn = void (*)(const CUtensorMap, const WgradParams);
 
-KernelFn kernel_for(Dtype dtype, bool gather_a) {
-  if (dtype == Dtype::BF16)
-    return gather_a ? sm90_wgrad_kernel<__nv_bfloat16, true>
-                    : sm90_wgrad_kernel<__nv_bfloat16, false>;
-  return gather_a ? sm90_wgrad_kernel<__half, true> : sm90_wgrad_kernel<__half, false>;
+// The two forms: B2, and B3 as the transposed product (see sm90_b3_launch).
+enum class WgradForm { B2, B3 };
+
+KernelFn kernel_for(Dtype dtype, WgradForm form) {
+  if (dtype == Dtype::BF16) {
+    return form == WgradForm::B2 ? sm90_wgrad_kernel<__nv_bfloat16, false>
+                                 : sm90_wgrad_kernel<__nv_bfloat16, true>;
+  }
+  return form == WgradForm::B2 ? sm90_wgrad_kernel<__half, false> : sm90_wgrad_kernel<__half, true>;
 }
 
 // The contiguous operand: `rows` routed rows of `width` columns, `ld` elements apart, as a 2-D map
@@ -358,7 +390,7 @@ void write_zeros(void* out, int64_t elements, size_t elem_size, cudaStream_t str
   check(cudaMemsetAsync(out, 0, size_t(elements) * elem_size, stream), what);
 }
 
-void launch(const LayerDesc& desc, bool gather_a, const CUtensorMap& map, WgradParams p,
+void launch(const LayerDesc& desc, WgradForm form, const CUtensorMap& map, WgradParams p,
             cudaStream_t stream, const char* what) {
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
@@ -370,7 +402,7 @@ void launch(const LayerDesc& desc, bool gather_a, const CUtensorMap& map, WgradP
   // tiles; every expert's tiles are scheduled, empty or not.
   const int64_t total_tiles = int64_t(p.E) * p.m_tiles * p.n_tiles;
   const int grid = int(total_tiles < info.sms ? total_tiles : info.sms);
-  kernel_for(desc.dtype, gather_a)<<<grid, kThreads, smem_bytes(p.E), stream>>>(map, p);
+  kernel_for(desc.dtype, form)<<<grid, kThreads, smem_bytes(p.E), stream>>>(map, p);
   check_launch(what);
 }
 
@@ -382,8 +414,8 @@ size_t sm90_wgrad_max_smem_bytes() {
 
 bool sm90_wgrad_prepare_kernels() {
   for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
-    for (bool gather_a : {true, false}) {
-      if (!prepare_kernel(kernel_for(dtype, gather_a), kMaxSmemBytes)) return false;
+    for (WgradForm form : {WgradForm::B2, WgradForm::B3}) {
+      if (!prepare_kernel(kernel_for(dtype, form), kMaxSmemBytes)) return false;
     }
   }
   return true;
@@ -431,7 +463,7 @@ void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int3
   p.split = p.M;
   p.accumulate = accumulate ? 1 : 0;
   const CUtensorMap map = contiguous_map(desc.dtype, gu, desc.h, N, desc.h, "B2");
-  launch(desc, true, map, p, stream, "sm90_wgrad_kernel (B2)");
+  launch(desc, WgradForm::B2, map, p, stream, "sm90_wgrad_kernel (B2)");
 }
 
 void sm90_b3_launch(const LayerDesc& desc, int64_t T, const void* dadb, const void* x,
@@ -457,6 +489,7 @@ void sm90_b3_launch(const LayerDesc& desc, int64_t T, const void* dadb, const vo
       dw_gate != nullptr
           ? dadb
           : static_cast<const void*>(static_cast<const char*>(dadb) + size_t(h) * desc.elem_size());
+  const int dadb_width = int(both ? 2 * h : h);
   WgradParams p = {};
   p.gsrc = x;
   p.gld = int(desc.d);
@@ -468,12 +501,16 @@ void sm90_b3_launch(const LayerDesc& desc, int64_t T, const void* dadb, const vo
   p.out1 = both ? dw_up : nullptr;
   p.out_stride0 = h * desc.d;
   p.out_stride1 = h * desc.d;
-  p.M = int(both ? 2 * h : h);
-  p.N = int(desc.d);
   p.split = int(h);
   p.accumulate = accumulate ? 1 : 0;
-  const CUtensorMap map = contiguous_map(desc.dtype, a_base, p.M, N, dadb_ld, "B3");
-  launch(desc, false, map, p, stream, "sm90_wgrad_kernel (B3)");
+  // dw^T [d, 2h] = x^T . dadb, in B2's orientation: the gathered x is the 128-row side (16 KB a
+  // stage through cp.async) and dadb the 256-column TMA side. The direct form (dw = dadb^T . x,
+  // x on the 256-column side: 32 KB a stage gathered) ran at 412 TFLOP/s on conf3, this one at 511
+  // (H200, docs/performance.md).
+  p.M = int(desc.d);
+  p.N = dadb_width;
+  const CUtensorMap map = contiguous_map(desc.dtype, a_base, dadb_width, N, dadb_ld, "B3");
+  launch(desc, WgradForm::B3, map, p, stream, "sm90_wgrad_kernel (B3)");
 }
 
 }  // namespace cuda
