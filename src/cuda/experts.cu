@@ -20,7 +20,11 @@ namespace {
 
 constexpr int kReduceThreads = 128;
 
-// y_t = round(sum_j g[t,j] * rows[tim[t,j]]) (weights == nullptr: plain sum), j in order.
+// y_t = round(sum_j g[t,j] * rows[tim[t,j]]) (weights == nullptr: plain sum), j in order. Each
+// product is rounded before it is added (__fmul_rn / __fadd_rn: never contracted to an FMA), as
+// the CPU reference does and as the expert-parallel layer does when an expert rank applies g to
+// its row and the home rank sums the returned rows: with F32 storage all three agree bitwise
+// (seen on two H200s: the contracted form differed from the EP layer by one ulp of y).
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
     token_reduce_kernel(int64_t d, int k, const int32_t* token_index_map, const float* weights,
@@ -32,7 +36,7 @@ __global__ void __launch_bounds__(kReduceThreads)
       const int32_t r = token_index_map[t * k + j];
       if (r < 0) continue;
       const float v = rows[int64_t(r) * d + c];
-      s += weights ? weights[t * k + j] * v : v;
+      s = __fadd_rn(s, weights ? __fmul_rn(weights[t * k + j], v) : v);
     }
     out[t * d + c] = from_f32<T>(s);
   }

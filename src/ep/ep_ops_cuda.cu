@@ -233,6 +233,11 @@ class CudaEpOps final : public EpOps {
     if (bytes == 0 || dst == src) return;
     DeviceScope scope(device_);
     check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy (LOCAL transport)");
+    // A device-to-device cudaMemcpy returns before the copy is done (no host synchronisation for
+    // such transfers): wait for it, so the received data is complete when the exchange's closing
+    // barrier lets this rank's (non-blocking) stream read it and the sender reuse its buffer.
+    // Seen on two H200s: a count table read before its copy landed.
+    check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize (LOCAL transport copy)");
   }
 
   void synchronize(void* stream) override {
