@@ -164,15 +164,20 @@ def layer_forward(layer, *, x, w_router, w_gate, w_up, w_down, y, workspace=None
 def layer_backward(layer, *, saved, dy, x, w_router, w_gate, w_up, w_down, workspace=None,
                    dx=None, dw_router=None, dw_gate=None, dw_up=None, dw_down=None,
                    d_logits=None, d_losses=None, accumulate: bool = False,
-                   stream: Optional[int] = None) -> None:
-    """moeblaze_layer_backward on DLPack tensors; gradient outputs left None are skipped."""
+                   consume_saved: bool = False, stream: Optional[int] = None) -> None:
+    """moeblaze_layer_backward on DLPack tensors; gradient outputs left None are skipped.
+
+    consume_saved: sets MOEBLAZE_BACKWARD_CONSUME_SAVED: the backward may overwrite `saved`, which
+    is then good for no further backward, and needs only
+    layer.workspace_size(PASS_LAYER_BACKWARD, T, BACKWARD_CONSUME_SAVED) bytes of workspace."""
     storage, routing, _, u8 = _layer_types(layer)
     bind = _Binder(layer, stream)
     T = view(x, stream, "x").shape[0]
     E, d, h = layer.num_experts, layer.d_model, layer.d_ffn
     gated = layer.gated
     args = _lib.BackwardArgs.create()
-    args.flags = _lib.BACKWARD_ACCUMULATE_WGRAD if accumulate else 0
+    args.flags = (_lib.BACKWARD_ACCUMULATE_WGRAD if accumulate else 0) | (
+        _lib.BACKWARD_CONSUME_SAVED if consume_saved else 0)
     args.num_tokens = T
     args.dy = bind(dy, "dy", (T, d), storage)
     args.d_losses = bind(d_losses, "d_losses", (2,), routing)
@@ -189,7 +194,7 @@ def layer_backward(layer, *, saved, dy, x, w_router, w_gate, w_up, w_down, works
     args.dw_up = bind(dw_up if gated else None, "dw_up", (E, h, d), storage)
     args.dw_down = bind(dw_down, "dw_down", (E, d, h), storage)
     args.d_logits = bind(d_logits, "d_logits", (T, E), routing)
-    ws_bytes = layer.workspace_size(_lib.PASS_LAYER_BACKWARD, T)
+    ws_bytes = layer.workspace_size(_lib.PASS_LAYER_BACKWARD, T, args.flags)
     args.workspace = bind(workspace, "workspace", None, u8, ws_bytes)
     args.workspace_bytes = ws_bytes
     layer._lib.moeblaze_layer_backward(layer.handle, ctypes.byref(args), stream)

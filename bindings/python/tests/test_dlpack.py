@@ -40,6 +40,11 @@ def test_forward_backward_match_numpy_api(seed, framework):
                           workspace=ws)
     np.testing.assert_array_equal(np.asarray(dx), expected_grads.dx)
     np.testing.assert_array_equal(np.asarray(dw_gate), expected_grads.dw_gate)
+    # The same backward allowed to consume the saved buffer (the CPU backend ignores it): same bits.
+    dx2 = empty((T, 8), np.float32)
+    dlpack.layer_backward(layer, saved=saved, dy=wrap(dy), **inputs, dx=dx2, workspace=ws,
+                          consume_saved=True)
+    np.testing.assert_array_equal(np.asarray(dx2), expected_grads.dx)
 
 
 def test_rejects_wrong_dtype_shape_and_strides():
