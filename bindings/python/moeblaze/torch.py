@@ -404,7 +404,11 @@ class MoE(torch.nn.Module):
 
     With `process_group=pg` the layer is expert parallel: `MoE(...)` returns a
     `moeblaze.distributed.ExpertParallelMoE` whose experts are split contiguously over the ranks
-    of `pg` and whose tokens travel to them through torch.distributed."""
+    of `pg` and whose tokens travel to them through torch.distributed.
+
+    `consume_saved=True` (the default): the backward writes its activation gradients over the
+    saved activations, lowering the peak memory by their size, with the same gradients; a second
+    backward through the same graph (retain_graph=True, gradcheck) then raises: pass False."""
 
     def __new__(cls, *args, process_group=None, **kwargs):
         if cls is MoE and process_group is not None:
