@@ -83,13 +83,19 @@ def profile_host(step, gpu_step_ms, a):
         for _ in range(2):
             step()
         torch.cuda.synchronize()
-    def device_us(event):  # renamed in torch 2.4 (self_cuda_time_total -> self_device_time_total)
-        return getattr(event, "self_device_time_total", None) or getattr(
-            event, "self_cuda_time_total", 0)
-
-    kernel_ms = sum(device_us(e) for e in prof.key_averages()) / 1e3 / 2
-    print(f"host: enqueue {enqueue_ms:.3f} ms/step (no sync); GPU step {gpu_step_ms:.3f} ms; "
-          f"kernels {kernel_ms:.3f} ms/step; GPU idle {gpu_step_ms - kernel_ms:.3f} ms/step")
+    # GPU busy time = the union of the kernels' intervals (the per-op averages attribute kernels
+    # launched through ctypes to the enclosing autograd op as well, so their sum double counts).
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    busy_us, covered_to = 0.0, float("-inf")
+    for start, end in spans:
+        if end > covered_to:
+            busy_us += end - max(start, covered_to)
+            covered_to = end
+    span_us = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    print(f"host: enqueue {enqueue_ms:.3f} ms/step (no sync), GPU step {gpu_step_ms:.3f} ms; "
+          f"profiled 2 steps: kernels busy {busy_us / 1e3:.3f} ms of a {span_us / 1e3:.3f} ms span "
+          f"(GPU idle {(span_us - busy_us) / 1e3:.3f} ms)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows,
                                     max_name_column_width=90))
     if a.trace:
