@@ -242,7 +242,7 @@ def import_moeblaze(args):
             log(f"WARNING: moeblaze import failed ({error!r}); using the DEVELOPMENT SHIM "
                 f"(the loop baseline) under the moeblaze name")
 
-            def shim(x, ids, g, w_gate, w_up, w_down, *, activation, checkpoint):
+            def shim(x, ids, g, w_gate, w_up, w_down, *, activation, checkpoint, **_options):
                 return baselines.moe_loop(x, ids, g, w_gate, w_up, w_down, activation)
 
             result = (shim, "SHIM: loop baseline, NOT moeblaze")
@@ -269,11 +269,9 @@ def make_impl(impl, policy, activation, args):
         fn, source = import_moeblaze(args)
         if fn is None:
             raise RuntimeError(f"moeblaze unavailable: {source}")
-        if args.keep_saved:
-            return lambda x, ids, g, wg, wu, wd: fn(x, ids, g, wg, wu, wd, activation=activation,
-                                                    checkpoint=policy, consume_saved=False)
+        extra = {"consume_saved": False} if args.keep_saved else {}
         return lambda x, ids, g, wg, wu, wd: fn(x, ids, g, wg, wu, wd, activation=activation,
-                                                checkpoint=policy)
+                                                checkpoint=policy, **extra)
     raise ValueError(impl)
 
 

@@ -263,35 +263,33 @@ static Pass require_pass(int32_t pass, bool forward_only, const char* argument) 
   return static_cast<Pass>(pass);
 }
 
+namespace {
+
+// Both workspace queries: `flags` (MOEBLAZE_BACKWARD_*) matter only for the backward passes.
+void query_workspace_size(moeblaze_layer_t layer, int32_t pass, int64_t num_tokens, uint32_t flags,
+                          size_t* bytes) {
+  require_handle(layer, kLayerHandle, "layer");
+  MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
+  const Pass p = require_pass(pass, false, "pass");
+  require_num_tokens(layer->desc, num_tokens, "num_tokens");
+  require_backward_flags(flags, "flags");
+  const bool backward = p == Pass::ExpertsBackward || p == Pass::LayerBackward;
+  *bytes = workspace_size_for(*layer, p, num_tokens, backward ? flags : 0);
+}
+
+}  // namespace
+
 moeblaze_status_t moeblaze_layer_workspace_size(moeblaze_layer_t layer, int32_t pass,
                                                 int64_t num_tokens, size_t* bytes) {
   if (bytes != nullptr) *bytes = 0;
-  return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
-    MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
-    const Pass p = require_pass(pass, false, "pass");
-    require_num_tokens(layer->desc, num_tokens, "num_tokens");
-    *bytes = workspace_size_for(*layer, p, num_tokens, 0);
-  });
+  return guarded(__func__, [&] { query_workspace_size(layer, pass, num_tokens, 0, bytes); });
 }
 
 moeblaze_status_t moeblaze_layer_workspace_size_with_flags(moeblaze_layer_t layer, int32_t pass,
                                                            int64_t num_tokens, uint32_t flags,
                                                            size_t* bytes) {
   if (bytes != nullptr) *bytes = 0;
-  return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
-    MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
-    const Pass p = require_pass(pass, false, "pass");
-    require_num_tokens(layer->desc, num_tokens, "num_tokens");
-    constexpr uint32_t known = MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD | MOEBLAZE_BACKWARD_CONSUME_SAVED;
-    MB_REQUIRE_ARG((flags & ~known) == 0,
-                   "flags = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1 and "
-                   "MOEBLAZE_BACKWARD_CONSUME_SAVED = 2)",
-                   flags);
-    const bool backward = p == Pass::ExpertsBackward || p == Pass::LayerBackward;
-    *bytes = workspace_size_for(*layer, p, num_tokens, backward ? flags : 0);
-  });
+  return guarded(__func__, [&] { query_workspace_size(layer, pass, num_tokens, flags, bytes); });
 }
 
 moeblaze_status_t moeblaze_layer_saved_size(moeblaze_layer_t layer, int32_t pass,

@@ -77,11 +77,15 @@ const char* query_name(Pass pass, uint32_t flags = 0) {
   }
 }
 
-// The flags a backward call accepts.
-constexpr uint32_t kBackwardFlags =
-    MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD | MOEBLAZE_BACKWARD_CONSUME_SAVED;
-
 }  // namespace
+
+void require_backward_flags(uint32_t flags, const char* argument) {
+  constexpr uint32_t known = MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD | MOEBLAZE_BACKWARD_CONSUME_SAVED;
+  MB_REQUIRE_ARG((flags & ~known) == 0,
+                 "%s = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1 and "
+                 "MOEBLAZE_BACKWARD_CONSUME_SAVED = 2)",
+                 argument, flags);
+}
 
 size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T, uint32_t flags) {
   const Backend& backend = *layer.context->backend;
@@ -205,10 +209,7 @@ void run_backward(moeblaze_layer_s& layer, const moeblaze_backward_args_t& a, Pa
   const Pass forward_pass = whole_layer ? Pass::LayerForward : Pass::ExpertsForward;
   const int64_t T = a.num_tokens;
 
-  MB_REQUIRE_ARG((a.flags & ~kBackwardFlags) == 0,
-                 "args->flags = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1 "
-                 "and MOEBLAZE_BACKWARD_CONSUME_SAVED = 2)",
-                 a.flags);
+  require_backward_flags(a.flags, "args->flags");
   require_num_tokens(desc, T, "args->num_tokens");
   const bool empty = T == 0;
   const size_t es = desc.elem_size();

@@ -212,22 +212,6 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
-// One value of T as float, and a float rounded to T (round-to-nearest-even, as pack2).
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-__device__ __forceinline__ float to_float(__half v) {
-  return __half2float(v);
-}
-template <typename T>
-__device__ __forceinline__ T from_float(float v) {
-  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    return __float2bfloat16_rn(v);
-  } else {
-    return __float2half_rn(v);
-  }
-}
-
 // Two packed 16-bit values as floats (.x = the lower address).
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t bits) {

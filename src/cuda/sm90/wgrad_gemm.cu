@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                        : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
                              size_t(n - p.split) * p.M + m;
             float v = live ? acc[4 * jc + 2 * rr + half] : 0.f;
-            if (p.accumulate) v += to_float(*o);
-            *o = from_float<T>(v);
+            if (p.accumulate) v += to_f32<T>(*o);
+            *o = from_f32<T>(v);
           }
         }
       } else {
