@@ -21,13 +21,15 @@ mkdir -p "$out"
 bin=/tmp/sm90_gather_probe
 src=dev/cuda/sm90_gather_probe.cu
 flags=(-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -Xptxas -v -I src)
-all_versions="1 2 3 4 5 6"
+all_versions="${VERSIONS:-1 2 3 4 5 6 7 8 9}"
 : >"$out/summary.txt"
 say() { echo "$*" | tee -a "$out/summary.txt"; }
 # Mangled kernel name -> version (probe_kernel<AMODE, WARPS>).
 declare -A vname=(
   [_Z12probe_kernelILi0ELi1E]=v1 [_Z12probe_kernelILi1ELi4E]=v2 [_Z12probe_kernelILi2ELi1E]=v3
-  [_Z12probe_kernelILi2ELi4E]=v4 [_Z12probe_kernelILi3ELi1E]=v5 [_Z12probe_kernelILi3ELi4E]=v6)
+  [_Z12probe_kernelILi2ELi4E]=v4 [_Z12probe_kernelILi3ELi1E]=v5 [_Z12probe_kernelILi3ELi4E]=v6
+  [_Z12probe_kernelILi4ELi4E]=v7 [_Z12probe_kernelILi5ELi2E]=v8 [_Z12probe_kernelILi5ELi3E]=v9
+  [_Z12probe_kernelILi6ELi4E]=v10 [_Z12probe_kernelILi7ELi4E]=v11)
 version_of() {  # a mangled name (or a line holding one) -> v1..v6, or "" for helper kernels
   local key
   for key in "${!vname[@]}"; do
@@ -99,7 +101,7 @@ done
 passed="${passed#,}"
 run_versions="$passed"
 if [ -z "$run_versions" ]; then
-  run_versions="1,2,3,4,5,6"
+  run_versions="${all_versions// /,}"
   say "NO VERSION PASSED the edge check: timing all of them anyway (results unverified)"
 fi
 say "edge checks done ($((SECONDS - start)) s): passed ${passed:-none}; tail policy for the rest:" \

@@ -277,6 +277,12 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                : "memory");
 }
 
+// Raises the barrier's expected transaction bytes without arriving (the arrival comes later).
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses (plain stores) with later async-proxy
 // ones (wgmma operand reads, TMA writes) to the same shared memory.
 __device__ __forceinline__ void fence_proxy_async() {
@@ -582,7 +588,8 @@ __global__ void __launch_bounds__(384, 1)
         mbar_wait(smem_u32(empty_bar + s), ((it / kV1Stages) & 1) ^ 1);
         const uint32_t stage = smem_u32(smem + s * kV1StageBytes);
         const uint32_t full = smem_u32(full_bar + s);
-        mbar_arrive_expect_tx(full, uint32_t(kATileBytes));
+        // One arrival (count 1) carries the whole stage's bytes: A here, the B boxes in load_b.
+        mbar_expect_tx(full, uint32_t(kATileBytes));
         tma_load_3d(stage, &tmap_u, full, k0, 0, c.row0);
         load_b(&tmap_w, stage + kATileBytes, full, c, k0, boxes);
       }

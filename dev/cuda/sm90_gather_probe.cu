@@ -218,6 +218,13 @@ __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, 
                : "memory");
 }
 
+__device__ __forceinline__ void cp_async16_zfill_l2_256(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(bytes)
+               : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses (cp.async results, plain stores)
 // with later async-proxy ones (wgmma operand reads, TMA writes) to the same shared memory.
 __device__ __forceinline__ void fence_proxy_async() {
@@ -377,7 +384,29 @@ static size_t probe_smem_bytes(int E) {
 }
 
 // How the A tile reaches shared memory (see the header comment).
-enum AMode : int { kAContig = 0, kACpAsync = 1, kARowTmaLanes = 2, kARowTmaWarp = 3 };
+enum AMode : int {
+  kAContig = 0,
+  kACpAsync = 1,
+  kARowTmaLanes = 2,
+  kARowTmaWarp = 3,
+  // Round 8b. v7: v2 without the consumers' proxy fence: a MEASUREMENT of the fence's cost only
+  // (wgmma may read the stage before the generic-proxy writes are visible to the async proxy).
+  kACpAsyncNoFence = 4,
+  // v8, v9: v2's cp.async gather, but each producer thread commits a cp.async group per stage and,
+  // LAG stages later, waits for that group (cp.async.wait_group LAG), fences it into the async
+  // proxy itself (fence.proxy.async), and the warp arrives once (lane 0 after __syncwarp): the
+  // full barrier counts 4 warp arrivals + the TMA thread's instead of 128 per-thread noinc
+  // arrivals, and the consumers need no fence. LAG = the template's WARPS argument (2 or 3).
+  kACpAsyncWarp = 5,
+  // v10: both paths at once: rows [0, 64) by v2's cp.async from producer warps 2, 3 (8 chunks
+  // each), rows [64, 128) by one row TMA per lane from warps 0, 1 (v4's issue). If the gather is
+  // limited per path (L1TEX miss tracking for cp.async, the TMA unit's box rate for row TMAs),
+  // splitting the rows between them should add the two rates. The consumers fence (cp.async half).
+  kAHybrid = 6,
+  // v11: v2 with the .L2::256B prefetch-size hint on every cp.async (the next k-step's 128 bytes
+  // of the same row come into L2 with this one's).
+  kACpAsyncL2 = 7
+};
 
 struct ProbeParams {
   const bf16* x;               // [T + 1, K]: token rows (row T is zeros), v2's cp.async source
@@ -450,13 +479,20 @@ template <int AMODE, int WARPS>
 __global__ void __launch_bounds__(kThreads, 1)
     probe_kernel(const __grid_constant__ CUtensorMap tmap_a,
                  const __grid_constant__ CUtensorMap tmap_b, const ProbeParams p) {
-  static_assert(WARPS == 1 || WARPS == 4, "row TMA: 1 or 4 issuing warps");
+  static_assert(AMODE == kACpAsyncWarp || WARPS == 1 || WARPS == 4, "row TMA: 1 or 4 warps");
+  static_assert(AMODE != kACpAsyncWarp || (WARPS >= 1 && WARPS < kStages), "0 < LAG < stages");
+  constexpr bool kCpAsync = AMODE == kACpAsync || AMODE == kACpAsyncNoFence ||
+                            AMODE == kACpAsyncWarp || AMODE == kACpAsyncL2 || AMODE == kAHybrid;
   constexpr bool kRowTma = AMODE == kARowTmaLanes || AMODE == kARowTmaWarp;
-  constexpr bool kProxyFence = AMODE == kACpAsync;  // A written by the generic proxy
+  // A (or part of it) written by the generic proxy.
+  constexpr bool kProxyFence = AMODE == kACpAsync || AMODE == kACpAsyncL2 || AMODE == kAHybrid;
   constexpr int kIssueLanes = 32 * WARPS;           // v3, v4
   constexpr int kRowsPerLane = kBM / kIssueLanes;   // v3, v4: 4 or 1
   constexpr uint32_t kWarpABytes = uint32_t(kBM / WARPS) * kRowBytes;
-  constexpr uint32_t kFullCount = AMODE == kACpAsync ? kProducerThreads + 1 : (kRowTma ? WARPS : 1);
+  constexpr uint32_t kFullCount = AMODE == kACpAsyncWarp ? 4 + 1
+                                  : AMODE == kAHybrid    ? 64 + 2
+                                  : kCpAsync             ? kProducerThreads + 1
+                                                         : (kRowTma ? WARPS : 1);
 
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment (128B swizzle atoms) by an offset from smem_raw, so the compiler still
@@ -477,7 +513,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    if (AMODE != kACpAsync) prefetch_tensormap(&tmap_a);
+    if (!kCpAsync || AMODE == kAHybrid) prefetch_tensormap(&tmap_a);
     prefetch_tensormap(&tmap_b);
   }
   for (int e = tid; e < p.E; e += kThreads) {
@@ -582,8 +618,42 @@ __global__ void __launch_bounds__(kThreads, 1)
         asm volatile("bar.sync 1, 128;\n" ::: "memory");  // previous tile's ids no longer read
         tok_s[tid] = tid < c.rows ? __ldg(p.token_index + c.row0 + tid) : -1;
         asm volatile("bar.sync 1, 128;\n" ::: "memory");
-        if constexpr (AMODE == kACpAsync) {
-          // v2: f1_gemm.cu's A path, unchanged.
+        if constexpr (AMODE == kAHybrid) {
+          const bool tma_warp = warp < 2;
+          int tok_row = 0;
+          if (tma_warp) {
+            const int v = tok_s[64 + tid];
+            tok_row = v >= 0 ? v : p.tail_row;
+          }
+          const int ct = tid - 64;  // cp.async threads 0..63
+          const int chunk = ct & 7, row_base = ct >> 3;
+          for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
+            const int s = it % kStages;
+            mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
+            const uint32_t stage = smem_u32(smem + s * kStageBytes);
+            const uint32_t full = smem_u32(full_bar + s);
+            const int k0 = kt * kBK;
+            if (tma_warp) {
+              if (lane == 0)
+                mbar_arrive_expect_tx(full, 32u * kRowBytes + (tid == 0 ? b_tile_bytes(c, p) : 0u));
+              if (tid == 0) load_b_tile(stage, &tmap_b, full, c, kt, p);
+              tma_load_2d(stage + (64 + tid) * kRowBytes, &tmap_a, full, k0, tok_row);
+            } else {
+              const int k = k0 + chunk * 8;
+              const bool k_ok = k < p.K;
+#pragma unroll
+              for (int i = 0; i < 8; ++i) {
+                const int r = row_base + 8 * i;
+                const int tok = tok_s[r];
+                const bool ok = k_ok && tok >= 0;
+                const bf16* src = ok ? p.x + size_t(tok) * p.K + k : p.x;
+                cp_async16_zfill(stage + r * kRowBytes + ((chunk ^ (r & 7)) << 4), src, ok);
+              }
+              cp_async_mbar_arrive_noinc(full);
+            }
+          }
+        } else if constexpr (kCpAsync) {
+          // v2: f1_gemm.cu's A path, unchanged (v7, v8, v9, v11: see AMode).
           const int chunk = tid & 7;  // 16-byte chunk of a 128-byte row slice
           const int row_base = tid >> 3;
           for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
@@ -603,9 +673,23 @@ __global__ void __launch_bounds__(kThreads, 1)
               const int tok = tok_s[r];
               const bool ok = k_ok && tok >= 0;
               const bf16* src = ok ? p.x + size_t(tok) * p.K + k : p.x;
-              cp_async16_zfill(stage + r * kRowBytes + ((chunk ^ (r & 7)) << 4), src, ok);
+              if constexpr (AMODE == kACpAsyncL2)
+                cp_async16_zfill_l2_256(stage + r * kRowBytes + ((chunk ^ (r & 7)) << 4), src, ok);
+              else
+                cp_async16_zfill(stage + r * kRowBytes + ((chunk ^ (r & 7)) << 4), src, ok);
             }
-            cp_async_mbar_arrive_noinc(full);
+            if constexpr (AMODE == kACpAsyncWarp) {
+              constexpr int kLag = WARPS;
+              asm volatile("cp.async.commit_group;\n" ::: "memory");
+              if (it >= uint32_t(kLag)) {
+                asm volatile("cp.async.wait_group %0;\n" ::"n"(kLag) : "memory");
+                fence_proxy_async();
+                __syncwarp();
+                if (lane == 0) mbar_arrive(smem_u32(full_bar + (it - kLag) % kStages));
+              }
+            } else {
+              cp_async_mbar_arrive_noinc(full);
+            }
           }
         } else if constexpr (AMODE == kARowTmaLanes) {
           // v3, v4: one TMA per row, each of the 32 * WARPS issuing lanes its own rows
@@ -641,7 +725,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    if constexpr (AMODE == kACpAsync) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    if constexpr (AMODE == kACpAsyncWarp) {
+      // The last LAG stages: wait for all, fence, one arrival per warp each.
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+      fence_proxy_async();
+      __syncwarp();
+      for (uint32_t j = it >= uint32_t(WARPS) ? it - WARPS : 0u; j < it; ++j)
+        if (lane == 0) mbar_arrive(smem_u32(full_bar + j % kStages));
+    } else if constexpr (kCpAsync) {
+      asm volatile("cp.async.wait_all;\n" ::: "memory");
+    }
   } else {
     // ================= consumer warpgroups =================
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -1045,7 +1138,7 @@ static void free_problem(Problem& P) {
 // ---------------------------------------------------------------------------------------------
 // versions and launch
 
-constexpr int kNumVersions = 6;
+constexpr int kNumVersions = 11;
 static const char* kVersionNames[kNumVersions + 1] = {
     "",
     "contiguous A, TMA {64,64} boxes",
@@ -1054,6 +1147,11 @@ static const char* kVersionNames[kNumVersions + 1] = {
     "gathered A, row TMA, 128 lanes x 1 row",
     "gathered A, row TMA, 1 warp-uniform x 128",
     "gathered A, row TMA, 4 warp-uniform x 32",
+    "v2 w/o consumer fence (measure)",
+    "cp.async, warp arrive, lag 2",
+    "cp.async, warp arrive, lag 3",
+    "hybrid: 64 rows cp.async + 64 row TMA",
+    "cp.async with .L2::256B prefetch",
 };
 
 typedef void (*KernelFn)(const CUtensorMap, const CUtensorMap, const ProbeParams);
@@ -1066,6 +1164,11 @@ static KernelFn kernel_for(int version) {
     case 4: return probe_kernel<kARowTmaLanes, 4>;
     case 5: return probe_kernel<kARowTmaWarp, 1>;
     case 6: return probe_kernel<kARowTmaWarp, 4>;
+    case 7: return probe_kernel<kACpAsyncNoFence, 4>;
+    case 8: return probe_kernel<kACpAsyncWarp, 2>;
+    case 9: return probe_kernel<kACpAsyncWarp, 3>;
+    case 10: return probe_kernel<kAHybrid, 4>;
+    case 11: return probe_kernel<kACpAsyncL2, 4>;
   }
   return nullptr;
 }
@@ -1085,7 +1188,9 @@ static void launch(int version, const Problem& P, float* out, cudaStream_t strea
   p.tail_row = P.tail_row;
   p.n_tiles = (P.N + kBN - 1) / kBN;
   p.k_tiles = (P.K + kBK - 1) / kBK;
-  const CUtensorMap& map_a = version == 1 ? P.map_xg : (version == 2 ? P.map_b : P.map_xrow);
+  const CUtensorMap& map_a =
+      version == 1 ? P.map_xg
+                   : ((version == 2 || (version >= 7 && version != 10)) ? P.map_b : P.map_xrow);
   kernel_for(version)<<<P.grid, kThreads, probe_smem_bytes(P.E), stream>>>(map_a, P.map_b, p);
   CUDA_CHECK(cudaGetLastError());
 }
@@ -1190,7 +1295,7 @@ int main(int argc, char** argv) {
   bool check_only = false;
   bool tail_zero_row = false;
   std::string only;
-  std::vector<int> versions = {1, 2, 3, 4, 5, 6};
+  std::vector<int> versions = {1, 2, 3, 4, 5, 6, 7, 8, 9};
   uint64_t seed = 20261130;
   for (int i = 1; i < argc; ++i) {
     if (!strcmp(argv[i], "--check-only")) {
@@ -1205,8 +1310,16 @@ int main(int argc, char** argv) {
       tail_zero_row = m == "zero";
     } else if (!strcmp(argv[i], "--versions") && i + 1 < argc) {
       versions.clear();
-      for (const char* c = argv[++i]; *c; ++c)
-        if (*c >= '1' && *c <= '0' + kNumVersions) versions.push_back(*c - '0');
+      for (const char* c = argv[++i]; *c;) {  // comma-separated version numbers
+        char* end = nullptr;
+        const long v = strtol(c, &end, 10);
+        if (end == c) {
+          ++c;
+          continue;
+        }
+        if (v >= 1 && v <= kNumVersions) versions.push_back(int(v));
+        c = end;
+      }
     } else {
       fprintf(stderr,
               "usage: %s [--check-only] [--shape edge|conf3|mixtral|qwen] [--versions 1,2,3,4,5,6]"

@@ -32,6 +32,17 @@ namespace sm90 {
 // One stage of k: a 128-byte swizzle row of 16-bit elements.
 constexpr int kBK = 64;
 
+// A consumer warp's epilogue staging buffer: 16 rows x 64 columns of 16-bit values (2 KB), 32
+// words a row, the 16-byte chunk c of row r at chunk (c ^ (r & 7)), so that both access patterns
+// are free of bank conflicts:
+//   fragment side: lane (g, t4) holds the word (2 values) at row g + 8 rr, columns 8 jj + 2 t4 of
+//     the 64 (the wgmma m64nN accumulator layout, jj the 8-column group of the 64);
+//   global side: lane reads or writes 16-byte chunk (lane & 7) of row 4 i + (lane >> 3), so a warp
+//     instruction covers 4 rows x 128 contiguous bytes (coalesced).
+constexpr int kStageRows = 16;
+constexpr int kStageCols = 64;
+constexpr int kStageWarpBytes = kStageRows * kStageCols * 2;
+
 #if MB_SM90_DEVICE
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -220,6 +231,13 @@ __device__ __forceinline__ float2 unpack2(uint32_t bits) {
   } else {
     return __half22float2(*reinterpret_cast<const __half2*>(&bits));
   }
+}
+
+__device__ __forceinline__ int stage_fragment_word(int row, int jj, int t4) {
+  return row * 32 + ((jj ^ (row & 7)) << 2) + t4;
+}
+__device__ __forceinline__ int stage_chunk_word(int row, int chunk) {
+  return row * 32 + ((chunk ^ (row & 7)) << 2);
 }
 
 // The inclusive prefix of tile_start[1..E] in place (tile_start[0] = 0), by warp 0 of the block:

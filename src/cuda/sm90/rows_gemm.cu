@@ -16,8 +16,9 @@
 //     boxes {64 n, 64 k}, the transposed-B wgmma with the MN-major descriptor of common.cuh. A box
 //     that starts past n_out is neither issued nor expected.
 // Epilogues: F2 / B4 store the fp32 accumulators as float2 straight from registers (a quad of
-// lanes writes one full 32-byte sector of a row). B1 loads a, b (and u under SAVE_ALL) of 8 column
-// pairs at a time before computing them, then writes da, db, g*u (rounded once) and the row's dg
+// lanes writes one full 32-byte sector of a row). B1 works on 64 columns at a time through each
+// consumer warp's 2 KB staging buffer (common.cuh): a, b (and u under SAVE_ALL) in by coalesced
+// 16-byte loads, then da, db, g*u (rounded once) out by coalesced 16-byte stores, and the row's dg
 // partial for this 256-column tile (the quad's lanes hold the row's columns: two shuffles).
 #include "cuda/sm90/rows_gemm.hpp"
 
@@ -51,11 +52,18 @@ constexpr int kBKBoxRows = 128;                    // K-major B: two boxes of 12
 constexpr int kBKBoxBytes = kBKBoxRows * kBK * 2;  // 16 KB
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
+// B1's epilogue staging: per consumer warp three 8-row x 64-column buffers (a -> da, b -> db,
+// u -> g*u), common.cuh's swizzled layout.
+constexpr int kB1StageRows = 8;
+constexpr int kB1StageWords = kB1StageRows * kStageCols / 2;  // 256 words = 1 KB
+constexpr int kB1StageWarpBytes = 3 * kB1StageWords * 4;
+
+constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 constexpr int kBarrierBytes = 2 * kStages * 8;
 constexpr int kTokenBytes = kBM * 4;
 
 constexpr size_t smem_bytes(int E) {
-  return 1024 /* alignment slack */ + kPipeBytes + kBarrierBytes + kTokenBytes +
+  return 1024 /* alignment slack */ + kPipeBytes + kEpiBytes + kBarrierBytes + kTokenBytes +
          sizeof(int) * size_t(E + 1);
 }
 constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts);
@@ -121,8 +129,6 @@ __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
   return c;
 }
 
-// B1's epilogue for one tile (see the file comment). Register 4j + q of lane (g, t4) holds row g
-// (q < 2) or g + 8 (q >= 2), column 8j + 2 t4 + (q & 1) of the tile.
 // One element of B1's activation backward: u (the saved one, or act(a, b) rounded once) and da, db
 // for du = g * v. SwiGLU and SiLU evaluate the sigmoid once and reuse it: the same operations in
 // the same order as act_math::forward / backward (hence the same bits, and the same u as F1's), but
@@ -153,64 +159,143 @@ __device__ __forceinline__ void b1_element(float a, float b, float du, bool have
   }
 }
 
+// 8 rows x 64 columns of a 16-bit [*, ld] matrix from `base` (row 0, column col0), coalesced:
+// lane loads chunk (lane & 7) of rows (lane >> 3) + 4 i. Rows at or past `rows` and columns at or
+// past `cols` read as zeros. Plain (coherent) loads: under RECOMPUTE and CONSUME_SAVED, a and b
+// live in the da|db buffer this epilogue writes (each element is read before its warp writes it).
+template <typename T>
+__device__ __forceinline__ void b1_load_chunks(uint4 (&v)[2], const T* base, int64_t ld, int rows,
+                                               int col0, int cols, int lane) {
+  const int ch = lane & 7;
+  const bool col_ok = col0 + ch * 8 < cols;  // cols % 8 == 0: a chunk is all in or all out
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = (lane >> 3) + 4 * i;
+    v[i] = make_uint4(0u, 0u, 0u, 0u);
+    if (base != nullptr && col_ok && row < rows)
+      v[i] = *reinterpret_cast<const uint4*>(base + int64_t(row) * ld + col0 + ch * 8);
+  }
+}
+
+__device__ __forceinline__ void b1_stage_chunks(uint32_t* buf, const uint4 (&v)[2], int lane) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+    *reinterpret_cast<uint4*>(buf + stage_chunk_word((lane >> 3) + 4 * i, lane & 7)) = v[i];
+}
+
+// The staged 8 x 64 block back out to a 16-bit [*, ld] matrix, coalesced (rows < `rows`, columns
+// < `cols` only).
+template <typename T>
+__device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, int64_t ld, int rows,
+                                                int col0, int cols, int lane) {
+  const int ch = lane & 7;
+  const bool col_ok = col0 + ch * 8 < cols;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int row = (lane >> 3) + 4 * i;
+    const uint4 v = *reinterpret_cast<const uint4*>(buf + stage_chunk_word(row, ch));
+    if (col_ok && row < rows)
+      *reinterpret_cast<uint4*>(base + int64_t(row) * ld + col0 + ch * 8) = v;
+  }
+}
+
+// B1's epilogue for one warp's 16 rows of a tile (see the file comment), in 8 steps of 8 rows x 64
+// columns: a, b (u under SAVE_ALL) come in by coalesced 16-byte loads into the warp's staging
+// buffers (the next step's a, b loads are issued before this step's math), each lane turns its
+// fragment words into da, db, g*u in place, and those go out by coalesced 16-byte stores.
+// Register 4j + q of lane (g, t4) holds row g (q < 2) or g + 8 (q >= 2), column 8j + 2 t4 + (q & 1)
+// of the tile. Measured on the H200 (conf3, SwiGLU; tests/cuda/profile_kernels.py): the first
+// version, 4-byte loads and stores straight from the fragment layout (8 rows x 16 bytes per warp
+// instruction), 8.55 ms; staged, 8.15 ms; staged with the prefetch, 7.43 ms (SiLU 7.10 -> 6.64).
+// Only two warps per scheduler run this epilogue, so the loads' latency is not hidden by other
+// warps: the prefetch is what pays. It costs ptxas a few words of spill (4-68 bytes, outside the
+// main loop) against the 168-register budget; the spill-free form was the slower one.
 // ACT is a template parameter: a runtime switch over the seven activations, inlined at each of the
 // 64 unrolled elements, made this epilogue four times slower (measured on the H200: 39.6 ms instead
 // of 9.5 ms for conf3's B1), most likely from the code size.
 template <typename T, int ACT>
 __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord& c, int tile_row,
-                                            int g, int t4, const float (&acc)[128]) {
-  const int64_t h = p.n_out;
-  const int64_t dadb_ld = p.gated ? 2 * h : h;
-  const T* a_src = static_cast<const T*>(p.a);
-  const T* b_src = static_cast<const T*>(p.b);
-  const T* u_src = static_cast<const T*>(p.u);
-#pragma unroll  // rr indexes the accumulators: a runtime index would move them to local memory
-  for (int rr = 0; rr < 2; ++rr) {
-    const int row = tile_row + g + 8 * rr;
-    const bool row_ok = row < c.rows;
-    const int64_t grow = int64_t(c.row0) + (row_ok ? row : 0);
-    const float gval = row_ok ? __ldg(p.g + __ldg(p.row_pair + grow)) : 0.f;
-    const int64_t col0 = c.n0 + 2 * t4;
-    const T* a_row = a_src + grow * p.ab_ld + col0;
-    const T* b_row = p.gated ? b_src + grow * p.ab_ld + col0 : nullptr;
-    const T* u_row = u_src ? u_src + grow * h + col0 : nullptr;
-    T* da_row = static_cast<T*>(p.dadb) + grow * dadb_ld + col0;
-    T* gu_row = static_cast<T*>(p.gu) + grow * h + col0;
-    float dot = 0.f;
+                                            int lane, uint32_t* stg, const float (&acc)[128]) {
+  const int g = lane >> 2, t4 = lane & 3;
+  const int h = p.n_out;
+  const int64_t dadb_ld = p.gated ? 2 * int64_t(h) : int64_t(h);
+  const int rows = c.rows - tile_row;  // valid rows of this warp's 16 (may be <= 0)
+  const int64_t grow0 = int64_t(c.row0) + tile_row;
+  const bool have_u = p.u != nullptr;
+  uint32_t* buf_a = stg;
+  uint32_t* buf_b = stg + kB1StageWords;
+  uint32_t* buf_u = stg + 2 * kB1StageWords;
+  float gval[2], dot[2] = {0.f, 0.f};
 #pragma unroll
-    for (int j0 = 0; j0 < 32; j0 += 8) {
-      // Plain (coherent) loads: under RECOMPUTE a and b live in the da|db buffer this epilogue
-      // writes; each element is overwritten only after this, its one read, by this same thread.
-      uint32_t ra[8], rb[8], ru[8];
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = j0 + jj;
-        const bool ok = row_ok && c.n0 + 8 * j < h;  // h % 8 == 0: a pair is all in or all out
-        ra[jj] = ok ? *reinterpret_cast<const uint32_t*>(a_row + 8 * j) : 0u;
-        rb[jj] = ok && b_row ? *reinterpret_cast<const uint32_t*>(b_row + 8 * j) : 0u;
-        ru[jj] = ok && u_row ? *reinterpret_cast<const uint32_t*>(u_row + 8 * j) : 0u;
-      }
-#pragma unroll
-      for (int jj = 0; jj < 8; ++jj) {
-        const int j = j0 + jj;
-        if (!(row_ok && c.n0 + 8 * j < h)) continue;
-        const float2 af = unpack2<T>(ra[jj]);
-        const float2 bf = unpack2<T>(rb[jj]);  // zeros when not gated
-        const float2 uf = unpack2<T>(ru[jj]);  // used only under SAVE_ALL
-        const float v0 = acc[4 * j + 2 * rr], v1 = acc[4 * j + 2 * rr + 1];
-        float u0, u1, da0, db0, da1, db1;
-        b1_element<T, ACT>(af.x, bf.x, gval * v0, u_row != nullptr, uf.x, u0, da0, db0);
-        b1_element<T, ACT>(af.y, bf.y, gval * v1, u_row != nullptr, uf.y, u1, da1, db1);
-        dot += v0 * u0;
-        dot += v1 * u1;
-        *reinterpret_cast<uint32_t*>(da_row + 8 * j) = pack2<T>(da0, da1);
-        if (p.gated) *reinterpret_cast<uint32_t*>(da_row + h + 8 * j) = pack2<T>(db0, db1);
-        *reinterpret_cast<uint32_t*>(gu_row + 8 * j) = pack2<T>(gval * u0, gval * u1);
-      }
+  for (int rr = 0; rr < 2; ++rr)
+    gval[rr] = g + 8 * rr < rows ? __ldg(p.g + __ldg(p.row_pair + grow0 + g + 8 * rr)) : 0.f;
+
+  // Step = (64-column group, 8-row half): group-major, so dg sums its columns in the same order
+  // as before (row by row, column pairs ascending).
+  constexpr int kSteps = (kBN / kStageCols) * 2;
+  uint4 pa[2], pb[2];  // the next step's a, b chunks
+  {
+    const int64_t ab_row = grow0 * p.ab_ld;
+    b1_load_chunks<T>(pa, static_cast<const T*>(p.a) + ab_row, p.ab_ld, rows, c.n0, h, lane);
+    b1_load_chunks<T>(pb, p.gated ? static_cast<const T*>(p.b) + ab_row : nullptr, p.ab_ld, rows,
+                      c.n0, h, lane);
+  }
+#pragma unroll  // step indexes the accumulators: a runtime index would move them to local memory
+  for (int step = 0; step < kSteps; ++step) {
+    const int group = step >> 1, rr = step & 1;
+    const int col0 = c.n0 + group * kStageCols;
+    const int r0 = 8 * rr;  // first row of this step within the warp's 16
+    b1_stage_chunks(buf_a, pa, lane);
+    b1_stage_chunks(buf_b, pb, lane);
+    if (step + 1 < kSteps) {  // the next step's loads fly during this step's math and stores
+      const int next_col0 = c.n0 + ((step + 1) >> 1) * kStageCols;
+      const int next_r0 = 8 * ((step + 1) & 1);
+      const int64_t ab_row = (grow0 + next_r0) * p.ab_ld;
+      b1_load_chunks<T>(pa, static_cast<const T*>(p.a) + ab_row, p.ab_ld, rows - next_r0, next_col0,
+                        h, lane);
+      b1_load_chunks<T>(pb, p.gated ? static_cast<const T*>(p.b) + ab_row : nullptr, p.ab_ld,
+                        rows - next_r0, next_col0, h, lane);
     }
-    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-    if (row_ok && t4 == 0) p.dg_part[int64_t(c.n0 / kBN) * p.N + grow] = dot;
+    if (have_u) {  // SAVE_ALL only
+      uint4 vu[2];
+      b1_load_chunks<T>(vu, static_cast<const T*>(p.u) + (grow0 + r0) * h, h, rows - r0, col0, h,
+                        lane);
+      b1_stage_chunks(buf_u, vu, lane);
+    }
+    __syncwarp();
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = group * 8 + jj;
+      const int w = stage_fragment_word(g, jj, t4);
+      const float2 af = unpack2<T>(buf_a[w]);
+      const float2 bf = unpack2<T>(buf_b[w]);                // zeros when not gated
+      const float2 uf = unpack2<T>(have_u ? buf_u[w] : 0u);  // used only under SAVE_ALL
+      const float v0 = acc[4 * j + 2 * rr], v1 = acc[4 * j + 2 * rr + 1];
+      float u0, u1, da0, db0, da1, db1;
+      b1_element<T, ACT>(af.x, bf.x, gval[rr] * v0, have_u, uf.x, u0, da0, db0);
+      b1_element<T, ACT>(af.y, bf.y, gval[rr] * v1, have_u, uf.y, u1, da1, db1);
+      if (col0 + 8 * jj < h) {  // h % 8 == 0; columns past h hold stale B data: keep them out of dg
+        dot[rr] += v0 * u0;
+        dot[rr] += v1 * u1;
+      }
+      buf_a[w] = pack2<T>(da0, da1);  // each lane rewrites only the words it read
+      buf_b[w] = pack2<T>(db0, db1);
+      buf_u[w] = pack2<T>(gval[rr] * u0, gval[rr] * u1);
+    }
+    __syncwarp();
+    T* da_rows = static_cast<T*>(p.dadb) + (grow0 + r0) * dadb_ld;
+    b1_store_chunks<T>(buf_a, da_rows, dadb_ld, rows - r0, col0, h, lane);
+    if (p.gated) b1_store_chunks<T>(buf_b, da_rows + h, dadb_ld, rows - r0, col0, h, lane);
+    b1_store_chunks<T>(buf_u, static_cast<T*>(p.gu) + (grow0 + r0) * h, h, rows - r0, col0, h,
+                       lane);
+    __syncwarp();
+  }
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    float d = dot[rr];
+    d += __shfl_xor_sync(0xffffffffu, d, 1);
+    d += __shfl_xor_sync(0xffffffffu, d, 2);
+    if (g + 8 * rr < rows && t4 == 0) p.dg_part[int64_t(c.n0 / kBN) * p.N + grow0 + g + 8 * rr] = d;
   }
 }
 
@@ -227,7 +312,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kBMn = KIND != kF2;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kPipeBytes);
+  uint8_t* epi = smem + kPipeBytes;
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + kEpiBytes);
   uint64_t* empty_bar = full_bar + kStages;
   int* tok_s = reinterpret_cast<int*>(empty_bar + kStages);  // [kBM]
   int* tile_start = tok_s + kBM;                             // [E + 1]
@@ -353,7 +439,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       const int tile_row = wg * 64 + warp_in_wg * 16;
       if constexpr (KIND == kB1) {
-        b1_epilogue<T, ACT>(p, c, tile_row, g, t4, acc);
+        uint32_t* stg = reinterpret_cast<uint32_t*>(epi + (warp - 4) * kB1StageWarpBytes);
+        b1_epilogue<T, ACT>(p, c, tile_row, lane, stg, acc);
       } else {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
