@@ -97,7 +97,9 @@
 // tiles of every expert, K % 64 = 8 (one valid chunk in the last k-tile), N % 256 = 8 (second B
 // box skipped: the expect_tx bytes change), T odd, an empty expert.
 //
-// Expectations (nothing here has run on a GPU yet):
+// Results (session 4, dev/cuda/results/2026-11-29-nvidia-h200-round8-gather-probe.txt): per-row
+// TMA is slower than the cp.async gather (conf3 v4 472, v6 447 vs v2 539, v1 729 TFLOP/s); v7-v11
+// (round 8b, see AMode) did not find the gap either. The expectations written before any run:
 //   - v2 should reproduce the library's ~500-530 TFLOP/s (a little more: no real epilogue), v1
 //     the ~730-750 of the contiguous kernels.
 //   - At 750 TFLOP/s a 128x256x64 stage lasts ~1100-1400 SM cycles and carries 128 row boxes + 2 B
