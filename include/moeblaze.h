@@ -480,7 +480,9 @@ typedef struct moeblaze_forward_args {
  *  larger one of moeblaze_layer_workspace_size() is also accepted). Do not set it when the same
  *  saved buffer must serve another backward (PyTorch's `retain_graph=True`, double backward). A
  *  backend may ignore it: the CPU backend does, and so does a layer whose checkpoint policy is
- *  ::MOEBLAZE_CHECKPOINT_RECOMPUTE (it saves no activations). */
+ *  ::MOEBLAZE_CHECKPOINT_RECOMPUTE (it saves no activations). Also a flag of
+ *  ::moeblaze_ep_backward_args_t, where it applies to the EXPERT saved buffer (query with
+ *  moeblaze_ep_layer_workspace_size_with_flags()). */
 #define MOEBLAZE_BACKWARD_CONSUME_SAVED 2u
 
 /*! \brief Arguments of moeblaze_experts_backward() and moeblaze_layer_backward(). Versioned: fill
@@ -741,6 +743,16 @@ MOEBLAZE_API moeblaze_status_t moeblaze_ep_layer_workspace_size(moeblaze_ep_laye
                                                                 int32_t pass, int64_t num_tokens,
                                                                 int64_t recv_rows, size_t* bytes);
 
+/*! \brief moeblaze_ep_layer_workspace_size() for a backward made with the MOEBLAZE_BACKWARD_*
+ *  `flags`: with ::MOEBLAZE_BACKWARD_CONSUME_SAVED the local experts' backward writes its
+ *  activation gradients over the EXPERT saved buffer (as moeblaze_layer_backward() does with its
+ *  saved buffer), so the backward workspace may be smaller. The forward passes ignore `flags`.
+ *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (unknown pass or flag bits, num_tokens or
+ *          recv_rows out of range, `bytes` NULL); ::MOEBLAZE_ERR_INVALID_HANDLE. */
+MOEBLAZE_API moeblaze_status_t moeblaze_ep_layer_workspace_size_with_flags(
+    moeblaze_ep_layer_t layer, int32_t pass, int64_t num_tokens, int64_t recv_rows, uint32_t flags,
+    size_t* bytes);
+
 /*! \brief Bytes of the saved buffer `part` (::moeblaze_ep_saved_code) for `num_tokens` tokens on
  *  this rank (HOME) or `recv_rows` received rows (EXPERT). */
 MOEBLAZE_API moeblaze_status_t moeblaze_ep_layer_saved_size(moeblaze_ep_layer_t layer, int32_t part,
@@ -785,7 +797,9 @@ typedef struct moeblaze_ep_forward_args {
  *  the other ranks' rows). */
 typedef struct moeblaze_ep_backward_args {
   uint32_t struct_size; /*!< set by moeblaze_ep_backward_args_init() */
-  uint32_t flags;       /*!< 0 or ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD */
+  uint32_t flags;       /*!< ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD and/or
+                             ::MOEBLAZE_BACKWARD_CONSUME_SAVED (the EXPERT saved buffer's
+                             activations), or 0 */
   int64_t num_tokens;   /*!< T of this rank, as in forward */
   /* inputs */
   const void* dy;            /*!< [T,d] dtype */

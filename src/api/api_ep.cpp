@@ -159,20 +159,42 @@ moeblaze_status_t moeblaze_ep_layer_exchange_size(moeblaze_ep_layer_t layer, siz
   });
 }
 
+namespace {
+
+// Both public workspace queries. `flags` matter for the backward only (the forward passes ignore
+// them, as moeblaze_layer_workspace_size_with_flags() does).
+void query_ep_workspace_size(moeblaze_ep_layer_t layer, int32_t pass, int64_t num_tokens,
+                             int64_t recv_rows, uint32_t flags, size_t* bytes) {
+  const ep::EpLayer& plan = ep_layer_of(layer);
+  MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
+  MB_REQUIRE_ARG(pass >= MOEBLAZE_EP_PASS_FORWARD_BEGIN && pass <= MOEBLAZE_EP_PASS_BACKWARD,
+                 "pass = %d is not a moeblaze_ep_pass_code (0..2)", int(pass));
+  require_backward_flags(flags, "flags");
+  require_num_tokens(plan.global_desc(), num_tokens, "num_tokens");
+  if (pass == MOEBLAZE_EP_PASS_FORWARD_BEGIN) recv_rows = 0;
+  plan.require_recv_rows(recv_rows, "recv_rows");
+  const uint32_t backward_flags = pass == MOEBLAZE_EP_PASS_BACKWARD ? flags : 0u;
+  *bytes =
+      plan.workspace_size(static_cast<ep::EpPass>(pass), num_tokens, recv_rows, backward_flags);
+}
+
+}  // namespace
+
 moeblaze_status_t moeblaze_ep_layer_workspace_size(moeblaze_ep_layer_t layer, int32_t pass,
                                                    int64_t num_tokens, int64_t recv_rows,
                                                    size_t* bytes) {
   if (bytes != nullptr) *bytes = 0;
-  return guarded(__func__, [&] {
-    const ep::EpLayer& plan = ep_layer_of(layer);
-    MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
-    MB_REQUIRE_ARG(pass >= MOEBLAZE_EP_PASS_FORWARD_BEGIN && pass <= MOEBLAZE_EP_PASS_BACKWARD,
-                   "pass = %d is not a moeblaze_ep_pass_code (0..2)", int(pass));
-    require_num_tokens(plan.global_desc(), num_tokens, "num_tokens");
-    if (pass == MOEBLAZE_EP_PASS_FORWARD_BEGIN) recv_rows = 0;
-    plan.require_recv_rows(recv_rows, "recv_rows");
-    *bytes = plan.workspace_size(static_cast<ep::EpPass>(pass), num_tokens, recv_rows);
-  });
+  return guarded(__func__,
+                 [&] { query_ep_workspace_size(layer, pass, num_tokens, recv_rows, 0u, bytes); });
+}
+
+moeblaze_status_t moeblaze_ep_layer_workspace_size_with_flags(moeblaze_ep_layer_t layer,
+                                                              int32_t pass, int64_t num_tokens,
+                                                              int64_t recv_rows, uint32_t flags,
+                                                              size_t* bytes) {
+  if (bytes != nullptr) *bytes = 0;
+  return guarded(
+      __func__, [&] { query_ep_workspace_size(layer, pass, num_tokens, recv_rows, flags, bytes); });
 }
 
 moeblaze_status_t moeblaze_ep_layer_saved_size(moeblaze_ep_layer_t layer, int32_t part,

@@ -38,6 +38,15 @@ inline void require_tensor(const Backend& backend, const void* ptr, bool require
                  argument, ptr);
 }
 
+// The MOEBLAZE_BACKWARD_* flags of a backward call (the layer's and the expert-parallel one's).
+inline void require_backward_flags(uint32_t flags, const char* argument) {
+  constexpr uint32_t known = MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD | MOEBLAZE_BACKWARD_CONSUME_SAVED;
+  MB_REQUIRE_ARG((flags & ~known) == 0,
+                 "%s = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1 and "
+                 "MOEBLAZE_BACKWARD_CONSUME_SAVED = 2)",
+                 argument, flags);
+}
+
 // A caller-owned scratch or saved buffer of at least `needed` bytes.
 inline void require_buffer(const Backend& backend, const void* ptr, size_t bytes, size_t needed,
                            const char* argument, const char* bytes_argument, const char* query) {

@@ -79,14 +79,6 @@ const char* query_name(Pass pass, uint32_t flags = 0) {
 
 }  // namespace
 
-void require_backward_flags(uint32_t flags, const char* argument) {
-  constexpr uint32_t known = MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD | MOEBLAZE_BACKWARD_CONSUME_SAVED;
-  MB_REQUIRE_ARG((flags & ~known) == 0,
-                 "%s = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1 and "
-                 "MOEBLAZE_BACKWARD_CONSUME_SAVED = 2)",
-                 argument, flags);
-}
-
 size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T, uint32_t flags) {
   const Backend& backend = *layer.context->backend;
   Carver measure;

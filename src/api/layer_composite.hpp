@@ -8,10 +8,6 @@
 namespace moeblaze {
 namespace api {
 
-// Throws MOEBLAZE_ERR_INVALID_ARGUMENT, naming `argument`, when `flags` has a bit that is not a
-// MOEBLAZE_BACKWARD_* flag.
-void require_backward_flags(uint32_t flags, const char* argument);
-
 // `flags`: the MOEBLAZE_BACKWARD_* flags the call will be made with (0 for forward passes).
 size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T, uint32_t flags);
 

@@ -116,7 +116,7 @@ struct BackwardScratch {
 };
 
 BackwardScratch carve_backward(Carver& c, const Backend& backend, const LayerDesc& rd,
-                               const LayerDesc& local, int64_t T, int64_t R) {
+                               const LayerDesc& local, int64_t T, int64_t R, uint32_t flags) {
   const int64_t N = T * rd.k;
   const size_t es = rd.elem_size();
   const size_t rs = rd.relem_size();
@@ -130,7 +130,7 @@ BackwardScratch carve_backward(Carver& c, const Backend& backend, const LayerDes
   s.d_logits = c.carve(rs * size_t(T * rd.E));
   s.global_counts = c.carve<int32_t>(sizeof(int32_t) * size_t(rd.E));
   s.loss_scratch = c.carve(rs * size_t(kLossShareScratchRows * rd.E));
-  size_t sub = backend.workspace_size(local, Pass::ExpertsBackward, R, 0);
+  size_t sub = backend.workspace_size(local, Pass::ExpertsBackward, R, flags);
   for (Pass p : {Pass::RouterBackward, Pass::RouterProjectBackward}) {
     sub = std::max(sub, backend.workspace_size(rd, p, T, 0));
   }
@@ -220,7 +220,7 @@ size_t EpLayer::saved_size(EpSaved part, int64_t T, int64_t R) const {
   return measure.size();
 }
 
-size_t EpLayer::workspace_size(EpPass pass, int64_t T, int64_t R) const {
+size_t EpLayer::workspace_size(EpPass pass, int64_t T, int64_t R, uint32_t backward_flags) const {
   const Backend& backend = *context_->backend;
   Carver measure;
   switch (pass) {
@@ -228,7 +228,9 @@ size_t EpLayer::workspace_size(EpPass pass, int64_t T, int64_t R) const {
     case EpPass::ForwardFinish:
       carve_finish(measure, backend, router_desc_, local_desc_, T, R);
       break;
-    case EpPass::Backward: carve_backward(measure, backend, router_desc_, local_desc_, T, R); break;
+    case EpPass::Backward:
+      carve_backward(measure, backend, router_desc_, local_desc_, T, R, backward_flags);
+      break;
   }
   return measure.size();
 }
@@ -593,9 +595,7 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   const size_t es = rd.elem_size();
   const size_t rs = rd.relem_size();
 
-  MB_REQUIRE_ARG((a.flags & ~MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD) == 0,
-                 "args->flags = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1)",
-                 a.flags);
+  api::require_backward_flags(a.flags, "args->flags");
   api::require_num_tokens(rd, T, "args->num_tokens");
   const ExchangeHeader& header =
       read_exchange(exchange, exchange_bytes, T, kStepFinished, "moeblaze_ep_backward");
@@ -625,10 +625,13 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
                       saved_size(EpSaved::Expert, T, R), "args->expert_saved",
                       "args->expert_saved_bytes",
                       "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows)");
-  api::require_buffer(backend, a.workspace, a.workspace_bytes,
-                      workspace_size(EpPass::Backward, T, R), "args->workspace",
-                      "args->workspace_bytes",
-                      "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_BACKWARD, recv_rows)");
+  const bool consume = (a.flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
+  api::require_buffer(
+      backend, a.workspace, a.workspace_bytes, workspace_size(EpPass::Backward, T, R, a.flags),
+      "args->workspace", "args->workspace_bytes",
+      consume ? "moeblaze_ep_layer_workspace_size_with_flags(MOEBLAZE_EP_PASS_BACKWARD, "
+                "recv_rows, flags)"
+              : "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_BACKWARD, recv_rows)");
 
   const int32_t* table = reinterpret_cast<const int32_t*>(
       static_cast<const unsigned char*>(exchange) + kExchangeTableOffset);
@@ -640,7 +643,7 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   Carver expert_carver(const_cast<void*>(a.expert_saved));
   const ExpertSaved expert = carve_expert(expert_carver, local_desc_, R);
   Carver ws(a.workspace);
-  const BackwardScratch scratch = carve_backward(ws, backend, rd, local_desc_, T, R);
+  const BackwardScratch scratch = carve_backward(ws, backend, rd, local_desc_, T, R, a.flags);
 
   // B0, B1: the unscaled dy rows to the experts' ranks, with the forward's sizes.
   ops_->gather_rows(scratch.rows, a.dy, home.expert_token_indices, N, es * size_t(d), stream);
@@ -667,6 +670,7 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
     experts.dw_down = a.dw_down;
     experts.dg = scratch.dg_rows;
     experts.accumulate_wgrad = accumulate;
+    experts.consume_saved = consume;  // the expert saved buffer's activations: see moeblaze.h
     experts.workspace = scratch.sub;
     experts.stream = stream;
     std::lock_guard<std::mutex> lock(context_->execute_mutex);

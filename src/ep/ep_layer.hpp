@@ -54,7 +54,8 @@ class EpLayer {
   const LayerDesc& global_desc() const { return global_desc_; }
 
   size_t exchange_size() const;
-  size_t workspace_size(EpPass pass, int64_t T, int64_t R) const;
+  // backward_flags (MOEBLAZE_BACKWARD_*): CONSUME_SAVED may shrink the backward's workspace.
+  size_t workspace_size(EpPass pass, int64_t T, int64_t R, uint32_t backward_flags = 0) const;
   size_t saved_size(EpSaved part, int64_t T, int64_t R) const;
 
   // Largest rows this rank's experts can receive for `T` tokens on every rank: the limit of the

@@ -25,6 +25,7 @@ struct EpCase {
   float aux = 0.0f, z = 0.0f;
   std::vector<int64_t> tokens;  // per rank; world size = tokens.size()
   uint64_t seed = 1;
+  uint32_t backward_flags = 0;  // MOEBLAZE_BACKWARD_CONSUME_SAVED or 0 (moeblaze_ep_backward)
 
   int32_t world() const { return int32_t(tokens.size()); }
   int64_t global_tokens() const {
@@ -53,6 +54,7 @@ struct EpCase {
     s << mbtest::describe(config()) << " W=" << world() << " tokens={";
     for (size_t r = 0; r < tokens.size(); ++r) s << (r ? "," : "") << tokens[r];
     s << "} seed=" << seed;
+    if (backward_flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) s << " CONSUME_SAVED";
     return s.str();
   }
 };

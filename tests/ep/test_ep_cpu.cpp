@@ -125,8 +125,8 @@ void run_rank(const EpCase& c, const Global& g, moeblaze_ep_group_t group, int32
     RANK_CHECK(moeblaze_ep_layer_saved_size(layer, MOEBLAZE_EP_SAVED_EXPERT, T, R, &expert_bytes));
     RANK_CHECK(
         moeblaze_ep_layer_workspace_size(layer, MOEBLAZE_EP_PASS_FORWARD_FINISH, T, R, &finish_ws));
-    RANK_CHECK(
-        moeblaze_ep_layer_workspace_size(layer, MOEBLAZE_EP_PASS_BACKWARD, T, R, &backward_ws));
+    RANK_CHECK(moeblaze_ep_layer_workspace_size_with_flags(layer, MOEBLAZE_EP_PASS_BACKWARD, T, R,
+                                                           c.backward_flags, &backward_ws));
     AlignedBytes expert(expert_bytes);
     workspace.resize(finish_ws);
     workspace.fill_byte(0xff);
@@ -141,6 +141,7 @@ void run_rank(const EpCase& c, const Global& g, moeblaze_ep_group_t group, int32
     moeblaze_ep_backward_args_t ba;
     RANK_CHECK(moeblaze_ep_backward_args_init(&ba, sizeof ba));
     ba.num_tokens = T;
+    ba.flags = c.backward_flags;
     ba.dy = dy.data();
     ba.d_losses = g.d_losses.data();
     ba.x = x.data();
@@ -352,6 +353,19 @@ TEST_CASE("ep cpu: k=4, activations, score functions") {
     c.renormalize = 1;
     c.aux = 0.02f;
     c.z = 0.003f;
+    check_case(c);
+  }
+}
+
+TEST_CASE("ep cpu: MOEBLAZE_BACKWARD_CONSUME_SAVED is accepted (the CPU backend ignores it)") {
+  // The same outputs as without the flag (check_case compares with the one-device layer); the
+  // CUDA suite checks the GPU's in-place backward.
+  EpCase c;
+  c.tokens = {7, 0, 12};
+  c.seed = test_seed(20261204);
+  c.backward_flags = MOEBLAZE_BACKWARD_CONSUME_SAVED;
+  for (int32_t checkpoint : {MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_CHECKPOINT_SAVE_ALL}) {
+    c.checkpoint = checkpoint;
     check_case(c);
   }
 }

@@ -330,8 +330,8 @@ void run_rank(const EpCase& c, const Global& g, RankSetup setup, int32_t rank,
     RANK_CHECK(moeblaze_ep_layer_saved_size(layer, MOEBLAZE_EP_SAVED_EXPERT, T, R, &expert_bytes));
     RANK_CHECK(
         moeblaze_ep_layer_workspace_size(layer, MOEBLAZE_EP_PASS_FORWARD_FINISH, T, R, &finish_ws));
-    RANK_CHECK(
-        moeblaze_ep_layer_workspace_size(layer, MOEBLAZE_EP_PASS_BACKWARD, T, R, &backward_ws));
+    RANK_CHECK(moeblaze_ep_layer_workspace_size_with_flags(layer, MOEBLAZE_EP_PASS_BACKWARD, T, R,
+                                                           c.backward_flags, &backward_ws));
     RANK_CUDA(expert.alloc(expert_bytes));
     RANK_CUDA(ws.alloc(std::max(finish_ws, backward_ws)));
     fa.expert_saved = expert.get();
@@ -342,6 +342,7 @@ void run_rank(const EpCase& c, const Global& g, RankSetup setup, int32_t rank,
     moeblaze_ep_backward_args_t ba;
     RANK_CHECK(moeblaze_ep_backward_args_init(&ba, sizeof ba));
     ba.num_tokens = T;
+    ba.flags = c.backward_flags;
     ba.dy = dy.get();
     ba.d_losses = d_losses.get();
     ba.x = x.get();
@@ -520,7 +521,9 @@ TEST_CASE("ep cuda: NCCL, world size 1 (and 2, 4, 8 when as many GPUs are visibl
 #endif
 }
 
-TEST_CASE("ep cuda: world size 2 over the LOCAL transport against the one-GPU layer") {
+TEST_CASE(
+    "ep cuda: world size 2 over the LOCAL transport against the one-GPU layer (and "
+    "CONSUME_SAVED)") {
   SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
   int device_count = 0;
@@ -528,10 +531,19 @@ TEST_CASE("ep cuda: world size 2 over the LOCAL transport against the one-GPU la
   moeblaze_ep_group_t group = nullptr;
   MB_CHECK(moeblaze_ep_local_group_create(&group, 2));
   for (int32_t dtype : {MOEBLAZE_DTYPE_F32, MOEBLAZE_DTYPE_BF16}) {
-    for (int32_t checkpoint : {MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+    struct Variant {
+      int32_t checkpoint;
+      uint32_t backward_flags;
+    };
+    // CONSUME_SAVED: the experts' backward writes da|db over the EXPERT saved buffer; the results
+    // must not change (each step runs a fresh forward first).
+    for (const Variant v :
+         {Variant{MOEBLAZE_CHECKPOINT_SAVE_PREACT, 0u}, Variant{MOEBLAZE_CHECKPOINT_RECOMPUTE, 0u},
+          Variant{MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_BACKWARD_CONSUME_SAVED}}) {
       EpCase c;
       c.dtype = dtype;
-      c.checkpoint = checkpoint;
+      c.checkpoint = v.checkpoint;
+      c.backward_flags = v.backward_flags;
       c.d = 64;
       c.h = 96;
       c.E = 6;

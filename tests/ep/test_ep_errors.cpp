@@ -224,6 +224,38 @@ TEST_CASE("ep errors: queries") {
   MB_CHECK(moeblaze_ep_layer_saved_size(layer.handle, MOEBLAZE_EP_SAVED_HOME, 10, 7, &small));
   MB_CHECK(moeblaze_ep_layer_saved_size(layer.handle, MOEBLAZE_EP_SAVED_HOME, 10, 70, &large));
   CHECK(large == small);
+
+  // The flags-aware query: unknown bits are rejected; the forward passes ignore the flags; on the
+  // CPU backend (which ignores CONSUME_SAVED) every size equals the plain query's.
+  size_t plain_bytes = 0, with_flags = 1;
+  MB_CHECK(moeblaze_ep_layer_workspace_size(layer.handle, MOEBLAZE_EP_PASS_BACKWARD, 10, 7,
+                                            &plain_bytes));
+  MB_CHECK(moeblaze_ep_layer_workspace_size_with_flags(layer.handle, MOEBLAZE_EP_PASS_BACKWARD, 10,
+                                                       7, MOEBLAZE_BACKWARD_CONSUME_SAVED,
+                                                       &with_flags));
+  CHECK(with_flags == plain_bytes);
+  MB_CHECK(moeblaze_ep_layer_workspace_size_with_flags(layer.handle, MOEBLAZE_EP_PASS_BACKWARD, 10,
+                                                       7, 0, &with_flags));
+  CHECK(with_flags == plain_bytes);
+  MB_CHECK(moeblaze_ep_layer_workspace_size(layer.handle, MOEBLAZE_EP_PASS_FORWARD_FINISH, 10, 7,
+                                            &plain_bytes));
+  MB_CHECK(moeblaze_ep_layer_workspace_size_with_flags(
+      layer.handle, MOEBLAZE_EP_PASS_FORWARD_FINISH, 10, 7,
+      MOEBLAZE_BACKWARD_CONSUME_SAVED | MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD, &with_flags));
+  CHECK(with_flags == plain_bytes);
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_workspace_size_with_flags(
+                        layer.handle, MOEBLAZE_EP_PASS_BACKWARD, 10, 7, 4u, &with_flags),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "flags");
+  CHECK(with_flags == 0);
+  CHECK_ERROR_NAMES(
+      moeblaze_ep_layer_workspace_size_with_flags(layer.handle, 3, 10, 7, 0, &with_flags),
+      MOEBLAZE_ERR_INVALID_ARGUMENT, "pass");
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_workspace_size_with_flags(nullptr, MOEBLAZE_EP_PASS_BACKWARD,
+                                                                10, 7, 0, &with_flags),
+                    MOEBLAZE_ERR_INVALID_HANDLE, "layer");
+  CHECK_ERROR_NAMES(moeblaze_ep_layer_workspace_size_with_flags(
+                        layer.handle, MOEBLAZE_EP_PASS_BACKWARD, 10, 7, 0, nullptr),
+                    MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes");
 }
 
 namespace {

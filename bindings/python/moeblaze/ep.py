@@ -302,11 +302,15 @@ class EpLayer(_OwnedHandle):
 
     # -- sizes ------------------------------------------------------------------------------------
 
-    def workspace_size(self, pass_code: int, num_tokens: int, recv_rows: int = 0) -> int:
-        """Bytes of the workspace of `pass_code` (``_lib.EP_PASS_*``)."""
+    def workspace_size(self, pass_code: int, num_tokens: int, recv_rows: int = 0,
+                       flags: int = 0) -> int:
+        """Bytes of the workspace of `pass_code` (``_lib.EP_PASS_*``) for a backward made with the
+        ``_lib.BACKWARD_*`` `flags` (``BACKWARD_CONSUME_SAVED`` may need less on a GPU; the forward
+        passes ignore them)."""
         size = ctypes.c_size_t()
-        self._lib.moeblaze_ep_layer_workspace_size(self.handle, int(pass_code), int(num_tokens),
-                                                   int(recv_rows), ctypes.byref(size))
+        self._lib.moeblaze_ep_layer_workspace_size_with_flags(
+            self.handle, int(pass_code), int(num_tokens), int(recv_rows), int(flags),
+            ctypes.byref(size))
         return size.value
 
     def saved_size(self, part: int, num_tokens: int, recv_rows: int = 0) -> int:

@@ -223,6 +223,23 @@ def test_wrong_rank(rank):
     assert_library_message(info.value, _lib.ERR_INVALID_ARGUMENT, "rank")
 
 
+def test_workspace_size_flags():
+    with ep.LocalGroup(1) as group:
+        layer = ep.EpLayer(rank=0, group=group, **SMALL)
+        plain = layer.workspace_size(_lib.EP_PASS_BACKWARD, 6, 12)
+        assert plain > 0
+        # The CPU backend ignores CONSUME_SAVED: the same size; the forward passes ignore flags.
+        assert layer.workspace_size(_lib.EP_PASS_BACKWARD, 6, 12,
+                                    flags=_lib.BACKWARD_CONSUME_SAVED) == plain
+        assert layer.workspace_size(_lib.EP_PASS_FORWARD_FINISH, 6, 12,
+                                    flags=_lib.BACKWARD_CONSUME_SAVED) == \
+            layer.workspace_size(_lib.EP_PASS_FORWARD_FINISH, 6, 12)
+        with pytest.raises(ValueError) as info:
+            layer.workspace_size(_lib.EP_PASS_BACKWARD, 6, 12, flags=4)
+        assert_library_message(info.value, _lib.ERR_INVALID_ARGUMENT, "flags", "unknown bits")
+        layer.close()
+
+
 def test_world_size_larger_than_num_experts():
     with ep.LocalGroup(5) as group:
         with pytest.raises(ValueError) as info:

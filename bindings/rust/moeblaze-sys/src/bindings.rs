@@ -805,6 +805,23 @@ extern "C" {
 }
 extern "C" {
     #[must_use]
+    #[doc = " \\brief moeblaze_ep_layer_workspace_size() for a backward made with the MOEBLAZE_BACKWARD_*"]
+    #[doc = "  `flags`: with ::MOEBLAZE_BACKWARD_CONSUME_SAVED the local experts' backward writes its"]
+    #[doc = "  activation gradients over the EXPERT saved buffer (as moeblaze_layer_backward() does with its"]
+    #[doc = "  saved buffer), so the backward workspace may be smaller. The forward passes ignore `flags`."]
+    #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (unknown pass or flag bits, num_tokens or"]
+    #[doc = "          recv_rows out of range, `bytes` NULL); ::MOEBLAZE_ERR_INVALID_HANDLE."]
+    pub fn moeblaze_ep_layer_workspace_size_with_flags(
+        layer: moeblaze_ep_layer_t,
+        pass: i32,
+        num_tokens: i64,
+        recv_rows: i64,
+        flags: u32,
+        bytes: *mut usize,
+    ) -> moeblaze_status_t;
+}
+extern "C" {
+    #[must_use]
     #[doc = " \\brief Bytes of the saved buffer `part` (::moeblaze_ep_saved_code) for `num_tokens` tokens on"]
     #[doc = "  this rank (HOME) or `recv_rows` received rows (EXPERT)."]
     pub fn moeblaze_ep_layer_saved_size(
@@ -879,7 +896,9 @@ pub type moeblaze_ep_forward_args_t = moeblaze_ep_forward_args;
 pub struct moeblaze_ep_backward_args {
     #[doc = "< set by moeblaze_ep_backward_args_init()"]
     pub struct_size: u32,
-    #[doc = "< 0 or ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD"]
+    #[doc = "< ::MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD and/or"]
+    #[doc = "::MOEBLAZE_BACKWARD_CONSUME_SAVED (the EXPERT saved buffer's"]
+    #[doc = "activations), or 0"]
     pub flags: u32,
     #[doc = "< T of this rank, as in forward"]
     pub num_tokens: i64,
