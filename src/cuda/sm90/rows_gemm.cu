@@ -208,8 +208,9 @@ __device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, in
 // version, 4-byte loads and stores straight from the fragment layout (8 rows x 16 bytes per warp
 // instruction), 8.55 ms; staged, 8.15 ms; staged with the prefetch, 7.43 ms (SiLU 7.10 -> 6.64).
 // Only two warps per scheduler run this epilogue, so the loads' latency is not hidden by other
-// warps: the prefetch is what pays. It costs ptxas a few words of spill (4-68 bytes, outside the
-// main loop) against the 168-register budget; the spill-free form was the slower one.
+// warps: the prefetch is what pays. Against the 168-register budget it costs a few words of spill
+// (ptxas: 4-68 bytes of spill stores per B1 kernel); the measured times include them, and the
+// spill-free form was the slower one.
 // ACT is a template parameter: a runtime switch over the seven activations, inlined at each of the
 // 64 unrolled elements, made this epilogue four times slower (measured on the H200: 39.6 ms instead
 // of 9.5 ms for conf3's B1), most likely from the code size.
