@@ -243,8 +243,18 @@ void EpLayer::require_recv_rows(int64_t R, const char* argument) const {
 
 // ---- step state ---------------------------------------------------------------------------------
 
-const ExchangeHeader& EpLayer::read_exchange(const void* exchange, size_t exchange_bytes, int64_t T,
-                                             uint32_t expected_state, const char* call) const {
+// Plain views into the caller's `exchange` and saved buffers: building one allocates nothing.
+struct EpLayer::Step {
+  const ExchangeHeader* header = nullptr;
+  const int32_t* table = nullptr;  // [W,E], host
+  int64_t R = 0;
+  HomeSaved home;
+  ExpertSaved expert;
+};
+
+EpLayer::Step EpLayer::read_step(const void* exchange, size_t exchange_bytes, int64_t T,
+                                 uint32_t expected_state, const char* call) const {
+  api::require_num_tokens(router_desc_, T, "args->num_tokens");
   MB_REQUIRE_ARG(exchange != nullptr, "exchange is NULL");
   MB_REQUIRE_ARG(reinterpret_cast<uintptr_t>(exchange) % 8 == 0,
                  "exchange (%p) must be 8-byte aligned", exchange);
@@ -272,7 +282,55 @@ const ExchangeHeader& EpLayer::read_exchange(const void* exchange, size_t exchan
   MB_REQUIRE_ARG(header->num_tokens == T,
                  "args->num_tokens = %lld, but the forward step in `exchange` has %lld tokens",
                  (long long)T, (long long)header->num_tokens);
-  return *header;
+  Step step;
+  step.header = header;
+  step.table = reinterpret_cast<const int32_t*>(static_cast<const unsigned char*>(exchange) +
+                                                kExchangeTableOffset);
+  step.R = header->recv_rows;
+  return step;
+}
+
+template <class Args>
+void EpLayer::open_step(Step& step, const Args& a, EpPass pass) {
+  const Backend& backend = *context_->backend;
+  const int64_t T = a.num_tokens;
+  const int64_t R = step.R;
+  // A NULL saved buffer is reported as missing, not as too small (require_buffer checks the size
+  // first). Where and how is each call's own: callers and the error tests see the difference.
+  if (pass == EpPass::Backward) {
+    MB_REQUIRE_ARG(a.home_saved != nullptr && a.expert_saved != nullptr,
+                   "args->home_saved and args->expert_saved must be the buffers of the forward "
+                   "step (one is NULL)");
+  }
+  api::require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
+                      "args->home_saved", "args->home_saved_bytes",
+                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
+  if (pass == EpPass::ForwardFinish) {
+    MB_REQUIRE_ARG(a.expert_saved != nullptr,
+                   "args->expert_saved is NULL: forward_finish writes the received rows there "
+                   "(moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows) bytes)");
+  }
+  api::require_buffer(backend, a.expert_saved, a.expert_saved_bytes,
+                      saved_size(EpSaved::Expert, T, R), "args->expert_saved",
+                      "args->expert_saved_bytes",
+                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows)");
+  // Name the query that gives the size asked for: the flags-aware one where the flags change it.
+  const char* workspace_query =
+      pass == EpPass::ForwardFinish
+          ? "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_FORWARD_FINISH, recv_rows)"
+      : (a.flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0
+          ? "moeblaze_ep_layer_workspace_size_with_flags(MOEBLAZE_EP_PASS_BACKWARD, recv_rows, "
+            "flags)"
+          : "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_BACKWARD, recv_rows)";
+  api::require_buffer(backend, a.workspace, a.workspace_bytes, workspace_size(pass, T, R, a.flags),
+                      "args->workspace", "args->workspace_bytes", workspace_query);
+
+  compute_splits(*step.header, step.table);
+  // The backward arguments hold the saved buffers as const: it only reads them.
+  Carver home_carver(const_cast<void*>(a.home_saved));
+  step.home = carve_home(home_carver, router_desc_, world_size_, T);
+  Carver expert_carver(const_cast<void*>(a.expert_saved));
+  step.expert = carve_expert(expert_carver, local_desc_, R);
 }
 
 void EpLayer::compute_splits(const ExchangeHeader& header, const int32_t* table) {
@@ -475,10 +533,8 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   const size_t rs = rd.relem_size();
 
   MB_REQUIRE_ARG(a.flags == 0, "args->flags = %u must be 0 (reserved)", a.flags);
-  api::require_num_tokens(rd, T, "args->num_tokens");
-  const ExchangeHeader& header =
-      read_exchange(exchange, exchange_bytes, T, kStepBegun, "moeblaze_ep_forward_finish");
-  const int64_t R = header.recv_rows;
+  Step step = read_step(exchange, exchange_bytes, T, kStepBegun, "moeblaze_ep_forward_finish");
+  const int64_t R = step.R;
   const bool empty = T == 0;
   api::require_tensor(backend, a.x, true, empty, es, "args->x");
   api::require_tensor(backend, a.w_gate, true, false, es, "args->w_gate");
@@ -491,29 +547,10 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   api::require_tensor(backend, a.expert_counts, false, false, sizeof(int32_t),
                       "args->expert_counts");
   api::require_tensor(backend, a.losses, false, false, rs, "args->losses");
-  api::require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
-                      "args->home_saved", "args->home_saved_bytes",
-                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
-  MB_REQUIRE_ARG(a.expert_saved != nullptr,
-                 "args->expert_saved is NULL: forward_finish writes the received rows there "
-                 "(moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows) bytes)");
-  api::require_buffer(backend, a.expert_saved, a.expert_saved_bytes,
-                      saved_size(EpSaved::Expert, T, R), "args->expert_saved",
-                      "args->expert_saved_bytes",
-                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows)");
-  api::require_buffer(
-      backend, a.workspace, a.workspace_bytes, workspace_size(EpPass::ForwardFinish, T, R),
-      "args->workspace", "args->workspace_bytes",
-      "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_FORWARD_FINISH, recv_rows)");
+  open_step(step, a, EpPass::ForwardFinish);
 
-  const int32_t* table = reinterpret_cast<const int32_t*>(
-      static_cast<const unsigned char*>(exchange) + kExchangeTableOffset);
-  compute_splits(header, table);
-
-  Carver home_carver(a.home_saved);
-  const HomeSaved home = carve_home(home_carver, rd, W, T);
-  Carver expert_carver(a.expert_saved);
-  const ExpertSaved expert = carve_expert(expert_carver, local_desc_, R);
+  const HomeSaved& home = step.home;
+  const ExpertSaved& expert = step.expert;
   Carver ws(a.workspace);
   const FinishScratch scratch = carve_finish(ws, backend, rd, local_desc_, T, R);
 
@@ -596,10 +633,8 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   const size_t rs = rd.relem_size();
 
   api::require_backward_flags(a.flags, "args->flags");
-  api::require_num_tokens(rd, T, "args->num_tokens");
-  const ExchangeHeader& header =
-      read_exchange(exchange, exchange_bytes, T, kStepFinished, "moeblaze_ep_backward");
-  const int64_t R = header.recv_rows;
+  Step step = read_step(exchange, exchange_bytes, T, kStepFinished, "moeblaze_ep_backward");
+  const int64_t R = step.R;
   const bool empty = T == 0;
   api::require_tensor(backend, a.dy, true, empty, es, "args->dy");
   api::require_tensor(backend, a.d_losses, false, false, rs, "args->d_losses");
@@ -615,33 +650,12 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   api::require_tensor(backend, a.dw_down, false, false, es, "args->dw_down");
   api::require_tensor(backend, a.dg, false, false, rs, "args->dg");
   api::require_tensor(backend, a.d_logits, false, false, rs, "args->d_logits");
-  MB_REQUIRE_ARG(a.home_saved != nullptr && a.expert_saved != nullptr,
-                 "args->home_saved and args->expert_saved must be the buffers of the forward step "
-                 "(one is NULL)");
-  api::require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
-                      "args->home_saved", "args->home_saved_bytes",
-                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
-  api::require_buffer(backend, a.expert_saved, a.expert_saved_bytes,
-                      saved_size(EpSaved::Expert, T, R), "args->expert_saved",
-                      "args->expert_saved_bytes",
-                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows)");
-  const bool consume = (a.flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
-  api::require_buffer(
-      backend, a.workspace, a.workspace_bytes, workspace_size(EpPass::Backward, T, R, a.flags),
-      "args->workspace", "args->workspace_bytes",
-      consume ? "moeblaze_ep_layer_workspace_size_with_flags(MOEBLAZE_EP_PASS_BACKWARD, "
-                "recv_rows, flags)"
-              : "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_BACKWARD, recv_rows)");
-
-  const int32_t* table = reinterpret_cast<const int32_t*>(
-      static_cast<const unsigned char*>(exchange) + kExchangeTableOffset);
-  compute_splits(header, table);
+  open_step(step, a, EpPass::Backward);
   const bool accumulate = (a.flags & MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD) != 0;
+  const bool consume = (a.flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
 
-  Carver home_carver(const_cast<void*>(a.home_saved));
-  const HomeSaved home = carve_home(home_carver, rd, W, T);
-  Carver expert_carver(const_cast<void*>(a.expert_saved));
-  const ExpertSaved expert = carve_expert(expert_carver, local_desc_, R);
+  const HomeSaved& home = step.home;
+  const ExpertSaved& expert = step.expert;
   Carver ws(a.workspace);
   const BackwardScratch scratch = carve_backward(ws, backend, rd, local_desc_, T, R, a.flags);
 

@@ -81,10 +81,20 @@ class EpLayer {
   // An exchange moves at most this many tensors at once (rows and their g).
   static constexpr size_t kMaxExchangeTensors = 2;
 
+  // What forward_finish and backward take from the forward step before their own work: its
+  // header, count table and R, then the views of its two saved buffers. Defined in ep_layer.cpp,
+  // beside the buffer layouts.
+  struct Step;
   // Fills splits_ from the count table.
   void compute_splits(const ExchangeHeader& header, const int32_t* table);
-  const ExchangeHeader& read_exchange(const void* exchange, size_t exchange_bytes, int64_t T,
-                                      uint32_t expected_state, const char* call) const;
+  // The step in `exchange`, for T tokens, as `call` expects it (`expected_state`). Its saved views
+  // stay empty until open_step: each call checks its own tensors in between.
+  Step read_step(const void* exchange, size_t exchange_bytes, int64_t T, uint32_t expected_state,
+                 const char* call) const;
+  // Checks the step's buffers (both saved ones, then the workspace of `pass`), fills splits_ and
+  // carves the saved views. Args: the forward or backward arguments (the same buffer fields).
+  template <class Args>
+  void open_step(Step& step, const Args& args, EpPass pass);
   // exchange_tensors_[slot] and its four [W] arrays, all overwritten.
   ExchangeTensor& exchange_slot(size_t slot, const void* send, void* recv, size_t** send_offset,
                                 size_t** send_bytes, size_t** recv_offset, size_t** recv_bytes);
