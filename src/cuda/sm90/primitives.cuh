@@ -1,0 +1,290 @@
+// The Hopper (sm_90a) device primitives every kernel of the library uses (mbarrier, cp.async and
+// TMA wrappers, wgmma and its shared-memory descriptors, the epilogue staging layout) and the
+// driver's tensor-map encoder, with no dependency on the rest of the library: the dev/cuda
+// workshops include this header (`-I src`, `using namespace moeblaze::cuda::sm90;`) instead of
+// copying it. common.cuh adds the library's host helpers (error reporting, tensor maps, kernel
+// preparation) on top. Each primitive was first verified on the H200 in a dev/cuda workshop
+// (round 1: F1; round 3: the MN-major B operand; round 4: fence_proxy_async, tma_load_2d).
+//
+// Device code is compiled only for the sm_90a image (MB_SM90_DEVICE); the library's other images
+// contain a kernel body that traps, and the host-side support checks never launch it there.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap and the encoder's types only: no libcuda link
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define MB_SM90_DEVICE 1
+#else
+#define MB_SM90_DEVICE 0
+#endif
+
+namespace moeblaze {
+namespace cuda {
+namespace sm90 {
+
+// One stage of k: a 128-byte swizzle row of 16-bit elements.
+constexpr int kBK = 64;
+
+// A consumer warp's epilogue staging buffer: 16 rows x 64 columns of 16-bit values (2 KB), 32
+// words a row, the 16-byte chunk c of row r at chunk (c ^ (r & 7)), so that both access patterns
+// are free of bank conflicts:
+//   fragment side: lane (g, t4) holds the word (2 values) at row g + 8 rr, columns 8 jj + 2 t4 of
+//     the 64 (the wgmma m64nN accumulator layout, jj the 8-column group of the 64);
+//   global side: lane reads or writes 16-byte chunk (lane & 7) of row 4 i + (lane >> 3), so a warp
+//     instruction covers 4 rows x 128 contiguous bytes (coalesced).
+constexpr int kStageRows = 16;
+constexpr int kStageCols = 64;
+constexpr int kStageWarpBytes = kStageRows * kStageCols * 2;
+
+#if MB_SM90_DEVICE
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+// Spins until the phase with `parity` completes. A wait far beyond any real stall (2^26 polls,
+// many seconds; real waits are microseconds) traps instead of hanging the device.
+// No printf here: a call anywhere in a kernel makes ptxas serialise its wgmmas (C7510).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  uint32_t polls = 0;
+  do {
+    if (++polls == (1u << 26)) __trap();
+    asm volatile(
+        "{\n.reg .pred p;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(bar), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+
+// Arrives on `bar` once every cp.async this thread issued so far has landed. .noinc: the arrival
+// counts against the barrier's expected count (the producer threads are part of it).
+__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
+  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled and src is not read
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory accesses (cp.async results, plain stores)
+// with later async-proxy ones (wgmma operand reads, TMA writes) to the same shared memory.
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// Added with the wgrad kernel (round 4 workshop, verified on the H200): a 2-D map's box.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
+                                            int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma window.
+__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
+#pragma unroll
+  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared-memory matrix descriptor: K-major operand, 128B swizzle, rows of 128 bytes (64 elements),
+// 8-row groups 1024 bytes apart (SBO); LBO is unused for swizzled K-major layouts (set to 1).
+// The tile base must be 1024-byte aligned; stepping k by 16 elements adds 32 bytes to the start.
+__device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
+  uint64_t desc = 0;
+  desc |= uint64_t((addr & 0x3FFFF) >> 4);
+  desc |= uint64_t(1) << 16;          // LBO (ignored)
+  desc |= uint64_t(1024 >> 4) << 32;  // SBO
+  desc |= uint64_t(1) << 62;          // SWIZZLE_128B
+  return desc;
+}
+
+// MN-major operand, 128B swizzle (CUTLASS's Layout_MN_SW128_Atom: 64 MN elements x 8 k, each k a
+// 128-byte row), as TMA writes a box {64 MN, 64 k}: LBO = bytes between 64-element MN blocks (the
+// boxes, 8 KB apart), SBO = bytes between groups of 8 k-rows (1024). +2048 bytes per 16 k.
+// Verified on the H200 by the round-3 workshop (B4 and B1: every check passed).
+__device__ __forceinline__ uint64_t smem_desc_mnmajor_sw128(uint32_t addr) {
+  constexpr uint32_t kLbo = 8192, kSbo = 1024;
+  uint64_t desc = 0;
+  desc |= uint64_t((addr & 0x3FFFF) >> 4);
+  desc |= uint64_t(kLbo >> 4) << 16;
+  desc |= uint64_t(kSbo >> 4) << 32;
+  desc |= uint64_t(1) << 62;  // SWIZZLE_128B
+  return desc;
+}
+
+#define MB_WGMMA_M64N256K16(TYPE)                                                                  \
+  asm volatile(                                                                                    \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"                                                \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE                                 \
+      " {"                                                                                         \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "                     \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "           \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "           \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "           \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "           \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "           \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, "     \
+      "%111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, "       \
+      "%125, %126, %127"                                                                           \
+      "}, %128, %129, p, 1, 1, %131, %132;\n}\n"                                                   \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),        \
+        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),    \
+        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), \
+        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), \
+        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), \
+        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), \
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), \
+        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), \
+        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), \
+        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), \
+        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), \
+        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]), \
+        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),          \
+        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),        \
+        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),        \
+        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),        \
+        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])         \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A), "n"(TRANS_B))
+
+// D[64x256] (+)= A[64x16] * B[16x256] from shared memory; T is __nv_bfloat16 or __half.
+// TRANS_A / TRANS_B = 0: the operand is K-major; 1: MN-major (the instruction transposes it).
+// scale_d = 0 overwrites D (the first k-step of a tile).
+template <typename T, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
+                                                 int scale_d) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    MB_WGMMA_M64N256K16("bf16");
+  } else {
+    MB_WGMMA_M64N256K16("f16");
+  }
+}
+#undef MB_WGMMA_M64N256K16
+
+// Two values rounded to T (round-to-nearest-even), packed with lo at the lower address: the same
+// conversions as gemm.cuh's store2.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  } else {
+    const __half2 v = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+  }
+}
+
+// Two packed 16-bit values as floats (.x = the lower address).
+template <typename T>
+__device__ __forceinline__ float2 unpack2(uint32_t bits) {
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+  } else {
+    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  }
+}
+
+__device__ __forceinline__ int stage_fragment_word(int row, int jj, int t4) {
+  return row * 32 + ((jj ^ (row & 7)) << 2) + t4;
+}
+__device__ __forceinline__ int stage_chunk_word(int row, int chunk) {
+  return row * 32 + ((chunk ^ (row & 7)) << 2);
+}
+
+// The inclusive prefix of tile_start[1..E] in place (tile_start[0] = 0), by warp 0 of the block:
+// each lane sums a contiguous chunk, then one warp scan. The caller synchronises afterwards.
+__device__ __forceinline__ void warp_prefix_tiles(int* tile_start, int E, int lane) {
+  const int chunk = (E + 31) / 32;
+  const int begin = min(E, lane * chunk), end = min(E, begin + chunk);
+  int sum = 0;
+  for (int i = begin; i < end; ++i) sum += tile_start[i + 1];
+  int prefix = sum;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int v = __shfl_up_sync(0xffffffffu, prefix, o);
+    if (lane >= o) prefix += v;
+  }
+  int run = prefix - sum;
+  for (int i = begin; i < end; ++i) {
+    run += tile_start[i + 1];
+    tile_start[i + 1] = run;
+  }
+  if (lane == 0) tile_start[0] = 0;
+}
+
+#endif  // MB_SM90_DEVICE
+
+// ---- host ---------------------------------------------------------------------------------------
+
+typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
+                                  const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
+                                  const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The driver's tensor-map encoder through the runtime (no libcuda link); nullptr if unavailable.
+inline EncodeTiledFn tensor_map_encoder() {
+  static const EncodeTiledFn fn = [] {
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    void* ptr = nullptr;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      (void)cudaGetLastError();
+      return EncodeTiledFn(nullptr);
+    }
+    return reinterpret_cast<EncodeTiledFn>(ptr);
+  }();
+  return fn;
+}
+
+}  // namespace sm90
+}  // namespace cuda
+}  // namespace moeblaze
