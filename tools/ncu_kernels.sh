@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Nsight Compute on the library's six Hopper GEMM kernels (F1, F2, B1, B4, B2, B3) of one experts
+# forward + backward, for one configuration: what limits each (tensor pipe, L2, DRAM, stalls).
+# Run from the repository root on a GPU machine with a built library:
+#   MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so bash tools/ncu_kernels.sh \
+#       [tests/cuda/profile_kernels.py arguments, e.g. --T 16384 --d 4096 --h 14336 --E 8 --k 2]
+# (about 1-2 minutes per configuration). profile_kernels.py runs 3 warm-up steps (18 sm90 kernel
+# launches), then the steps ncu profiles: the next 6 sm90 launches, one of each kernel. The table of
+# the metrics below is printed last; the report, its details page and the raw metrics are in
+# ${OUT:-./ncu_kernels_out}/ncu_kernels.tgz.
+set -u -o pipefail
+out="${OUT:-./ncu_kernels_out}"
+mkdir -p "$out"
+: "${MOEBLAZE_LIBRARY:?set MOEBLAZE_LIBRARY to the built libmoeblaze.so}"
+timeout "${NCU_TIMEOUT:-400}" ncu --clock-control none -k regex:sm90_ --launch-skip 18 \
+  --launch-count 6 --set full --export "$out/kernels" --force-overwrite \
+  python3 tests/cuda/profile_kernels.py --rows 1 "$@" >"$out/ncu.log" 2>&1
+echo "ncu rc=$? ($(grep -c '==PROF==' "$out/ncu.log") profiler lines; the run's own output:" \
+  "$(grep -E '^fwd\+bwd' "$out/ncu.log"))"
+ncu --import "$out/kernels.ncu-rep" --page raw --csv >"$out/metrics.csv" 2>/dev/null
+ncu --import "$out/kernels.ncu-rep" --page details >"$out/details.txt" 2>/dev/null
+# Substrings of the metrics to tabulate (nothing is requested by name: an unknown name would fail
+# the whole profile, and names differ between ncu versions).
+PATTERNS="gpu__time_duration.sum sm__throughput.avg.pct pipe_tensor_op_gmma l1tex__throughput.avg.pct
+lts__t_sector_hit_rate.pct lts__throughput.avg.pct dram__throughput.avg.pct dram__bytes_read.sum
+dram__bytes_write.sum launch__registers_per_thread launch__grid_size" python3 - "$out" <<'EOF'
+import csv, os, sys
+out = sys.argv[1]
+patterns = os.environ["PATTERNS"].split()
+rows = list(csv.reader(open(os.path.join(out, "metrics.csv"))))
+if len(rows) < 3:
+    sys.exit("no metrics (see ncu.log)")
+header, units, data = rows[0], rows[1], rows[2:]
+name_col = header.index("Kernel Name") if "Kernel Name" in header else None
+def short(name):
+    for key, tag in (("f1_kernel", "F1"), ("wgrad_kernel<__nv_bfloat16, true>", "B3"),
+                     ("wgrad_kernel<__nv_bfloat16, false>", "B2"), ("rows_kernel<__nv_bfloat16, 0", "F2"),
+                     ("rows_kernel<__nv_bfloat16, 1", "B4"), ("rows_kernel<__nv_bfloat16, 2", "B1")):
+        if key in name.replace("(anonymous namespace)::", ""):
+            return tag
+    return name[:12]
+tags = [short(r[name_col]) if name_col is not None else str(i) for i, r in enumerate(data)]
+cols = [i for i, h in enumerate(header) if any(p in h for p in patterns)]
+print("%-62s %s" % ("metric (unit)", " ".join("%12s" % t for t in tags)))
+for i in sorted(cols, key=lambda i: header[i]):
+    label = "%s (%s)" % (header[i], units[i]) if units[i] else header[i]
+    print("%-62s %s" % (label[:62], " ".join("%12s" % r[i][:12] for r in data)))
+EOF
+(cd "$out" && tar czf ncu_kernels.tgz --remove-files ./kernels.ncu-rep ./details.txt \
+  ./metrics.csv ./ncu.log 2>/dev/null)
