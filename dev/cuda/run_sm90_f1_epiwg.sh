@@ -2,13 +2,17 @@
 # One device call for dev/cuda/sm90_f1_epiwg.cu (round 10: F1 with epilogue warps and a bf16
 # hand-off through shared memory), from the repository root on an H200:
 #   bash dev/cuda/run_sm90_f1_epiwg.sh        (about 2-3 minutes; 6 logs under $OUT)
-# 1. build (with cuBLAS if it links, else -DNO_CUBLAS; -I include -I src so u is the library's
-#    act_math::forward), ptxas registers / spills per F1 kernel, C75xx warnings, SASS counts
+# 1. build (with cuBLAS if it links, else -DNO_CUBLAS; -I src for src/cuda/sm90/primitives.cuh,
+#    -I include as well so u is the library's act_math::forward), ptxas registers / spills per F1 kernel, C75xx warnings, SASS counts
 #    (HGMMA, UTMASTG, LDGSTS, local memory) from cuobjdump;
 # 2. edge and tiny checked for each checked version (1, 2, 3) in its own process under `timeout`
-#    (a hang traps in the mbarrier watchdog after a second or so and kills only that process; every
-#    process also runs v1 once, the bitwise reference of v2 and v3); the probes (4, 5, 6) smoke-run
-#    on edge and tiny in one more process;
+#    (every process also runs v1 once, the bitwise reference of v2 and v3; tiny is skipped for a
+#    version whose edge check failed); the probes (4, 5, 6) smoke-run on edge and tiny likewise.
+#    A hang in an mbarrier wait traps in the watchdog (the file sets primitives.cuh's mbar_wait
+#    limit to 2^20 polls: seconds; at 2^24, round 8b's trap took about a minute) and kills only
+#    that process with "unspecified launch failure"; a hang that is no mbarrier wait (named
+#    barrier, setmaxnreg) ends at CHECK_TIMEOUT (60 s), rc 124. Every timeout is also cut to what
+#    is left of BUDGET (570 s, under the device call's 600 s), so the summary is always printed;
 # 3. every default shape (edge, tiny, conf3, mixtral, qwen) checked, then timed (not edge, tiny),
 #    with the versions that passed step 2 (all three if none did, to see the failure again);
 # 4. compute-sanitizer memcheck of edge for the versions that passed (MEMCHECK=0 skips it);
@@ -22,6 +26,14 @@ flags=(-O3 -std=c++17 "-gencode=arch=compute_90a,code=sm_90a" -lineinfo -Xptxas 
   -DF1_REQUIRE_LIBRARY_ACT)
 checked_versions="1 2 3"
 probe_versions="4,5,6"
+check_timeout="${CHECK_TIMEOUT:-60}"
+deadline=$((SECONDS + ${BUDGET:-570}))
+# limit N: N seconds, or what is left before the deadline (at least 10) if that is less.
+limit() {
+  local left=$((deadline - SECONDS))
+  ((left < 10)) && left=10
+  echo $(($1 < left ? $1 : left))
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,temperature.gpu \
   --format=csv 2>&1 | tee "$out/gpu.txt"
 if ! nvcc "${flags[@]}" -o "$bin" "$src" -lcublas >"$out/build.log" 2>&1; then
@@ -53,7 +65,9 @@ for v in $checked_versions; do
   rc=0
   : >"$one"
   for shape in edge tiny; do
-    timeout 60 "$bin" --check-only --shape "$shape" --versions "$v" >>"$one" 2>&1 || rc=$?
+    [ "$rc" = 0 ] || break  # edge failed (a hang costs the watchdog's minutes): tiny skipped
+    timeout "$(limit "$check_timeout")" "$bin" --check-only --shape "$shape" --versions "$v" \
+      >>"$one" 2>&1 || rc=$?
   done
   cat "$one" >>"$out/edge.log"
   grep -E " v$v\]|error|requirement|entry registers|Aborted|core dumped" "$one" | cut -c1-200 \
@@ -67,8 +81,9 @@ case ",$passed," in *,1,*) probes="$probe_versions" ;; esac
 if [ -n "$probes" ]; then
   prc=0
   for shape in edge tiny; do
-    timeout 60 "$bin" --check-only --shape "$shape" --versions "$probes" \
-      >>"$out/probes_smoke.log" 2>&1 || prc=$?
+    [ "$prc" = 0 ] || break
+    timeout "$(limit "$check_timeout")" "$bin" --check-only --shape "$shape" \
+      --versions "$probes" >>"$out/probes_smoke.log" 2>&1 || prc=$?
   done
   echo "probe smoke run (versions $probes) on edge+tiny rc=$prc:" \
     "$(grep -c 'timing probe ran' "$out/probes_smoke.log") runs ok"
@@ -78,7 +93,7 @@ checked="${passed#,}"
 [ -n "$checked" ] || checked="1,2,3"  # none passed: still run them, and say so
 all="$checked${probes:+,$probes}"
 echo "full run with versions $all"
-timeout "${FULL_TIMEOUT:-170}" "$bin" --versions "$all" >"$out/full.log" 2>&1
+timeout "$(limit "${FULL_TIMEOUT:-240}")" "$bin" --versions "$all" >"$out/full.log" 2>&1
 rc=$?
 grep -vE "^\s*$" "$out/full.log" \
   | grep -E "shape|rows per|rel_l2|padding|bitwise|differs|checksum|CHECK|error|F1 |cuBLAS|requir" \
@@ -86,7 +101,7 @@ grep -vE "^\s*$" "$out/full.log" \
 echo "full run rc=$rc"
 if [ "${MEMCHECK:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
   mlog=$(mktemp /tmp/f1_epiwg_memcheck.XXXXXX)
-  timeout 150 compute-sanitizer --tool memcheck "$bin" --check-only --shape edge \
+  timeout "$(limit 150)" compute-sanitizer --tool memcheck "$bin" --check-only --shape edge \
     --versions "$checked" >"$mlog" 2>&1
   mrc=$?
   cat "$mlog" >>"$out/memcheck.log"

@@ -3,9 +3,10 @@
 // handed off, as bf16 a and b in shared memory, to dedicated EPILOGUE WARPS, so that the consumer
 // warpgroups start the next tile's main loop right after a tile's last wgmma.
 //
-// Build (from the repository root; -I include -I src makes u the library's act_math::forward, see
-// act_u; without them a verbatim copy is used, same SASS; no -lcuda: the tensor-map encoder comes
-// from the driver through the runtime's entry-point query):
+// Build (from the repository root; -I src is required: the device primitives and the tensor-map
+// encoder come from src/cuda/sm90/primitives.cuh; -I include as well makes u the library's
+// act_math::forward, see act_u, without it a verbatim copy is used, same SASS; no -lcuda: the
+// encoder takes cuTensorMapEncodeTiled from the driver through the runtime's entry-point query):
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -Xptxas -v -I include \
 //        -I src -o /tmp/f1w dev/cuda/sm90_f1_epiwg.cu -lcublas
 // Without cuBLAS (the dense column of the table is then 0): add -DNO_CUBLAS, drop -lcublas.
@@ -210,7 +211,9 @@
 //   stage, USETMAXREG 0x28 / 0xe8; kernel 2: 16 LDGSTS per stage, USETMAXREG.DEALLOC 0x48 /
 //   TRY_ALLOC 0xd8, 4 UTMASTG.2D + UTMACMDFLUSH (the stores and their commit), DEPBAR for the bulk
 //   waits, FENCE.VIEW.ASYNC.S (hand-off and main-loop proxy fences), 16-byte LDS / STG in the
-//   epilogue warps. The SASS of kernel 2 is identical with the library header and with the copy.
+//   epilogue warps. The SASS of kernel 2 is identical with the library's act_math::forward and
+//   with act_u's verbatim copy. Since the device helpers come from primitives.cuh (they were round
+//   7's copies before) the cubin is byte-identical except mbar_wait's poll limit (2^26, was 2^24).
 //
 // ---- prediction (before any run) ----
 // Known (H200, earlier rounds / profiles): conf3 F1 (library, MUFU sigmoid) 10.6 ms, its main loop
@@ -243,7 +246,7 @@
 //   - The fence.proxy.async placement (per writing thread, before the arrival) follows CUTLASS's
 //     TMA-store epilogue; the PTX ISA text for it was not re-read in this session.
 
-#include <cuda.h>  // CUtensorMap and the encoder's signature only; no libcuda link
+#include <cuda.h>  // CUtensorMap and the encoder's types only; no libcuda link
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #ifndef NO_CUBLAS
@@ -261,8 +264,24 @@
 #include <thread>
 #include <vector>
 
+// The library's Hopper device primitives (mbarrier, cp.async, TMA loads, fences, wgmma and its
+// descriptors, pack2, warp_prefix_tiles, kBK) and the tensor-map encoder, with no other library
+// dependency (-I src). Their device code exists only in the sm_90a pass (MB_SM90_DEVICE), so this
+// file's device code that uses them is guarded the same way, and any other device target is an
+// error here rather than a kernel that traps. mbar_wait is the header's, with a watchdog of 2^20
+// polls instead of the library's 2^26 so that a hang fails fast: at 2^24 polls (rounds 1-9's own
+// copies) round 8b's full run that ended in the trap took ~67 s against 4-8 s without the hang,
+// so 2^20 should trap within seconds, and no real wait comes near it (microseconds).
+#define MB_SM90_MBAR_POLL_LIMIT (1u << 20)
+#include "cuda/sm90/primitives.cuh"
+#if defined(__CUDA_ARCH__) && !MB_SM90_DEVICE
+#error "sm90_f1_epiwg.cu is for sm_90a only: -gencode=arch=compute_90a,code=sm_90a"
+#endif
+using namespace moeblaze::cuda::sm90;
+
 // The library's activation formula (act_math::forward) when the repository's include paths are
-// given (-I include -I src, as the run script does); otherwise a verbatim copy of its GPU SwiGLU.
+// given (-I include as well as -I src, as the run script does); otherwise a verbatim copy of its
+// GPU SwiGLU.
 #if __has_include("common/activation_math.hpp") && __has_include("moeblaze.h")
 #include "common/activation_math.hpp"
 #define F1_LIBRARY_ACT 1
@@ -342,71 +361,12 @@ static void f1_row_cpu(const uint16_t* x_row, const uint16_t* wg_e, const uint16
 }
 
 // ---------------------------------------------------------------------------------------------
-// small device helpers (round 7's copies of src/cuda/sm90/common.cuh; TMA store and bulk-group
-// waits are new in this round)
+// device helpers: the mbarrier, cp.async, TMA load, fence and wgmma primitives, the K-major
+// descriptor and pack2 are primitives.cuh's (see the includes). Local here: what the header does
+// not have (the TMA store and its bulk-group commit / waits, new in this round) and the round's
+// own epilogue math (act_u, act_pair).
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
-
-// Spins until the phase with `parity` completes. A wait that lasts far beyond any real stall
-// (2^24 polls: a second or more; real waits are microseconds) traps ("unspecified launch
-// failure") instead of hanging the device run.
-// No printf here: a call anywhere in the kernel makes ptxas serialise the wgmmas (C7510).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  uint32_t polls = 0;
-  do {
-    if (++polls == (1u << 24)) __trap();
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-// Arrives on `bar` once every cp.async this thread issued so far has landed. .noinc: the arrival
-// counts against the barrier's expected count (the producer threads are part of it).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled and src is not read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-               : "memory");
-}
-
-// Orders this thread's generic-proxy shared-memory accesses (cp.async results, plain stores)
-// with later async-proxy ones (wgmma operand reads, TMA reads and writes) of the same memory.
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                            int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
+#if MB_SM90_DEVICE
 
 // TMA store (new in this round): the box at {c0, c1} of `map` from shared memory at `src`, laid
 // out as the map's swizzle says. Elements of the box outside the map's dimensions are not written.
@@ -433,71 +393,6 @@ __device__ __forceinline__ void bulk_wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma window.
-__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Shared-memory matrix descriptor: K-major operand, 128B swizzle, rows of 128 bytes (64 bf16),
-// 8-row groups 1024 bytes apart (SBO); LBO is unused for swizzled K-major layouts (set to 1).
-// The tile base must be 1024-byte aligned; stepping k by 16 elements adds 32 bytes to the start.
-__device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
-  uint64_t desc = 0;
-  desc |= uint64_t((addr & 0x3FFFF) >> 4);
-  desc |= uint64_t(1) << 16;          // LBO (ignored)
-  desc |= uint64_t(1024 >> 4) << 32;  // SBO
-  desc |= uint64_t(1) << 62;          // SWIZZLE_128B
-  return desc;
-}
-
-// clang-format off
-// D[64x256] (+)= A[64x16] * B[256x16]^T, both K-major in 128B-swizzled shared memory.
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                 int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
-        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
-        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
-        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
-        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
-        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
-        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]),
-        "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]),
-        "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]),
-        "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]),
-        "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]),
-        "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]),
-        "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]),
-        "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
-// clang-format on
-
 // u = act(a, b) for SwiGLU from the ROUNDED a, b, in fp32: the library's formula. With the
 // repository's include paths this is act_math::forward itself; without them, a verbatim copy of
 // its GPU branch (sigmoid = __fdividef(1, 1 + __expf(-a)), silu = a * sigmoid, u = silu * b).
@@ -511,25 +406,23 @@ __device__ __forceinline__ float act_u(float a, float b) {
 #endif
 }
 
-__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);  // .x = lo (lower address)
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // Two packed bf16 (lo at the lower address) -> u of the pair, packed the same way. bf16 -> fp32 by
-// bit placement is exact, so act_u sees the same floats as in v1's epilogue.
+// bit placement is exact, so act_u sees the same floats as in v1's epilogue. (Not unpack2<bf16>:
+// that converts with cvt.f32.bf16, the same values by a different instruction.)
 __device__ __forceinline__ uint32_t act_pair(uint32_t a2, uint32_t b2) {
   const float a0 = __uint_as_float(a2 << 16), a1 = __uint_as_float(a2 & 0xffff0000u);
   const float b0 = __uint_as_float(b2 << 16), b1 = __uint_as_float(b2 & 0xffff0000u);
-  return pack_bf16x2(act_u(a0, b0), act_u(a1, b1));
+  return pack2<bf16>(act_u(a0, b0), act_u(a1, b1));
 }
+
+#endif  // MB_SM90_DEVICE
 
 // ---------------------------------------------------------------------------------------------
 // the kernels' shared pieces
 
-constexpr int kBM = 128;       // routed rows per tile
-constexpr int kBN = 128;       // columns of h per tile (for each of w_gate and w_up)
-constexpr int kBK = 64;        // k per stage: one 128-byte swizzle row of bf16
+constexpr int kBM = 128;  // routed rows per tile
+constexpr int kBN = 128;  // columns of h per tile (for each of w_gate and w_up)
+// k per stage: primitives.cuh's kBK = 64, one 128-byte swizzle row of bf16
 constexpr int kThreads = 384;  // warpgroup 0: producer (v2: + epilogue warps); 1, 2: consumers
 constexpr int kProducerThreads = 128;  // kernel 1: all of warpgroup 0 gathers
 constexpr int kConsumerWarps = 8;
@@ -604,6 +497,8 @@ struct TileCoord {
   int n0;    // first column of h
 };
 
+#if MB_SM90_DEVICE
+
 // The library's tile order (round 7's decode_tile<CLUSTER = 1>): tile_start[e] = first linear
 // tile id of expert e (prefix of ceil(count_e / 128) * n_tiles); inside an expert, bands of 8
 // m-tiles swept by the n-tiles.
@@ -644,24 +539,7 @@ __device__ __forceinline__ void build_tile_prefix(int* tile_start, const F1Param
     tile_start[e + 1] = ((count + kBM - 1) / kBM) * p.n_tiles;
   }
   __syncthreads();
-  if (warp == 0) {  // inclusive scan of tile_start[1..E]: each lane sums a contiguous chunk
-    const int chunk = (p.E + 31) / 32;
-    const int begin = min(p.E, lane * chunk), end = min(p.E, begin + chunk);
-    int sum = 0;
-    for (int i = begin; i < end; ++i) sum += tile_start[i + 1];
-    int prefix = sum;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int v = __shfl_up_sync(0xffffffffu, prefix, o);
-      if (lane >= o) prefix += v;
-    }
-    int run = prefix - sum;
-    for (int i = begin; i < end; ++i) {
-      run += tile_start[i + 1];
-      tile_start[i + 1] = run;
-    }
-    if (lane == 0) tile_start[0] = 0;
-  }
+  if (warp == 0) warp_prefix_tiles(tile_start, p.E, lane);  // inclusive scan of tile_start[1..E]
   __syncthreads();
 }
 
@@ -733,7 +611,7 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[128], uint32_t& i
   for (int kt = 0; kt < k_tiles; ++kt, ++it) {
     const int s = it % STAGES;
     mbar_wait(smem_u32(full_bar + s), (it / STAGES) & 1);
-    fence_proxy_async_smem();
+    fence_proxy_async();
     const uint32_t stage = smem_u32(smem + s * kStageBytes);
     const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
     const uint64_t desc_b = smem_desc_kmajor_sw128(stage + kATileBytes);
@@ -742,7 +620,8 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[128], uint32_t& i
 #pragma unroll
     for (int kk = 0; kk < kBK / 16; ++kk) {
       // +32 bytes per 16 k inside the swizzle row: +2 in the descriptor's address field.
-      wgmma_m64n256k16(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+      wgmma_m64n256k16<bf16, 0, 0>(acc, desc_a + 2 * kk, desc_b + 2 * kk,
+                                   (kt > 0 || kk > 0) ? 1 : 0);
     }
     wgmma_commit();
     wgmma_wait<1>();
@@ -754,6 +633,8 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[128], uint32_t& i
   fence_accumulators(acc);
   if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
 }
+
+#endif  // MB_SM90_DEVICE
 
 enum : int {
   kEpiFull = 0,  // round 7's v1 epilogue (the library's): a, b, u staged per warp and stored
@@ -768,6 +649,7 @@ template <int STAGES, int EPI>
 __global__ void __launch_bounds__(kThreads, 1)
     f1_sm90_kernel(const __grid_constant__ CUtensorMap tmap_gate,
                    const __grid_constant__ CUtensorMap tmap_up, const F1Params p) {
+#if MB_SM90_DEVICE
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment (128B swizzle atoms) by an offset from smem_raw, so the compiler still
   // knows every derived pointer is shared memory (STS/LDS, not generic ST/LD).
@@ -837,11 +719,11 @@ __global__ void __launch_bounds__(kThreads, 1)
               const float rb1 = __bfloat162float(__float2bfloat16_rn(acc[64 + 4 * j + 2 * rr + 1]));
               uint32_t v;
               if (out == 0)
-                v = pack_bf16x2(ra0, ra1);
+                v = pack2<bf16>(ra0, ra1);
               else if (out == 1)
-                v = pack_bf16x2(rb0, rb1);
+                v = pack2<bf16>(rb0, rb1);
               else
-                v = pack_bf16x2(act_u(ra0, rb0), act_u(ra1, rb1));
+                v = pack2<bf16>(act_u(ra0, rb0), act_u(ra1, rb1));
               const int row = g + 8 * rr;  // row & 7 == g
               stg[row * 32 + ((jj ^ g) << 2) + t4] = v;
             }
@@ -865,6 +747,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+#else
+  __trap();  // no sm_90a device pass (the #error above rejects any other device target)
+#endif  // MB_SM90_DEVICE
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -883,6 +768,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                     const __grid_constant__ CUtensorMap tmap_up,
                     const __grid_constant__ CUtensorMap tmap_out_a,
                     const __grid_constant__ CUtensorMap tmap_out_b, const F1Params p) {
+#if MB_SM90_DEVICE
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint8_t* handoff = smem + STAGES * kStageBytes;  // 1024-byte aligned (48 KB stages)
@@ -1006,24 +892,27 @@ __global__ void __launch_bounds__(kThreads, 1)
       // B-columns; j < 16: a, j >= 16: b. 8-column group j lands in sub-tile j >> 3 (a lo, a hi,
       // b lo, b hi) as 16-byte chunk j & 7. Per warp instruction (fixed j, rr) the 8 rows g of a
       // quad set hit chunks (j & 7) ^ g: 8 distinct chunks x 4 words = 32 distinct banks.
-      // pack_bf16x2 rounds each fp32 accumulator to bf16 once, as v1's epilogue does.
+      // pack2 rounds each fp32 accumulator to bf16 once, as v1's epilogue does.
 #pragma unroll
       for (int j = 0; j < 32; ++j) {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int row = tile_row + g + 8 * rr;  // row & 7 == g
           hb[(j >> 3) * kHandoffSubWords + row * 32 + (((j & 7) ^ g) << 2) + t4] =
-              pack_bf16x2(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+              pack2<bf16>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
         }
       }
       // Generic-proxy writes -> the TMA unit's async-proxy reads: each writing thread fences its
       // own writes, then the warp's arrival (release) publishes them; the issuer's wait
       // (acquire) precedes its TMA store.
-      fence_proxy_async_smem();
+      fence_proxy_async();
       __syncwarp();
       if (lane == 0) mbar_arrive(smem_u32(handoff_full));
     }
   }
+#else
+  __trap();  // no sm_90a device pass (the #error above rejects any other device target)
+#endif  // MB_SM90_DEVICE
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1242,21 +1131,11 @@ __global__ void checksum_kernel(const uint32_t* words, size_t n, unsigned long l
 // ---------------------------------------------------------------------------------------------
 // host: tensor maps and launchers
 
-typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                  const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                  const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
+// primitives.cuh's tensor_map_encoder(): cuTensorMapEncodeTiled from the driver through the
+// runtime's entry-point query (no libcuda link); nullptr if the query fails.
 static EncodeTiledFn get_encoder() {
-  static EncodeTiledFn fn = nullptr;
-  if (!fn) {
-    cudaDriverEntryPointQueryResult q;
-    void* ptr = nullptr;
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                cudaEnableDefault, &q));
-    REQUIRE(q == cudaDriverEntryPointSuccess && ptr, "cuTensorMapEncodeTiled not found");
-    fn = reinterpret_cast<EncodeTiledFn>(ptr);
-  }
+  const EncodeTiledFn fn = tensor_map_encoder();
+  REQUIRE(fn != nullptr, "cuTensorMapEncodeTiled not found (driver entry-point query failed)");
   return fn;
 }
 
@@ -1802,7 +1681,8 @@ int main(int argc, char** argv) {
   printf("device: %s, %d SMs, L2 %d MB, smem/block opt-in %zu B, seed %llu; u formula: %s\n",
          prop.name, g_num_sms, prop.l2CacheSize >> 20, prop.sharedMemPerBlockOptin,
          (unsigned long long)seed,
-         F1_LIBRARY_ACT ? "the library's act_math::forward" : "verbatim copy of act_math (no -I)");
+         F1_LIBRARY_ACT ? "the library's act_math::forward"
+                        : "verbatim copy of act_math (no -I include)");
   REQUIRE(prop.major == 9, "this kernel needs sm_90a (Hopper)");
   REQUIRE(smem_bytes_v1(4, kMaxExperts) <= prop.sharedMemPerBlockOptin, "shared memory (v1)");
   REQUIRE(smem_bytes_epiwg(3, kMaxExperts) <= prop.sharedMemPerBlockOptin, "shared memory (v2)");

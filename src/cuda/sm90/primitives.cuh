@@ -24,6 +24,10 @@
 #define MB_SM90_DEVICE 0
 #endif
 
+#ifndef MB_SM90_MBAR_POLL_LIMIT
+#define MB_SM90_MBAR_POLL_LIMIT (1u << 26)
+#endif
+
 namespace moeblaze {
 namespace cuda {
 namespace sm90 {
@@ -52,14 +56,16 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 
-// Spins until the phase with `parity` completes. A wait far beyond any real stall (2^26 polls,
-// many seconds; real waits are microseconds) traps instead of hanging the device.
+// Spins until the phase with `parity` completes. A wait far beyond any real stall (real waits are
+// microseconds) traps instead of hanging the device: after MB_SM90_MBAR_POLL_LIMIT polls, 2^26 in
+// the library. A workshop may define a smaller limit before including this header to fail fast:
+// round 8b's probe, with 2^24, took about a minute to trap (each poll can suspend the thread).
 // No printf here: a call anywhere in a kernel makes ptxas serialise its wgmmas (C7510).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
   uint32_t polls = 0;
   do {
-    if (++polls == (1u << 26)) __trap();
+    if (++polls == uint32_t(MB_SM90_MBAR_POLL_LIMIT)) __trap();
     asm volatile(
         "{\n.reg .pred p;\n"
         "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
