@@ -213,7 +213,7 @@
 //   waits, FENCE.VIEW.ASYNC.S (hand-off and main-loop proxy fences), 16-byte LDS / STG in the
 //   epilogue warps. The SASS of kernel 2 is identical with the library's act_math::forward and
 //   with act_u's verbatim copy. Since the device helpers come from primitives.cuh (they were round
-//   7's copies before) the cubin is byte-identical except mbar_wait's poll limit (2^26, was 2^24).
+//   7's copies before) the cubin is byte-identical except mbar_wait's poll limit (2^20, was 2^24).
 //
 // ---- prediction (before any run) ----
 // Known (H200, earlier rounds / profiles): conf3 F1 (library, MUFU sigmoid) 10.6 ms, its main loop
