@@ -82,33 +82,10 @@ struct TileCoord {
 
 #if MB_SM90_DEVICE
 
-// tile_start[e] = first linear tile id of expert e (prefix of ceil(count_e / kBM) * n_tiles).
 __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start, const F1Params& p) {
-  int lo = 0, hi = p.E - 1;  // largest e with tile_start[e] <= t (never an empty expert)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (tile_start[mid] <= t)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const int e = lo;
-  const int off = __ldg(p.offsets + e);
-  const int count = __ldg(p.offsets + e + 1) - off;
-  const int m_tiles = (count + kBM - 1) / kBM;
-  const int local = t - tile_start[e];
-  const int band = local / (kBandMTiles * p.n_tiles);
-  const int band_m0 = band * kBandMTiles;
-  const int band_h = min(kBandMTiles, m_tiles - band_m0);
-  const int r = local - band * kBandMTiles * p.n_tiles;
-  const int m_tile = band_m0 + r % band_h;
-  const int n_tile = r / band_h;
-  TileCoord c;
-  c.e = e;
-  c.row0 = off + m_tile * kBM;
-  c.rows = min(kBM, count - m_tile * kBM);
-  c.n_tile = n_tile;
-  return c;
+  const GroupedTile g =
+      decode_grouped_tile<kBM, kBandMTiles>(t, tile_start, p.offsets, p.E, p.n_tiles);
+  return {g.e, g.row0, g.rows, g.n_tile};
 }
 
 #endif  // MB_SM90_DEVICE

@@ -245,6 +245,47 @@ __device__ __forceinline__ int stage_chunk_word(int row, int chunk) {
   return row * 32 + ((chunk ^ (row & 7)) << 2);
 }
 
+// A persistent grouped GEMM's linear tile id `t` -> its expert, routed rows and n-tile.
+// tile_start[e] = first tile id of expert e (the prefix of ceil(count_e / BM) * n_tiles; an empty
+// expert owns no id); inside an expert, tiles are rasterised in bands of BAND m-tiles that the
+// n-tiles sweep, so the CTAs running at one time share A rows and B tiles in L2.
+struct GroupedTile {
+  int e;
+  int row0;    // first routed row
+  int rows;    // valid rows (1..BM)
+  int n_tile;  // output column tile
+};
+
+template <int BM, int BAND>
+__device__ __forceinline__ GroupedTile decode_grouped_tile(int t, const int* tile_start,
+                                                           const int32_t* offsets, int E,
+                                                           int n_tiles) {
+  int lo = 0, hi = E - 1;  // largest e with tile_start[e] <= t (never an empty expert)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (tile_start[mid] <= t)
+      lo = mid;
+    else
+      hi = mid - 1;
+  }
+  const int e = lo;
+  const int off = __ldg(offsets + e);
+  const int count = __ldg(offsets + e + 1) - off;
+  const int m_tiles = (count + BM - 1) / BM;
+  const int local = t - tile_start[e];
+  const int band = local / (BAND * n_tiles);
+  const int band_m0 = band * BAND;
+  const int band_h = min(BAND, m_tiles - band_m0);
+  const int r = local - band * BAND * n_tiles;
+  const int m_tile = band_m0 + r % band_h;
+  GroupedTile c;
+  c.e = e;
+  c.row0 = off + m_tile * BM;
+  c.rows = min(BM, count - m_tile * BM);
+  c.n_tile = r / band_h;
+  return c;
+}
+
 // The inclusive prefix of tile_start[1..E] in place (tile_start[0] = 0), by warp 0 of the block:
 // each lane sums a contiguous chunk, then one warp scan. The caller synchronises afterwards.
 __device__ __forceinline__ void warp_prefix_tiles(int* tile_start, int E, int lane) {

@@ -100,33 +100,11 @@ struct TileCoord {
 
 #if MB_SM90_DEVICE
 
-// tile_start[e] = first linear tile id of expert e (prefix of ceil(count_e / kBM) * n_tiles).
 __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
                                                  const RowsParams& p) {
-  int lo = 0, hi = p.E - 1;  // largest e with tile_start[e] <= t (never an empty expert)
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) >> 1;
-    if (tile_start[mid] <= t)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  const int e = lo;
-  const int off = __ldg(p.offsets + e);
-  const int count = __ldg(p.offsets + e + 1) - off;
-  const int m_tiles = (count + kBM - 1) / kBM;
-  const int local = t - tile_start[e];
-  const int band = local / (kBandMTiles * p.n_tiles);
-  const int band_m0 = band * kBandMTiles;
-  const int band_h = min(kBandMTiles, m_tiles - band_m0);
-  const int r = local - band * kBandMTiles * p.n_tiles;
-  const int m_tile = band_m0 + r % band_h;
-  TileCoord c;
-  c.e = e;
-  c.row0 = off + m_tile * kBM;
-  c.rows = min(kBM, count - m_tile * kBM);
-  c.n0 = (r / band_h) * kBN;
-  return c;
+  const GroupedTile g =
+      decode_grouped_tile<kBM, kBandMTiles>(t, tile_start, p.offsets, p.E, p.n_tiles);
+  return {g.e, g.row0, g.rows, g.n_tile * kBN};
 }
 
 // One element of B1's activation backward: u (the saved one, or act(a, b) rounded once) and da, db
