@@ -377,7 +377,7 @@ constexpr int kATileBytes = kBM * kRowBytes;       // 16 KB
 constexpr int kBBoxBytes = kBBoxRows * kRowBytes;  // 16 KB, two per stage
 constexpr int kStageBytes = kATileBytes + 2 * kBBoxBytes;
 constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
-constexpr int kBarrierBytes = 2 * kStages * 8;
+constexpr int kBarrierBytes = 4 * kStages * 8;     // full, empty, a_full[2]
 constexpr int kTokenBytes = kBM * 4;
 
 static size_t probe_smem_bytes(int E) {
@@ -407,7 +407,18 @@ enum AMode : int {
   kAHybrid = 6,
   // v11: v2 with the .L2::256B prefetch-size hint on every cp.async (the next k-step's 128 bytes
   // of the same row come into L2 with this one's).
-  kACpAsyncL2 = 7
+  kACpAsyncL2 = 7,
+  // v12 (round 11): the CONSUMERS gather their own A rows. Round 10 measured the gather's rate
+  // against the number of warps issuing it: the same main loop with 2 gathering warps instead of
+  // 4 ran 32 % slower (conf3 10.98 vs 8.30 ms), so the cp.async gather is limited per issuing
+  // warp (loads in flight per warp), not by L2 or by the SM's shared-memory bandwidth. Here each
+  // consumer warpgroup loads the 64 rows it alone reads (its half of the A tile) with cp.async,
+  // 4 x 16 bytes per thread per stage, kStages - 1 stages ahead, into the slot its own previous
+  // wgmma has just released (wait_group 1); completion on a per-(warpgroup, slot) mbarrier of 128
+  // noinc arrivals. 8 warps gather instead of 4, and no other warpgroup is involved in A, so no
+  // barrier crosses warpgroups for it. The producer warpgroup issues only B (thread 0). The token
+  // ids of the next tile are fetched one tile ahead, into registers.
+  kAConsumerGather = 8
 };
 
 struct ProbeParams {
@@ -487,14 +498,17 @@ __global__ void __launch_bounds__(kThreads, 1)
                             AMODE == kACpAsyncWarp || AMODE == kACpAsyncL2 || AMODE == kAHybrid;
   constexpr bool kRowTma = AMODE == kARowTmaLanes || AMODE == kARowTmaWarp;
   // A (or part of it) written by the generic proxy.
-  constexpr bool kProxyFence = AMODE == kACpAsync || AMODE == kACpAsyncL2 || AMODE == kAHybrid;
-  constexpr int kIssueLanes = 32 * WARPS;           // v3, v4
-  constexpr int kRowsPerLane = kBM / kIssueLanes;   // v3, v4: 4 or 1
+  constexpr bool kProxyFence =
+      AMODE == kACpAsync || AMODE == kACpAsyncL2 || AMODE == kAHybrid || AMODE == kAConsumerGather;
+  constexpr bool kConsumerGather = AMODE == kAConsumerGather;
+  constexpr int kIssueLanes = 32 * WARPS;          // v3, v4
+  constexpr int kRowsPerLane = kBM / kIssueLanes;  // v3, v4: 4 or 1
   constexpr uint32_t kWarpABytes = uint32_t(kBM / WARPS) * kRowBytes;
-  constexpr uint32_t kFullCount = AMODE == kACpAsyncWarp ? 4 + 1
-                                  : AMODE == kAHybrid    ? 64 + 2
-                                  : kCpAsync             ? kProducerThreads + 1
-                                                         : (kRowTma ? WARPS : 1);
+  constexpr uint32_t kFullCount = kConsumerGather          ? 1
+                                  : AMODE == kACpAsyncWarp ? 4 + 1
+                                  : AMODE == kAHybrid      ? 64 + 2
+                                  : kCpAsync               ? kProducerThreads + 1
+                                                           : (kRowTma ? WARPS : 1);
 
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment (128B swizzle atoms) by an offset from smem_raw, so the compiler still
@@ -502,8 +516,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kPipeBytes);
   uint64_t* empty_bar = full_bar + kStages;
-  int* tok_s = reinterpret_cast<int*>(empty_bar + kStages);  // [kBM]
-  int* tile_start = tok_s + kBM;                             // [E + 1]
+  uint64_t* a_full_bar = empty_bar + kStages;  // v12: [2][kStages], one per consumer warpgroup
+  int* tok_s = reinterpret_cast<int*>(a_full_bar + 2 * kStages);  // [kBM]
+  int* tile_start = tok_s + kBM;                                  // [E + 1]
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -513,6 +528,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_u32(full_bar + s), kFullCount);
       mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
+      mbar_init(smem_u32(a_full_bar + s), 128);
+      mbar_init(smem_u32(a_full_bar + kStages + s), 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     if (!kCpAsync || AMODE == kAHybrid) prefetch_tensormap(&tmap_a);
@@ -548,7 +565,22 @@ __global__ void __launch_bounds__(kThreads, 1)
     // ================= producer warpgroup =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
     uint32_t it = 0;
-    if constexpr (AMODE == kAContig) {
+    if constexpr (kConsumerGather) {
+      // v12: thread 0 issues the B boxes only; the consumers gather A.
+      if (tid == 0) {
+        for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+          const TileCoord c = decode_tile(t, tile_start, p);
+          for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
+            const int s = it % kStages;
+            mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
+            const uint32_t stage = smem_u32(smem + s * kStageBytes);
+            const uint32_t full = smem_u32(full_bar + s);
+            mbar_arrive_expect_tx(full, b_tile_bytes(c, p));
+            load_b_tile(stage, &tmap_b, full, c, kt, p);
+          }
+        }
+      }
+    } else if constexpr (AMODE == kAContig) {
       // v1: thread 0 issues everything; the token ids are not needed.
       if (tid == 0) {
         for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
@@ -753,12 +785,58 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     float fold = 0.f;
     uint32_t it = 0;
+    // v12: this warpgroup's A gather, a cursor over the same (tile, k-tile) sequence as the main
+    // loop, kStages - 1 iterations ahead. Thread wt of the warpgroup loads 16-byte chunk wt & 7 of
+    // rows (wt >> 3) + 16 i, i < 4, of the warpgroup's 64.
+    const int wt = tid & 127;
+    const int g_chunk = wt & 7, g_row = wt >> 3;
+    int g_t = blockIdx.x, g_kt = 0;
+    int g_tok[4], g_next_tok[4];
+    auto fetch_ids = [&](int t, int(&tok)[4]) {
+      if (t < total_tiles) {
+        const TileCoord c = decode_tile(t, tile_start, p);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = wg * 64 + g_row + 16 * i;
+          tok[i] = r < c.rows ? __ldg(p.token_index + c.row0 + r) : -1;
+        }
+      }
+    };
+    // Issues the cursor's loads into `slot` (this warpgroup's half) and advances the cursor.
+    auto gather_a = [&](int slot) {
+      if (g_t >= total_tiles) return;
+      const uint32_t half = smem_u32(smem + slot * kStageBytes) + wg * (kATileBytes / 2);
+      const int k = g_kt * kBK + g_chunk * 8;
+      const bool k_ok = k < p.K;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int r = g_row + 16 * i;  // row of the half; (r & 7) is the tile row's too
+        const bool ok = k_ok && g_tok[i] >= 0;
+        const bf16* src = ok ? p.x + size_t(g_tok[i]) * p.K + k : p.x;
+        cp_async16_zfill(half + r * kRowBytes + ((g_chunk ^ (r & 7)) << 4), src, ok);
+      }
+      cp_async_mbar_arrive_noinc(smem_u32(a_full_bar + wg * kStages + slot));
+      if (++g_kt == p.k_tiles) {
+        g_kt = 0;
+        g_t += gridDim.x;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) g_tok[i] = g_next_tok[i];
+        fetch_ids(g_t + gridDim.x, g_next_tok);
+      }
+    };
+    if constexpr (kConsumerGather) {
+      fetch_ids(g_t, g_tok);
+      fetch_ids(g_t + gridDim.x, g_next_tok);
+      for (int j = 0; j < kStages - 1; ++j) gather_a(j);
+    }
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
       const TileCoord c = decode_tile(t, tile_start, p);
       int prev_s = 0;
       for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
         const int s = it % kStages;
         mbar_wait(smem_u32(full_bar + s), (it / kStages) & 1);
+        if constexpr (kConsumerGather)
+          mbar_wait(smem_u32(a_full_bar + wg * kStages + s), (it / kStages) & 1);
         // v2: the A rows were written by cp.async (generic proxy); wgmma reads through the async
         // proxy. TMA-written tiles (v1, v3-v6) need no fence.
         if constexpr (kProxyFence) fence_proxy_async();
@@ -772,7 +850,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           int bad = 0;
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const int id = ct * 4 + i;  // 1024 chunks of the 128 x 128-byte tile
+            // 1024 chunks of the 128 x 128-byte tile; v12: the 512 of this warpgroup's half (the
+            // other half may still be in flight).
+            const int id = kConsumerGather ? wg * 512 + wt * 4 + i : ct * 4 + i;
             const int r = id >> 3, ch = id & 7;
             const bool must_be_zero = ch >= valid_chunks || (AMODE != kAContig && r >= c.rows);
             if (must_be_zero) {
@@ -796,6 +876,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_wait<1>();
         fence_accumulators(acc);
         if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+        // v12: wgmma(it - 1) has completed (wait_group 1): its slot, (it + kStages - 1) % kStages,
+        // takes this warpgroup's A of iteration it + kStages - 1.
+        if constexpr (kConsumerGather) gather_a((it + kStages - 1) % kStages);
         prev_s = s;
       }
       wgmma_wait<0>();
@@ -830,6 +913,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       fold += (f[0] + f[1]) + (f[2] + f[3]);
     }
+    if constexpr (kConsumerGather) asm volatile("cp.async.wait_all;\n" ::: "memory");
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) fold += __shfl_xor_sync(0xffffffffu, fold, o);
     if (lane == 0) p.fold[blockIdx.x * kConsumerWarps + cw] = fold;
@@ -1140,7 +1224,7 @@ static void free_problem(Problem& P) {
 // ---------------------------------------------------------------------------------------------
 // versions and launch
 
-constexpr int kNumVersions = 11;
+constexpr int kNumVersions = 12;
 static const char* kVersionNames[kNumVersions + 1] = {
     "",
     "contiguous A, TMA {64,64} boxes",
@@ -1154,6 +1238,7 @@ static const char* kVersionNames[kNumVersions + 1] = {
     "cp.async, warp arrive, lag 3",
     "hybrid: 64 rows cp.async + 64 row TMA",
     "cp.async with .L2::256B prefetch",
+    "consumers gather their own 64 rows",
 };
 
 typedef void (*KernelFn)(const CUtensorMap, const CUtensorMap, const ProbeParams);
@@ -1171,6 +1256,7 @@ static KernelFn kernel_for(int version) {
     case 9: return probe_kernel<kACpAsyncWarp, 3>;
     case 10: return probe_kernel<kAHybrid, 4>;
     case 11: return probe_kernel<kACpAsyncL2, 4>;
+    case 12: return probe_kernel<kAConsumerGather, 4>;
   }
   return nullptr;
 }

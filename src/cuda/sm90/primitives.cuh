@@ -307,6 +307,93 @@ __device__ __forceinline__ void warp_prefix_tiles(int* tile_start, int E, int la
   if (lane == 0) tile_start[0] = 0;
 }
 
+// The gathered A operand of a 128-row tile, loaded by the two consumer warpgroups themselves:
+// each loads the 64 rows that only its own wgmmas read (its 8 KB half of the stage's A tile), with
+// 16-byte cp.async and zero-fill into the 128-byte swizzle, kStages - 1 k-steps ahead of its
+// wgmmas, into the slot its previous wgmma has just released (after wgmma_wait<1>); completion on
+// a per-(warpgroup, slot) mbarrier of 128 .noinc arrivals, so no barrier crosses warpgroups for A.
+// Why not the producer warpgroup, as before: the gather's rate is limited per issuing warp (the
+// loads one warp keeps in flight), not by L2 or shared memory. dev/cuda/sm90_gather_probe.cu
+// measured on the H200 (conf3's F1 main loop): 2 gathering warps 10.98 ms, the producer's 4 warps
+// 8.30 ms, the consumers' 8 warps (round 11, v12) 7.28 ms; contiguous rows by TMA 6.24 ms.
+// Thread w of the warpgroup loads chunk w & 7 of rows (w >> 3) + 16 i, i < 4, of its half. The
+// cursor walks the same (tile, k-step) sequence as the consumer's main loop (tiles blockIdx.x,
+// + gridDim.x, ...), and fetches the token ids of the following tile one tile ahead.
+// RowRange: tile id -> int2 {first routed row, valid rows}.
+template <typename T>
+class HalfTileGather {
+ public:
+  // src [*, ld]: the rows gathered by token id; k_len: valid k (columns past it read as zeros);
+  // k_tiles: k-steps per tile; wg: 0 or 1, the consumer warpgroup (rows [64 wg, 64 wg + 64)).
+  __device__ __forceinline__ HalfTileGather(const T* src, int64_t ld, int k_len, int k_tiles,
+                                            const int32_t* token_index, int total_tiles, int wg)
+      : src_(src),
+        ld_(ld),
+        k_len_(k_len),
+        k_tiles_(k_tiles),
+        token_index_(token_index),
+        total_tiles_(total_tiles),
+        wg_(wg) {}
+
+  // Positions the cursor on the CTA's first tile, k-step 0; issues nothing.
+  template <class RowRange>
+  __device__ __forceinline__ void start(RowRange&& row_range) {
+    tile_ = int(blockIdx.x);
+    kt_ = 0;
+    fetch_ids(ids_, tile_, row_range);
+    fetch_ids(next_ids_, tile_ + int(gridDim.x), row_range);
+  }
+
+  // Issues the cursor's k-step into this warpgroup's half of the A tile at shared address a_tile
+  // (1024-byte aligned), completing on `bar`, and advances the cursor. Past the last tile: nothing.
+  template <class RowRange>
+  __device__ __forceinline__ void issue(uint32_t a_tile, uint32_t bar, RowRange&& row_range) {
+    if (tile_ >= total_tiles_) return;
+    const int w = int(threadIdx.x) & 127;
+    const int chunk = w & 7, row = w >> 3;
+    const int k = kt_ * kBK + chunk * 8;
+    const bool k_ok = k < k_len_;
+    const uint32_t half = a_tile + uint32_t(wg_) * (64u * 128u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = row + 16 * i;  // row of the half; r & 7 is the tile row's too (64 % 8 == 0)
+      const bool ok = k_ok && ids_[i] >= 0;
+      const T* p = ok ? src_ + int64_t(ids_[i]) * ld_ + k : src_;
+      cp_async16_zfill(half + uint32_t(r) * 128u + uint32_t((chunk ^ (r & 7)) << 4), p, ok);
+    }
+    cp_async_mbar_arrive_noinc(bar);
+    if (++kt_ == k_tiles_) {
+      kt_ = 0;
+      tile_ += int(gridDim.x);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ids_[i] = next_ids_[i];
+      fetch_ids(next_ids_, tile_ + int(gridDim.x), row_range);
+    }
+  }
+
+ private:
+  template <class RowRange>
+  __device__ __forceinline__ void fetch_ids(int (&ids)[4], int tile, RowRange& row_range) const {
+    if (tile >= total_tiles_) return;
+    const int2 range = row_range(tile);
+    const int row = (int(threadIdx.x) & 127) >> 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 64 * wg_ + row + 16 * i;
+      ids[i] = r < range.y ? __ldg(token_index_ + range.x + r) : -1;
+    }
+  }
+
+  const T* src_;
+  int64_t ld_;
+  int k_len_, k_tiles_;
+  const int32_t* token_index_;
+  int total_tiles_, wg_;
+  int tile_ = 0, kt_ = 0;
+  int ids_[4] = {-1, -1, -1, -1};
+  int next_ids_[4] = {-1, -1, -1, -1};
+};
+
 #endif  // MB_SM90_DEVICE
 
 // ---- host ---------------------------------------------------------------------------------------

@@ -8,9 +8,10 @@
 //     into one accumulator, and k past k_half is zero-filled inside each half, so the da/db
 //     boundary needs no h % 64. A ragged last m-tile reads rows of the next expert; their results
 //     are never stored (rows of a GEMM are independent).
-//   A, gathered (B1: dy rows by token): all 128 producer threads issue 16-byte cp.async with
-//     zero-fill into the 128-byte swizzle, then one cp.async.mbarrier.arrive.noinc each; the
-//     consumers fence.proxy.async after the full-barrier wait.
+//   A, gathered (B1: dy rows by token): each consumer warpgroup gathers its own 64 rows, 3 k-steps
+//     ahead (primitives.cuh's HalfTileGather: 16-byte cp.async with zero-fill into the 128-byte
+//     swizzle, completing on the warpgroup's own per-slot barrier); the consumers
+//     fence.proxy.async after their waits. Until round 11 the producer warpgroup gathered.
 //   B, K-major (F2: w_down [E, d, h] read as n rows of k): two TMA boxes {64 k, 128 n}.
 //   B, MN-major (B4: w_gate/w_up [E, h, d]; B1: w_down [E, d, h] read as k rows of n): four TMA
 //     boxes {64 n, 64 k}, the transposed-B wgmma with the MN-major descriptor of common.cuh. A box
@@ -40,7 +41,6 @@ constexpr int kBM = 128;              // routed rows per tile
 constexpr int kBN = kSm90B1TileCols;  // output columns per tile (256)
 constexpr int kStages = 4;
 constexpr int kThreads = 384;
-constexpr int kProducerThreads = 128;
 constexpr int kConsumerWarps = 8;
 constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
 constexpr int kMaxExperts = 1024;
@@ -59,11 +59,10 @@ constexpr int kB1StageWords = kB1StageRows * kStageCols / 2;  // 256 words = 1 K
 constexpr int kB1StageWarpBytes = 3 * kB1StageWords * 4;
 
 constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
-constexpr int kBarrierBytes = 2 * kStages * 8;
-constexpr int kTokenBytes = kBM * 4;
+constexpr int kBarrierBytes = 4 * kStages * 8;  // full, empty, a_full of each consumer warpgroup
 
 constexpr size_t smem_bytes(int E) {
-  return 1024 /* alignment slack */ + kPipeBytes + kEpiBytes + kBarrierBytes + kTokenBytes +
+  return 1024 /* alignment slack */ + kPipeBytes + kEpiBytes + kBarrierBytes +
          sizeof(int) * size_t(E + 1);
 }
 constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts);
@@ -294,17 +293,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* epi = smem + kPipeBytes;
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + kEpiBytes);
   uint64_t* empty_bar = full_bar + kStages;
-  int* tok_s = reinterpret_cast<int*>(empty_bar + kStages);  // [kBM]
-  int* tile_start = tok_s + kBM;                             // [E + 1]
+  uint64_t* a_full_bar = empty_bar + kStages;  // B1: [2][kStages], consumer warpgroup wg's A half
+  int* tile_start = reinterpret_cast<int*>(a_full_bar + 2 * kStages);  // [E + 1]
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
-      // gathered: 128 cp.async arrivals + the TMA thread's expect_tx; TMA only: expect_tx alone.
-      mbar_init(smem_u32(full_bar + s), kGather ? kProducerThreads + 1 : 1);
+      mbar_init(smem_u32(full_bar + s), 1);  // the TMA thread's expect_tx
       mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
+      mbar_init(smem_u32(a_full_bar + s), 128);  // B1: one cp.async arrival per consumer thread
+      mbar_init(smem_u32(a_full_bar + kStages + s), 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -321,18 +321,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp < 4) {
     // ================= producer warpgroup =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-    if (!kGather && tid != 0) return;  // TMA only: one thread issues everything
-    const T* a_src = static_cast<const T*>(p.a_src);
-    const int chunk = tid & 7;
-    const int row_base = tid >> 3;
+    if (tid != 0) return;  // one thread issues every TMA (B1: the consumers gather A)
     uint32_t it = 0;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
       const TileCoord c = decode_tile(t, tile_start, p);
-      if (kGather) {
-        asm volatile("bar.sync 1, 128;\n" ::: "memory");  // previous tile's ids no longer read
-        tok_s[tid] = tid < c.rows ? __ldg(p.token_index + c.row0 + tid) : -1;
-        asm volatile("bar.sync 1, 128;\n" ::: "memory");
-      }
       // B boxes (MN-major: 64 columns each; K-major: 128 rows each) that start past n_out are not
       // issued nor expected: their accumulator columns are never stored.
       constexpr int kBoxCols = kBMn ? 64 : kBKBoxRows;
@@ -346,34 +338,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
         uint8_t* stage = smem + s * kStageBytes;
         const uint32_t full = smem_u32(full_bar + s);
-        if (tid == 0) {
-          mbar_arrive_expect_tx(full, b_bytes + (kGather ? 0u : uint32_t(kATileBytes)));
-          if (!kGather) tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
-          const CUtensorMap* mb = half ? &tmap_b1 : &tmap_b0;
-          for (int i = 0; i < b_boxes; ++i) {
-            const uint32_t dst = smem_u32(stage + kATileBytes + i * kBoxBytes);
-            const int cb0 = kBMn ? c.n0 + 64 * i : k0;          // MN: {n, k, e}
-            const int cb1 = kBMn ? k0 : c.n0 + kBKBoxRows * i;  // K:  {k, n, e}
-            tma_load_3d(dst, mb, full, cb0, cb1, c.e);
-          }
-        }
-        if (kGather) {
-          const int k = k0 + chunk * 8;
-          const bool k_ok = k < p.k_half;
-          const uint32_t a_tile = smem_u32(stage);
-#pragma unroll
-          for (int i = 0; i < kBM / 16; ++i) {
-            const int r = row_base + 16 * i;
-            const int tok = tok_s[r];
-            const bool ok = k_ok && tok >= 0;
-            const T* src = ok ? a_src + size_t(tok) * p.lda + k : a_src;
-            cp_async16_zfill(a_tile + r * 128 + ((chunk ^ (r & 7)) << 4), src, ok);
-          }
-          cp_async_mbar_arrive_noinc(full);
+        mbar_arrive_expect_tx(full, b_bytes + (kGather ? 0u : uint32_t(kATileBytes)));
+        if (!kGather) tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
+        const CUtensorMap* mb = half ? &tmap_b1 : &tmap_b0;
+        for (int i = 0; i < b_boxes; ++i) {
+          const uint32_t dst = smem_u32(stage + kATileBytes + i * kBoxBytes);
+          const int cb0 = kBMn ? c.n0 + 64 * i : k0;          // MN: {n, k, e}
+          const int cb1 = kBMn ? k0 : c.n0 + kBKBoxRows * i;  // K:  {k, n, e}
+          tma_load_3d(dst, mb, full, cb0, cb1, c.e);
         }
       }
     }
-    if (kGather) asm volatile("cp.async.wait_all;\n" ::: "memory");
   } else {
     // ================= consumer warpgroups =================
     asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
@@ -383,6 +358,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    const auto row_range = [&](int t) {
+      const TileCoord c = decode_tile(t, tile_start, p);
+      return make_int2(c.row0, c.rows);
+    };
+    uint64_t* my_a_full = a_full_bar + wg * kStages;
+    // B1 only (halves == 1): k runs over dy's d columns.
+    HalfTileGather<T> gather(static_cast<const T*>(p.a_src), p.lda, p.k_half, k_tiles,
+                             p.token_index, total_tiles, wg);
+    if constexpr (kGather) {
+      gather.start(row_range);
+      for (int s = 0; s < kStages - 1; ++s)
+        gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
+    }
     uint32_t it = 0;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
       const TileCoord c = decode_tile(t, tile_start, p);
@@ -390,8 +378,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % kStages;
         mbar_wait(smem_u32(full_bar + s), (it / kStages) & 1);
-        // cp.async (generic proxy) wrote A; wgmma reads through the async proxy.
-        if (kGather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        if constexpr (kGather) {
+          mbar_wait(smem_u32(my_a_full + s), (it / kStages) & 1);
+          // cp.async (generic proxy) wrote A; wgmma reads through the async proxy.
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        }
         const uint32_t stage = smem_u32(smem + s * kStageBytes);
         const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
         const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kATileBytes)
@@ -410,6 +401,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_wait<1>();
         fence_accumulators(acc);
         if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+        if constexpr (kGather) {  // wgmma(it - 1) done: its slot takes our A of k-step it + 3
+          const int refill = int((it + kStages - 1) % kStages);
+          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
+                       row_range);
+        }
         prev_s = s;
       }
       wgmma_wait<0>();

@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# One device call: the library's per-kernel times (tests/cuda/profile_kernels.py) at the working
+# tree against a BEFORE version of some source files, side by side in one process run each, after
+# the working tree's CUDA tests and sanitizers (tools/device_check.sh).
+#   AB_DIR=.ab bash dev/cuda/run_library_ab.sh   (carry .deps and AB_DIR; ~5-6 minutes)
+# AB_DIR holds the BEFORE files by name (f1_gemm.cu, rows_gemm.cu, primitives.cuh, ...: each is
+# copied over src/cuda/sm90/<name> in a copy of the tree). Logs under $OUT, the table last.
+# Shapes: PROFILE_SHAPES, one "name|profile_kernels.py arguments" per line.
+set -u -o pipefail
+out="${OUT:-./library_ab_out}"
+mkdir -p "$out"
+ab="${AB_DIR:-.ab}"
+root="$(pwd)"
+if [ "${CHECK:-1}" = 1 ]; then
+  OUT="$out/check" bash tools/device_check.sh --no-bench --no-sass --no-profile 2>&1 | tail -12
+else
+  cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEBLAZE_CUDA=ON \
+    "-DMOEBLAZE_CUDA_ARCHS=90a" -DMOEBLAZE_BUILD_EXAMPLES=OFF >"$out/build_new.log" 2>&1 &&
+    cmake --build build-device -j 16 --target moeblaze >>"$out/build_new.log" 2>&1 ||
+    { tail -20 "$out/build_new.log"; exit 1; }
+fi
+before=/tmp/moeblaze_before
+rm -rf "$before" && mkdir -p "$before"
+tar --exclude=./build-device --exclude=./.git -cf - . | tar -xf - -C "$before"
+for f in "$ab"/*; do cp "$f" "$before/src/cuda/sm90/$(basename "$f")"; done
+(cd "$before" && cmake -S . -B build-before -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  -DMOEBLAZE_CUDA=ON "-DMOEBLAZE_CUDA_ARCHS=90a" -DMOEBLAZE_BUILD_EXAMPLES=OFF \
+  -DMOEBLAZE_BUILD_TESTS=OFF >"$out/build_before.log" 2>&1 &&
+  cmake --build build-before -j 16 --target moeblaze >>"$out/build_before.log" 2>&1) ||
+  { tail -20 "$out/build_before.log"; exit 1; }
+shapes="${PROFILE_SHAPES:-conf3 swiglu|--act swiglu
+conf3 silu|--act silu
+mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu
+qwen3 swiglu|--T 16384 --d 2048 --h 768 --E 128 --k 8 --act swiglu}"
+: >"$out/profile.log"
+while IFS='|' read -r name args; do
+  for which in before after; do
+    lib="$root/build-device/src/libmoeblaze.so"
+    [ "$which" = before ] && lib="$before/build-before/src/libmoeblaze.so"
+    echo "=== $name $which" >>"$out/profile.log"
+    # shellcheck disable=SC2086  # args split on purpose
+    MOEBLAZE_LIBRARY="$lib" timeout 120 python3 tests/cuda/profile_kernels.py $args --rows 12 \
+      >>"$out/profile.log" 2>&1
+  done
+done <<<"$shapes"
+echo "== per-kernel CUDA time (ms), before -> after"
+python3 - "$out/profile.log" <<'PY'
+import re, sys
+blocks = re.split(r"^=== (.+)$", open(sys.argv[1]).read(), flags=re.M)[1:]
+res = {}
+for head, body in zip(blocks[::2], blocks[1::2]):
+    name, which = head.rsplit(" ", 1)
+    k = {}
+    for line in body.splitlines():
+        mm = re.search(r"fwd\+bwd ([\d.]+) ms, ([\d.]+) TFLOP/s", line)
+        if mm:
+            k["fwd+bwd"] = float(mm.group(1))
+        for tag, key in (("F1", "sm90_f1_kernel"), ("F2", "sm90_rows_kernel<__nv_bfloat16, 0"),
+                         ("B4", "sm90_rows_kernel<__nv_bfloat16, 1"),
+                         ("B1", "sm90_rows_kernel<__nv_bfloat16, 2"),
+                         ("B2", "sm90_wgrad_kernel<__nv_bfloat16, false"),
+                         ("B3", "sm90_wgrad_kernel<__nv_bfloat16, true")):
+            if key in line.replace("(anonymous namespace)::", ""):
+                cols = [c for c in re.split(r"\s{2,}", line.strip()) if c]
+                # torch.profiler table: name, self cpu %, self cpu, cpu total %, cpu total,
+                # cpu time avg, self cuda, self cuda %, cuda total, cuda time avg, # calls
+                avg = [c for c in cols if re.fullmatch(r"[\d.]+(ms|us)", c)]
+                if len(avg) >= 5:
+                    v = avg[-1]
+                    k[tag] = float(v[:-2]) / (1000.0 if v.endswith("us") else 1.0)
+    res.setdefault(name, {})[which] = k
+tags = ["F1", "F2", "B1", "B4", "B2", "B3", "fwd+bwd"]
+print("%-16s %s" % ("shape", " ".join("%17s" % t for t in tags)))
+for name, d in res.items():
+    b, a = d.get("before", {}), d.get("after", {})
+    print("%-16s %s" % (name, " ".join("%7s->%-7s" % (("%.2f" % b[t]) if t in b else "-",
+                                                     ("%.2f" % a[t]) if t in a else "-")
+                                       for t in tags)))
+PY
