@@ -17,12 +17,14 @@
 // groups, +2048 bytes per 16 k; A's 64 rows per warpgroup are one box, so its LBO is unused).
 // Stage = A: 2 boxes {64 m, 64 k} + B: 4 boxes {64 n, 64 k}, each box 64 k-rows of 128 bytes in
 // the 128-byte swizzle (16-byte chunk c of k-row r at r * 128 + ((c ^ (r & 7)) << 4)).
-// Producer, per stage of 64 routed rows (row0 = off + 64 kt, valid = min(64, count - 64 kt)):
-//   the gathered operand A (dy for B2, x for B3): all 128 producer threads issue 16-byte cp.async
-//     with zero-fill (rows >= valid, columns >= the operand's width) into the swizzle, coalesced;
-//     the 64 token ids come from one __ldg per lane (lanes 0..15, issued before the empty wait)
-//     and warp shuffles;
-//   the contiguous operand B (gu for B2, dadb for B3): a FULL stage (valid == 64) is TMA boxes
+// Per stage of 64 routed rows (row0 = off + 64 kt, valid = min(64, count - 64 kt)):
+//   the gathered operand A (dy for B2, x for B3): each consumer warpgroup gathers its own box
+//     (the 64 output rows it alone reads) 3 k-steps ahead, 16-byte cp.async with zero-fill (rows
+//     >= valid, columns >= the operand's width) into the swizzle, completing on the warpgroup's
+//     per-slot barrier (KRowGather below; round 11: the gather's rate is per issuing warp, and
+//     the consumers' 8 warps outrun the producer's 4). The producer gathered it until then;
+//   the contiguous operand B (gu for B2, dadb for B3), by the producer: a FULL stage (valid == 64)
+//     is TMA boxes
 //     {64 columns, 64 rows} of a 2-D map over [N rows, width] (one thread; boxes starting past
 //     the width are neither issued nor expected); a PARTIAL stage (the expert's last, when
 //     count % 64 != 0) is loaded by the same cp.async path with the identity row map,
@@ -65,7 +67,7 @@ constexpr int kATileBytes = (kBM / 64) * kBoxBytes;  // 16 KB: 2 boxes
 constexpr int kBTileBytes = (kBN / 64) * kBoxBytes;  // 32 KB: 4 boxes
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
-constexpr int kBarrierBytes = 2 * kStages * 8;
+constexpr int kBarrierBytes = 4 * kStages * 8;     // full, empty, a_full of each consumer warpgroup
 
 constexpr size_t smem_bytes(int E) {
   return 1024 /* alignment slack */ + kPipeBytes + kBarrierBytes + sizeof(int) * size_t(E);
@@ -109,18 +111,16 @@ __device__ __forceinline__ void tile_origin(const WgradParams& p, int local, int
   }
 }
 
-// Gathers (or copies, GATHERED false) 64 k-rows x (BOXES * 64) columns into BOXES swizzled boxes
-// with the 128 producer threads: thread tid takes 16-byte chunk tid % (8 BOXES) of rows
-// tid / (8 BOXES) + (128 / (8 BOXES)) i. Gathered: lane j < 16 holds the token of
-// token_row(warp, j) (see the producer), fetched here by shuffle. Chunks of rows >= valid or
-// columns >= width are zero-filled and their source is not read.
-template <typename T, int BOXES, bool GATHERED>
+// Copies 64 k-rows x (BOXES * 64) columns (rows row0.. of src) into BOXES swizzled boxes with the
+// 128 producer threads: thread tid takes 16-byte chunk tid % (8 BOXES) of rows tid / (8 BOXES) +
+// (128 / (8 BOXES)) i. Chunks of rows >= valid or columns >= width are zero-filled and their
+// source is not read.
+template <typename T, int BOXES>
 __device__ __forceinline__ void load_rows(uint32_t dst, const T* src, int ld, int col0, int width,
-                                          int valid, int row0, int tok, int tid) {
+                                          int valid, int row0, int tid) {
   constexpr int kChunksPerRow = BOXES * 8;
   constexpr int kRowsPerPass = kProducerThreads / kChunksPerRow;  // 8 or 4
   constexpr int kPasses = kBK / kRowsPerPass;                     // 8 or 16
-  const int lane = tid & 31;
   const int cr = tid % kChunksPerRow;
   const int rbase = tid / kChunksPerRow;
   const int col = col0 + 8 * cr;
@@ -132,25 +132,93 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const T* src, int ld, in
 #pragma unroll 4
   for (int i = 0; i < kPasses; ++i) {
     const int r = rbase + kRowsPerPass * i;
-    int src_row;
-    if (GATHERED) {
-      const int src_lane = BOXES == 4 ? i : 2 * i + (lane >> 4);
-      src_row = __shfl_sync(0xffffffffu, tok, src_lane);
-    } else {
-      src_row = row0 + r;
-    }
     const bool ok = col_ok && r < valid;
-    const T* ptr = ok ? src + size_t(src_row) * ld + col : src;
+    const T* ptr = ok ? src + size_t(row0 + r) * ld + col : src;
     cp_async16_zfill(box_dst + uint32_t(r) * 128u + uint32_t((c ^ (r & 7)) << 4), ptr, ok);
   }
 }
 
-// The k-row whose token lane j (< 16) of producer warp w holds, for a gathered operand of BOXES
-// boxes (load_rows' row of pass i: BOXES 4: w + 4i; BOXES 2: 2w + (lane >> 4) + 8i).
-template <int BOXES>
-__device__ __forceinline__ int token_row(int w, int j) {
-  return BOXES == 4 ? w + 4 * j : 2 * w + (j & 1) + 8 * (j >> 1);
-}
+// The gathered operand A of one consumer warpgroup: box wg of each stage (64 k-rows, the expert's
+// routed rows row0.., x the warpgroup's 64 output rows m0 + 64 wg..: columns of the gathered
+// rows), loaded by the warpgroup itself kStages - 1 k-steps ahead of its wgmmas into the slot its
+// previous wgmma released. The cursor walks the consumer's (tile, k-step) sequence: tiles
+// blockIdx.x, + gridDim.x, ..., those of empty experts skipped (they run no k-step). Thread w of
+// the warpgroup loads chunk w & 7 of k-rows (w >> 3) + 16 i, i < 4; the token ids of the cursor's
+// k-step are fetched one k-step ahead (right after the previous one is issued).
+template <typename T>
+class KRowGather {
+ public:
+  __device__ __forceinline__ KRowGather(const WgradParams& p, const int* cnt_s, int total_tiles,
+                                        int wg)
+      : p_(p), cnt_s_(cnt_s), total_tiles_(total_tiles), wg_(wg) {}
+
+  __device__ __forceinline__ void start() {
+    tile_ = int(blockIdx.x);
+    kt_ = 0;
+    locate();
+    fetch_ids();
+  }
+
+  // Issues the cursor's k-step into this warpgroup's box of the A tile at shared address a_tile,
+  // completing on `bar`, and advances the cursor. Past the last k-step: nothing.
+  __device__ __forceinline__ void issue(uint32_t a_tile, uint32_t bar) {
+    if (tile_ >= total_tiles_) return;
+    const int w = int(threadIdx.x) & 127;
+    const int chunk = w & 7, row = w >> 3;
+    const int col = m0_ + 64 * wg_ + 8 * chunk;
+    const bool col_ok = col < p_.M;
+    const T* src = static_cast<const T*>(p_.gsrc);
+    const uint32_t box = a_tile + uint32_t(wg_) * kBoxBytes;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = row + 16 * i;
+      const bool ok = col_ok && ids_[i] >= 0;
+      const T* ptr = ok ? src + size_t(ids_[i]) * p_.gld + col : src;
+      cp_async16_zfill(box + uint32_t(r) * 128u + uint32_t((chunk ^ (r & 7)) << 4), ptr, ok);
+    }
+    cp_async_mbar_arrive_noinc(bar);
+    if (++kt_ == k_tiles_) {
+      kt_ = 0;
+      tile_ += int(gridDim.x);
+      locate();
+    }
+    fetch_ids();
+  }
+
+ private:
+  // The expert, m0 and k-steps of tile_, moved forward past tiles of empty experts.
+  __device__ __forceinline__ void locate() {
+    const int tiles_per_expert = p_.m_tiles * p_.n_tiles;
+    for (; tile_ < total_tiles_; tile_ += int(gridDim.x)) {
+      const int e = tile_ / tiles_per_expert;
+      count_ = cnt_s_[e];
+      if (count_ == 0) continue;
+      int n0;
+      tile_origin(p_, tile_ - e * tiles_per_expert, m0_, n0);
+      off_ = __ldg(p_.offsets + e);
+      k_tiles_ = (count_ + kBK - 1) / kBK;
+      return;
+    }
+  }
+
+  __device__ __forceinline__ void fetch_ids() {
+    if (tile_ >= total_tiles_) return;
+    const int valid = min(kBK, count_ - kBK * kt_);
+    const int row = (int(threadIdx.x) & 127) >> 3;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = row + 16 * i;
+      ids_[i] = r < valid ? __ldg(p_.token_index + off_ + kBK * kt_ + r) : -1;
+    }
+  }
+
+  const WgradParams& p_;
+  const int* cnt_s_;
+  int total_tiles_, wg_;
+  int tile_ = 0, kt_ = 0, k_tiles_ = 0;
+  int m0_ = 0, off_ = 0, count_ = 0;
+  int ids_[4] = {-1, -1, -1, -1};
+};
 
 #endif  // MB_SM90_DEVICE
 
@@ -165,15 +233,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(smem + kPipeBytes);
   uint64_t* empty_bar = full_bar + kStages;
-  int* cnt_s = reinterpret_cast<int*>(empty_bar + kStages);  // [E] rows per expert
+  uint64_t* a_full_bar = empty_bar + kStages;  // [2][kStages]: consumer warpgroup wg's A box
+  int* cnt_s = reinterpret_cast<int*>(a_full_bar + 2 * kStages);  // [E] rows per expert
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
+      // B: 128 cp.async arrivals (a partial stage's rows; empty otherwise) + thread 0's expect_tx.
       mbar_init(smem_u32(full_bar + s), kProducerThreads + 1);
       mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
+      mbar_init(smem_u32(a_full_bar + s), 128);  // A: one cp.async arrival per consumer thread
+      mbar_init(smem_u32(a_full_bar + kStages + s), 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -184,23 +256,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int tiles_per_expert = p.m_tiles * p.n_tiles;
   const int total_tiles = p.E * tiles_per_expert;
   const int G = int(gridDim.x), cta = int(blockIdx.x);
-  constexpr int kGBoxes = kBM / 64;  // boxes of the gathered operand (A)
   constexpr int kCBoxes = kBN / 64;  // boxes of the contiguous operand (B)
 
   if (warp < 4) {
     // ================= producer warpgroup =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 56;\n" ::: "memory");
-    const T* gsrc = static_cast<const T*>(p.gsrc);
     const T* csrc = static_cast<const T*>(p.csrc);
     uint32_t it = 0;
     uint32_t cp_filled = 0;  // thread 0: stages whose last contiguous-operand fill was cp.async
-    const int g_width = p.M, c_width = p.N;
-    const int my_token_row = token_row<kGBoxes>(warp, lane);
+    const int c_width = p.N;
     for (int t = cta; t < total_tiles; t += G) {
       const int e = t / tiles_per_expert;
       int m0, n0;
       tile_origin(p, t - e * tiles_per_expert, m0, n0);
-      const int g_col0 = m0, c_col0 = n0;
+      const int c_col0 = n0;
       const int off = __ldg(p.offsets + e);
       const int count = cnt_s[e];
       const int k_tiles = (count + kBK - 1) / kBK;
@@ -209,14 +278,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = it % kStages;
         const int row0 = off + kt * kBK;
         const int valid = min(kBK, count - kt * kBK);
-        int tok = 0;  // issued before the empty wait: its latency hides behind it
-        if (lane < 16 && my_token_row < valid) tok = __ldg(p.token_index + row0 + my_token_row);
         mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
         const uint32_t full = smem_u32(full_bar + s);
-        const uint32_t a_dst = smem_u32(smem + s * kStageBytes);
-        const uint32_t b_dst = a_dst + kATileBytes;
-        const uint32_t c_dst = b_dst;
-        const uint32_t g_dst = a_dst;
+        const uint32_t c_dst = smem_u32(smem + s * kStageBytes) + kATileBytes;
         if (valid == kBK) {
           if (tid == 0) {
             if ((cp_filled >> s) & 1u) fence_proxy_async();  // generic writes before TMA's
@@ -231,9 +295,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             mbar_arrive(full);
             cp_filled |= 1u << s;
           }
-          load_rows<T, kCBoxes, false>(c_dst, csrc, p.cld, c_col0, c_width, valid, row0, 0, tid);
+          load_rows<T, kCBoxes>(c_dst, csrc, p.cld, c_col0, c_width, valid, row0, tid);
         }
-        load_rows<T, kGBoxes, true>(g_dst, gsrc, p.gld, g_col0, g_width, valid, row0, tok, tid);
         cp_async_mbar_arrive_noinc(full);
       }
     }
@@ -247,6 +310,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[128];
 #pragma unroll
     for (int q = 0; q < 128; ++q) acc[q] = 0.f;
+    uint64_t* my_a_full = a_full_bar + wg * kStages;
+    KRowGather<T> gather(p, cnt_s, total_tiles, wg);
+    gather.start();
+    for (int s = 0; s < kStages - 1; ++s)
+      gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s));
     uint32_t it = 0;
     for (int t = cta; t < total_tiles; t += G) {
       const int e = t / tiles_per_expert;
@@ -258,6 +326,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % kStages;
         mbar_wait(smem_u32(full_bar + s), (it / kStages) & 1);
+        mbar_wait(smem_u32(my_a_full + s), (it / kStages) & 1);
         fence_proxy_async();  // cp.async (generic proxy) data is read by wgmma (async proxy)
         const uint32_t stage = smem_u32(smem + s * kStageBytes);
         const uint64_t desc_a = smem_desc_mnmajor_sw128(stage + uint32_t(wg) * kBoxBytes);
@@ -274,6 +343,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_wait<1>();
         fence_accumulators(acc);
         if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+        // wgmma(it - 1) done: its slot takes this warpgroup's A of k-step it + 3.
+        const int refill = int((it + kStages - 1) % kStages);
+        gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill));
         prev_s = s;
       }
       // Unconditional (nothing may be pending): a wait under a branch makes ptxas insert its own
