@@ -24,8 +24,9 @@ bin=/tmp/sm90_f1_epiwg
 src=dev/cuda/sm90_f1_epiwg.cu
 flags=(-O3 -std=c++17 "-gencode=arch=compute_90a,code=sm_90a" -lineinfo -Xptxas -v -I include -I src
   -DF1_REQUIRE_LIBRARY_ACT)
-checked_versions="1 2 3"
-probe_versions="4,5,6"
+# Round 12: CHECKED_VERSIONS="1 7 8" PROBE_VERSIONS="9,10" (the consumers' gather; see the .cu).
+checked_versions="${CHECKED_VERSIONS:-1 2 3}"
+probe_versions="${PROBE_VERSIONS:-4,5,6}"
 check_timeout="${CHECK_TIMEOUT:-60}"
 deadline=$((SECONDS + ${BUDGET:-570}))
 # limit N: N seconds, or what is left before the deadline (at least 10) if that is less.

@@ -40,6 +40,17 @@
 //       v4 = v2's (kernel 2, no hand-off), v5 = v3's, v6 = v1's (round 7's "v2" probe).
 //       v2 - v4: the epilogue left exposed; v4 - v5: 2 instead of 4 gathering warps; v5 - v6: the
 //       third stage; v3 - v5: the consumers' epilogue.
+//   Round 12 (session 5), after round 11 moved the library's gather into the consumer warpgroups
+//   (primitives.cuh's HalfTileGather: round 10 had shown the gather's rate is per issuing warp):
+//   GATHER = 1 variants, where the consumers gather their own 64 A rows STAGES - 1 k-steps ahead
+//   and the producer is thread 0 alone (the weight boxes): the epilogue warps no longer take
+//   gathering warps away.
+//       v7: kernel 1 <4 stages, GATHER> = the library's F1 since round 11;
+//       v8: kernel 2 <3 stages, GATHER>: the epilogue warps with the consumers' gather (lag 2);
+//       v9 (probe) = v8's main loop alone, v10 (probe) = v7's.
+//   Prediction (written before the run): conf3 v7 ~10.4 ms (the library's 10.38), v10 ~7.3-7.6,
+//   v9 ~7.5-8.0 (one stage and one k-step of lead fewer), v8 = v9 + ~0.3-0.5 ms of hand-off
+//   ~8.0-8.5 ms: F1 -2 ms on conf3; mixtral v7 ~12.4, v8 ~11.5.
 //
 // ---- why not a 4th warpgroup (512 threads), as the brief proposed ----
 // ptxas (nvcc 13.0) compiles a kernel for the register target of its launch bound, 65536 / 512 =
@@ -465,12 +476,12 @@ static_assert(kRegsWg0 % 8 == 0 && kRegsConsumer % 8 == 0, "setmaxnreg counts ar
 
 constexpr size_t smem_bytes_v1(int stages, int E) {  // v1, v3, v4, v5
   return 1024 /* alignment slack */ + size_t(stages) * kStageBytes + kEpiBytes +
-         2 * stages * 8 /* full, empty */ + kTokenBytes + sizeof(int) * size_t(E + 1);
+         4 * stages * 8 /* full, empty, a_full[2] */ + kTokenBytes + sizeof(int) * size_t(E + 1);
 }
 constexpr size_t smem_bytes_epiwg(int stages, int E) {  // v2
   return 1024 /* alignment slack */ + size_t(stages) * kStageBytes + kHandoffBytes +
-         (2 * stages + 2) * 8 /* full, empty, handoff_full, handoff_empty */ + kTokenBytes +
-         sizeof(int) * size_t(E + 1);
+         (4 * stages + 2) * 8 /* full, empty, a_full[2], handoff_full, handoff_empty */ +
+         kTokenBytes + sizeof(int) * size_t(E + 1);
 }
 constexpr int kSmemOptin = 232448;  // H100 / H200: 227 KB per block
 static_assert(smem_bytes_v1(4, kMaxExperts) <= kSmemOptin, "v1 shared memory");
@@ -634,6 +645,69 @@ __device__ __forceinline__ void consumer_mainloop(float (&acc)[128], uint32_t& i
   if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
 }
 
+// Round 12: GATHER = 1, the consumers gather their own 64 A rows (the library's F1 since round
+// 11, primitives.cuh's HalfTileGather), STAGES - 1 k-steps ahead, on the warpgroup's own a_full
+// barriers; the producer only issues the weight boxes (thread 0: b_producer_loop). full[s] then
+// counts thread 0's expect_tx alone.
+__device__ __forceinline__ void b_producer_loop(int stages, const CUtensorMap* tmap_gate,
+                                                const CUtensorMap* tmap_up, const F1Params& p,
+                                                uint8_t* smem, uint64_t* full_bar,
+                                                uint64_t* empty_bar, const int* tile_start,
+                                                int total_tiles) {
+  uint32_t it = 0;
+  for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+    const TileCoord c = decode_tile(t, tile_start, p);
+    for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
+      const int s = it % stages;
+      mbar_wait(smem_u32(empty_bar + s), ((it / stages) & 1) ^ 1);
+      uint8_t* stage = smem + s * kStageBytes;
+      const uint32_t full = smem_u32(full_bar + s);
+      mbar_arrive_expect_tx(full, 2 * kBTileBytes);
+      tma_load_3d(smem_u32(stage + kATileBytes), tmap_gate, full, kt * kBK, c.n0, c.e);
+      tma_load_3d(smem_u32(stage + kATileBytes + kBTileBytes), tmap_up, full, kt * kBK, c.n0, c.e);
+    }
+  }
+}
+
+// consumer_mainloop with the warpgroup's own gather (GATHER = 1): also waits its a_full[s], and
+// after wait_group 1 refills the slot of the previous k-step with its A rows of k-step
+// it + STAGES - 1.
+template <int STAGES, class RowRange>
+__device__ __forceinline__ void consumer_mainloop_gather(float (&acc)[128], uint32_t& it,
+                                                         int k_tiles, uint8_t* smem,
+                                                         uint64_t* full_bar, uint64_t* empty_bar,
+                                                         uint64_t* my_a_full,
+                                                         HalfTileGather<bf16>& gather,
+                                                         RowRange& row_range, int wg, int lane) {
+  int prev_s = 0;
+  for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+    const int s = it % STAGES;
+    mbar_wait(smem_u32(full_bar + s), (it / STAGES) & 1);
+    mbar_wait(smem_u32(my_a_full + s), (it / STAGES) & 1);
+    fence_proxy_async();
+    const uint32_t stage = smem_u32(smem + s * kStageBytes);
+    const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
+    const uint64_t desc_b = smem_desc_kmajor_sw128(stage + kATileBytes);
+    fence_accumulators(acc);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBK / 16; ++kk) {
+      wgmma_m64n256k16<bf16, 0, 0>(acc, desc_a + 2 * kk, desc_b + 2 * kk,
+                                   (kt > 0 || kk > 0) ? 1 : 0);
+    }
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_accumulators(acc);
+    if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+    const int refill = int((it + STAGES - 1) % STAGES);
+    gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill), row_range);
+    prev_s = s;
+  }
+  wgmma_wait<0>();
+  fence_accumulators(acc);
+  if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+}
+
 #endif  // MB_SM90_DEVICE
 
 enum : int {
@@ -645,7 +719,7 @@ enum : int {
 // kernel 1 (v1, v3, v4, v5): round 7's v1 = the library's F1, with STAGES a parameter. The
 // consumers run the epilogue after each tile's main loop (the tensor cores idle meanwhile).
 
-template <int STAGES, int EPI>
+template <int STAGES, int EPI, int GATHER = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     f1_sm90_kernel(const __grid_constant__ CUtensorMap tmap_gate,
                    const __grid_constant__ CUtensorMap tmap_up, const F1Params p) {
@@ -657,16 +731,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* epi = smem + STAGES * kStageBytes;
   uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + kEpiBytes);
   uint64_t* empty_bar = full_bar + STAGES;
-  int* tok_s = reinterpret_cast<int*>(empty_bar + STAGES);  // [kBM]
-  int* tile_start = tok_s + kBM;                            // [E + 1]
+  uint64_t* a_full_bar = empty_bar + STAGES;                     // GATHER: [2][STAGES]
+  int* tok_s = reinterpret_cast<int*>(a_full_bar + 2 * STAGES);  // [kBM]
+  int* tile_start = tok_s + kBM;                                 // [E + 1]
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(smem_u32(full_bar + s), kProducerThreads + 1);  // cp.async arrivals + expect_tx
+      // cp.async arrivals + expect_tx (GATHER: expect_tx alone)
+      mbar_init(smem_u32(full_bar + s), GATHER ? 1 : kProducerThreads + 1);
       mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
+      mbar_init(smem_u32(a_full_bar + s), 128);
+      mbar_init(smem_u32(a_full_bar + STAGES + s), 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -676,8 +754,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp < 4) {
     // ================= producer warpgroup =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegsWg0V1) : "memory");
-    producer_loop<STAGES, kProducerThreads>(&tmap_gate, &tmap_up, p, smem, full_bar, empty_bar,
-                                            tok_s, tile_start, total_tiles, tid);
+    if constexpr (GATHER) {
+      if (tid == 0)
+        b_producer_loop(STAGES, &tmap_gate, &tmap_up, p, smem, full_bar, empty_bar, tile_start,
+                        total_tiles);
+    } else {
+      producer_loop<STAGES, kProducerThreads>(&tmap_gate, &tmap_up, p, smem, full_bar, empty_bar,
+                                              tok_s, tile_start, total_tiles, tid);
+    }
   } else {
     // ================= consumer warpgroups =================
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegsConsumerV1) : "memory");
@@ -689,10 +773,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    auto row_range = [&](int t) {
+      const TileCoord c = decode_tile(t, tile_start, p);
+      return make_int2(c.row0, c.rows);
+    };
+    uint64_t* my_a_full = a_full_bar + wg * STAGES;
+    HalfTileGather<bf16> gather(p.x, p.d, p.d, p.k_tiles, p.token_index, total_tiles, wg);
+    if constexpr (GATHER) {
+      gather.start(row_range);
+      for (int s = 0; s < STAGES - 1; ++s)
+        gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
+    }
     uint32_t it = 0;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
       const TileCoord c = decode_tile(t, tile_start, p);
-      consumer_mainloop<STAGES>(acc, it, p.k_tiles, smem, full_bar, empty_bar, wg, lane);
+      if constexpr (GATHER)
+        consumer_mainloop_gather<STAGES>(acc, it, p.k_tiles, smem, full_bar, empty_bar, my_a_full,
+                                         gather, row_range, wg, lane);
+      else
+        consumer_mainloop<STAGES>(acc, it, p.k_tiles, smem, full_bar, empty_bar, wg, lane);
       if (EPI == kEpiNone) {  // keep the accumulators live, or ptxas drops the wgmmas
         float sum = 0.f;
 #pragma unroll
@@ -762,7 +861,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Barrier protocol, budgets and reasoning: see the header.
 // EPI = kEpiNone (v4 probe): the consumers skip the hand-off and the epilogue warps do nothing.
 
-template <int STAGES, int EPI>
+template <int STAGES, int EPI, int GATHER = 0>
 __global__ void __launch_bounds__(kThreads, 1)
     f1_epiwg_kernel(const __grid_constant__ CUtensorMap tmap_gate,
                     const __grid_constant__ CUtensorMap tmap_up,
@@ -776,16 +875,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint64_t* empty_bar = full_bar + STAGES;
   uint64_t* handoff_full = empty_bar + STAGES;
   uint64_t* handoff_empty = handoff_full + 1;
-  int* tok_s = reinterpret_cast<int*>(handoff_empty + 1);  // [kBM]
-  int* tile_start = tok_s + kBM;                           // [E + 1]
+  uint64_t* a_full_bar = handoff_empty + 1;                      // GATHER: [2][STAGES]
+  int* tok_s = reinterpret_cast<int*>(a_full_bar + 2 * STAGES);  // [kBM]
+  int* tile_start = tok_s + kBM;                                 // [E + 1]
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
 
   if (tid == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(smem_u32(full_bar + s), kEpiProducerThreads + 1);  // cp.async arrivals + expect_tx
+      // cp.async arrivals + expect_tx (GATHER: expect_tx alone)
+      mbar_init(smem_u32(full_bar + s), GATHER ? 1 : kEpiProducerThreads + 1);
       mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
+      mbar_init(smem_u32(a_full_bar + s), 128);
+      mbar_init(smem_u32(a_full_bar + STAGES + s), 128);
     }
     mbar_init(smem_u32(handoff_full), kConsumerWarps);  // one arrival per consumer warp
     mbar_init(smem_u32(handoff_empty), kEpiWarps);      // one arrival per epilogue warp
@@ -798,9 +901,15 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (warp < 4) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegsWg0) : "memory");
     if (warp < 2) {
-      // ================= producer warps 0, 1 =================
-      producer_loop<STAGES, kEpiProducerThreads>(&tmap_gate, &tmap_up, p, smem, full_bar, empty_bar,
-                                                 tok_s, tile_start, total_tiles, tid);
+      // ================= producer warps 0, 1 (GATHER: thread 0 alone, the weight boxes) =====
+      if constexpr (GATHER) {
+        if (tid == 0)
+          b_producer_loop(STAGES, &tmap_gate, &tmap_up, p, smem, full_bar, empty_bar, tile_start,
+                          total_tiles);
+      } else {
+        producer_loop<STAGES, kEpiProducerThreads>(&tmap_gate, &tmap_up, p, smem, full_bar,
+                                                   empty_bar, tok_s, tile_start, total_tiles, tid);
+      }
     } else if (EPI != kEpiNone) {
       // ================= epilogue warps 2, 3 =================
       const int ew = warp - 2;                   // 0 or 1
@@ -874,10 +983,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    auto row_range = [&](int t) {
+      const TileCoord c = decode_tile(t, tile_start, p);
+      return make_int2(c.row0, c.rows);
+    };
+    uint64_t* my_a_full = a_full_bar + wg * STAGES;
+    HalfTileGather<bf16> gather(p.x, p.d, p.d, p.k_tiles, p.token_index, total_tiles, wg);
+    if constexpr (GATHER) {
+      gather.start(row_range);
+      for (int s = 0; s < STAGES - 1; ++s)
+        gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
+    }
     uint32_t it = 0;
     uint32_t n = 0;  // this CTA's tiles so far: hand-off phase n
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
-      consumer_mainloop<STAGES>(acc, it, p.k_tiles, smem, full_bar, empty_bar, wg, lane);
+      if constexpr (GATHER)
+        consumer_mainloop_gather<STAGES>(acc, it, p.k_tiles, smem, full_bar, empty_bar, my_a_full,
+                                         gather, row_range, wg, lane);
+      else
+        consumer_mainloop<STAGES>(acc, it, p.k_tiles, smem, full_bar, empty_bar, wg, lane);
       if (EPI == kEpiNone) {  // probe: keep the accumulators live, or ptxas drops the wgmmas
         float sum = 0.f;
 #pragma unroll
@@ -1190,36 +1314,39 @@ struct Maps {
   CUtensorMap gate, up, out_a, out_b;
 };
 
-template <int STAGES, int EPI>
+template <int STAGES, int EPI, int GATHER = 0>
 static void launch_v1style(const Maps& M, const F1Params& p, size_t smem, cudaStream_t stream) {
   static bool printed = false;
   if (!printed) {
     printed = true;
-    printf("  (kernel 1: %d stages, epilogue %s: grid %d x %d threads, %zu B shared memory)\n",
-           STAGES, EPI == kEpiFull ? "in the consumers" : "none (probe)", g_num_sms, kThreads,
-           smem);
+    printf(
+        "  (kernel 1: %d stages, epilogue %s, A gathered by the %s: grid %d x %d threads, %zu B "
+        "shared memory)\n",
+        STAGES, EPI == kEpiFull ? "in the consumers" : "none (probe)",
+        GATHER ? "consumers" : "producer", g_num_sms, kThreads, smem);
   }
-  f1_sm90_kernel<STAGES, EPI><<<g_num_sms, kThreads, smem, stream>>>(M.gate, M.up, p);
+  f1_sm90_kernel<STAGES, EPI, GATHER><<<g_num_sms, kThreads, smem, stream>>>(M.gate, M.up, p);
 }
 
-template <int STAGES, int EPI>
+template <int STAGES, int EPI, int GATHER = 0>
 static void launch_epiwg(const Maps& M, const F1Params& p, size_t smem, cudaStream_t stream) {
   static bool printed = false;
   if (!printed) {
     printed = true;
     printf(
-        "  (kernel 2: %d stages, 2 producer + 2 epilogue warps%s: grid %d x %d threads, %zu B "
+        "  (kernel 2: %d stages, %s + 2 epilogue warps%s: grid %d x %d threads, %zu B "
         "shared memory)\n",
-        STAGES, EPI == kEpiFull ? "" : ", no epilogue (probe)", g_num_sms, kThreads, smem);
+        STAGES, GATHER ? "1 weight-box thread, consumers gather A" : "2 producer warps",
+        EPI == kEpiFull ? "" : ", no epilogue (probe)", g_num_sms, kThreads, smem);
   }
-  f1_epiwg_kernel<STAGES, EPI>
+  f1_epiwg_kernel<STAGES, EPI, GATHER>
       <<<g_num_sms, kThreads, smem, stream>>>(M.gate, M.up, M.out_a, M.out_b, p);
 }
 
-constexpr int kNumVersions = 6;  // kernel versions 1..kNumVersions
-// Timing probes (a main loop alone, v4-v6): timed and smoke-run, never checked.
+constexpr int kNumVersions = 10;  // kernel versions 1..kNumVersions
+// Timing probes (a main loop alone, v4-v6, v9, v10): timed and smoke-run, never checked.
 static bool is_probe(int version) {
-  return version >= 4;
+  return (version >= 4 && version <= 6) || version >= 9;
 }
 
 static void f1_run(int version, const F1Problem& P, const Maps& M, cudaStream_t stream) {
@@ -1243,6 +1370,11 @@ static void f1_run(int version, const F1Problem& P, const Maps& M, cudaStream_t 
     case 4: launch_epiwg<3, kEpiNone>(M, p, smem_bytes_epiwg(3, P.E), stream); break;
     case 5: launch_v1style<3, kEpiNone>(M, p, smem_bytes_v1(3, P.E), stream); break;
     case 6: launch_v1style<4, kEpiNone>(M, p, smem_bytes_v1(4, P.E), stream); break;
+    // round 12: the consumers gather A (GATHER = 1)
+    case 7: launch_v1style<4, kEpiFull, 1>(M, p, smem_bytes_v1(4, P.E), stream); break;
+    case 8: launch_epiwg<3, kEpiFull, 1>(M, p, smem_bytes_epiwg(3, P.E), stream); break;
+    case 9: launch_epiwg<3, kEpiNone, 1>(M, p, smem_bytes_epiwg(3, P.E), stream); break;
+    case 10: launch_v1style<4, kEpiNone, 1>(M, p, smem_bytes_v1(4, P.E), stream); break;
     default: REQUIRE(false, "unknown kernel version %d", version);
   }
   CUDA_CHECK(cudaGetLastError());
@@ -1666,8 +1798,16 @@ int main(int argc, char** argv) {
       seed = strtoull(argv[++i], nullptr, 10);
     else if (!strcmp(argv[i], "--versions") && i + 1 < argc) {
       versions.clear();
-      for (const char* c = argv[++i]; *c; ++c)
-        if (*c >= '1' && *c <= '0' + kNumVersions) versions.push_back(*c - '0');
+      for (const char* c = argv[++i]; *c;) {  // comma-separated version numbers
+        char* end = nullptr;
+        const long v = strtol(c, &end, 10);
+        if (end == c) {
+          ++c;
+          continue;
+        }
+        if (v >= 1 && v <= kNumVersions) versions.push_back(int(v));
+        c = end;
+      }
     } else {
       fprintf(stderr,
               "usage: %s [--check-only] [--shape NAME] [--seed N] [--versions 1,2,3,4,5,6]\n",
@@ -1699,6 +1839,14 @@ int main(int argc, char** argv) {
     CUDA_CHECK(cudaFuncSetAttribute(f1_epiwg_kernel<3, kEpiFull>, attr,
                                     int(smem_bytes_epiwg(3, kMaxExperts))));
     CUDA_CHECK(cudaFuncSetAttribute(f1_epiwg_kernel<3, kEpiNone>, attr,
+                                    int(smem_bytes_epiwg(3, kMaxExperts))));
+    CUDA_CHECK(cudaFuncSetAttribute(f1_sm90_kernel<4, kEpiFull, 1>, attr,
+                                    int(smem_bytes_v1(4, kMaxExperts))));
+    CUDA_CHECK(cudaFuncSetAttribute(f1_sm90_kernel<4, kEpiNone, 1>, attr,
+                                    int(smem_bytes_v1(4, kMaxExperts))));
+    CUDA_CHECK(cudaFuncSetAttribute(f1_epiwg_kernel<3, kEpiFull, 1>, attr,
+                                    int(smem_bytes_epiwg(3, kMaxExperts))));
+    CUDA_CHECK(cudaFuncSetAttribute(f1_epiwg_kernel<3, kEpiNone, 1>, attr,
                                     int(smem_bytes_epiwg(3, kMaxExperts))));
     // setmaxnreg.inc waits forever if the CTA's pool (threads x entry registers) cannot cover the
     // split: refuse to launch instead.
@@ -1808,7 +1956,8 @@ int main(int argc, char** argv) {
         "\nF1 (median of 20, L2 flushed), TFLOP/s = 4*N*d*h / time, x v1 = v1's time / this"
         " time. v1 = the library (4 stages, epilogue in the consumers); v2 = epilogue warps"
         " (3 stages); v3 = v1 with 3 stages. Main loop alone (probes, ms): v4 = v2's,"
-        " v5 = v3's, v6 = v1's\n");
+        " v5 = v3's, v6 = v1's. Round 12, A gathered by the consumers: v7 = v1 (the library"
+        " since round 11), v8 = v2; probes v9 = v8's, v10 = v7's\n");
     printf("%-8s %6s", "shape", "GFLOP");
     for (int v : versions)
       if (!is_probe(v)) printf(" | v%d ms   TF/s x v1", v);
