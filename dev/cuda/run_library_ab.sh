@@ -5,7 +5,8 @@
 #   AB_DIR=.ab bash dev/cuda/run_library_ab.sh   (carry .deps and AB_DIR; ~5-6 minutes)
 # AB_DIR holds the BEFORE files by name (f1_gemm.cu, rows_gemm.cu, primitives.cuh, ...: each is
 # copied over src/cuda/sm90/<name> in a copy of the tree). Logs under $OUT, the table last.
-# Shapes: PROFILE_SHAPES, one "name|profile_kernels.py arguments" per line.
+# Shapes: PROFILE_SHAPES, one "name|profile_kernels.py arguments" per line. AB_DIR=none: no BEFORE
+# build, the working tree's per-kernel times alone.
 set -u -o pipefail
 out="${OUT:-./library_ab_out}"
 mkdir -p "$out"
@@ -20,14 +21,16 @@ else
     { tail -20 "$out/build_new.log"; exit 1; }
 fi
 before=/tmp/moeblaze_before
-rm -rf "$before" && mkdir -p "$before"
-tar --exclude=./build-device --exclude=./.git -cf - . | tar -xf - -C "$before"
-for f in "$ab"/*; do cp "$f" "$before/src/cuda/sm90/$(basename "$f")"; done
-(cd "$before" && cmake -S . -B build-before -G Ninja -DCMAKE_BUILD_TYPE=Release \
-  -DMOEBLAZE_CUDA=ON "-DMOEBLAZE_CUDA_ARCHS=90a" -DMOEBLAZE_BUILD_EXAMPLES=OFF \
-  -DMOEBLAZE_BUILD_TESTS=OFF >"$out/build_before.log" 2>&1 &&
-  cmake --build build-before -j 16 --target moeblaze >>"$out/build_before.log" 2>&1) ||
-  { tail -20 "$out/build_before.log"; exit 1; }
+if [ "$ab" != none ]; then
+  rm -rf "$before" && mkdir -p "$before"
+  tar --exclude=./build-device --exclude=./.git -cf - . | tar -xf - -C "$before"
+  for f in "$ab"/*; do cp "$f" "$before/src/cuda/sm90/$(basename "$f")"; done
+  (cd "$before" && cmake -S . -B build-before -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DMOEBLAZE_CUDA=ON "-DMOEBLAZE_CUDA_ARCHS=90a" -DMOEBLAZE_BUILD_EXAMPLES=OFF \
+    -DMOEBLAZE_BUILD_TESTS=OFF >"$out/build_before.log" 2>&1 &&
+    cmake --build build-before -j 16 --target moeblaze >>"$out/build_before.log" 2>&1) ||
+    { tail -20 "$out/build_before.log"; exit 1; }
+fi
 shapes="${PROFILE_SHAPES:-conf3 swiglu|--act swiglu
 conf3 silu|--act silu
 mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu
@@ -35,6 +38,7 @@ qwen3 swiglu|--T 16384 --d 2048 --h 768 --E 128 --k 8 --act swiglu}"
 : >"$out/profile.log"
 while IFS='|' read -r name args; do
   for which in before after; do
+    [ "$which" = before ] && [ "$ab" = none ] && continue
     lib="$root/build-device/src/libmoeblaze.so"
     [ "$which" = before ] && lib="$before/build-before/src/libmoeblaze.so"
     echo "=== $name $which" >>"$out/profile.log"
