@@ -86,7 +86,7 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 }
 
 // Arrives on `bar` once every cp.async this thread issued so far has landed. .noinc: the arrival
-// counts against the barrier's expected count (the producer threads are part of it).
+// counts against the barrier's expected count (the issuing threads are part of it).
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }

@@ -10,14 +10,14 @@
 //       32 KB a stage through cp.async instead of 16 KB and ran at 412 TFLOP/s on conf3 instead
 //       of 511.)
 // Tile: 128 output rows x 256 output columns x 64 routed rows (k), 4 stages of 48 KB.
-// 384 threads: warpgroup 0 produces (setmaxnreg 56: 40 spills the 16-pass gather), warpgroups 1
-// and 2 consume (setmaxnreg 224); consumer warpgroup w owns output rows [64w, 64w + 64) and
-// issues 4 wgmma.m64n256k16 per stage with BOTH operands MN-major (transposed A and B, the
-// MN-major descriptor of common.cuh: LBO 8192 between 64-wide boxes, SBO 1024 between 8-k-row
-// groups, +2048 bytes per 16 k; A's 64 rows per warpgroup are one box, so its LBO is unused).
-// Stage = A: 2 boxes {64 m, 64 k} + B: 4 boxes {64 n, 64 k}, each box 64 k-rows of 128 bytes in
-// the 128-byte swizzle (16-byte chunk c of k-row r at r * 128 + ((c ^ (r & 7)) << 4)).
-// Per stage of 64 routed rows (row0 = off + 64 kt, valid = min(64, count - 64 kt)):
+// 384 threads: warpgroup 0 produces (setmaxnreg 56: at 40 its 16-pass copy spilled, when it also
+// gathered A), warpgroups 1 and 2 consume (setmaxnreg 224); consumer warpgroup w owns output rows
+// [64w, 64w + 64) and issues 4 wgmma.m64n256k16 per stage with BOTH operands MN-major (transposed A
+// and B, the MN-major descriptor of common.cuh: LBO 8192 between 64-wide boxes, SBO 1024 between
+// 8-k-row groups, +2048 bytes per 16 k; A's 64 rows per warpgroup are one box, so its LBO is
+// unused). Stage = A: 2 boxes {64 m, 64 k} + B: 4 boxes {64 n, 64 k}, each box 64 k-rows of 128
+// bytes in the 128-byte swizzle (16-byte chunk c of k-row r at r * 128 + ((c ^ (r & 7)) << 4)). Per
+// stage of 64 routed rows (row0 = off + 64 kt, valid = min(64, count - 64 kt)):
 //   the gathered operand A (dy for B2, x for B3): each consumer warpgroup gathers its own box
 //     (the 64 output rows it alone reads) 3 k-steps ahead, 16-byte cp.async with zero-fill (rows
 //     >= valid, columns >= the operand's width) into the swizzle, completing on the warpgroup's
