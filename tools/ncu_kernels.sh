@@ -46,5 +46,36 @@ for i in sorted(cols, key=lambda i: header[i]):
     label = "%s (%s)" % (header[i], units[i]) if units[i] else header[i]
     print("%-62s %s" % (label[:62], " ".join("%12s" % r[i][:12] for r in data)))
 EOF
+# Where each kernel's warps stall, by SASS instruction (the source page with its sampling columns;
+# session 5 found the gathered-A gap this way: the consumers' full-barrier wait loop).
+ncu --import "$out/kernels.ncu-rep" --page source --csv --print-source sass >"$out/source.csv" \
+  2>/dev/null
+echo "== top stall locations per kernel (warp-state samples, SASS)"
+python3 - "$out/source.csv" <<'EOF2'
+import csv, sys
+kernel, rows, header = None, [], None
+def flush():
+    if kernel is None or header is None or not rows:
+        return
+    i_s = header.index("Warp Stall Sampling (All Samples)")
+    total = sum(int(r[i_s]) for r in rows if len(r) > i_s and r[i_s].isdigit())
+    print("%s: %d samples" % (kernel[:90], total))
+    top = sorted((r for r in rows if len(r) > i_s and r[i_s].isdigit()), key=lambda r: -int(r[i_s]))
+    for r in top[:6]:
+        reasons = sorted(((int(r[i]), header[i]) for i in range(len(header))
+                          if header[i].startswith("stall_") and "Not Issued" not in header[i]
+                          and i < len(r) and r[i].isdigit() and int(r[i]) > 0), reverse=True)[:2]
+        print("  %7d  %-52s %s" % (int(r[i_s]), r[1].strip()[:52],
+                                   ", ".join("%s %d" % (n, c) for c, n in reasons)))
+for r in csv.reader(open(sys.argv[1])):
+    if r and r[0] == "Kernel Name":
+        flush()
+        kernel, rows, header = (r[1] if len(r) > 1 else "?"), [], None
+    elif r and r[0] == "Address":
+        header = r
+    elif header is not None and r:
+        rows.append(r)
+flush()
+EOF2
 (cd "$out" && tar czf ncu_kernels.tgz --remove-files ./kernels.ncu-rep ./details.txt \
-  ./metrics.csv ./ncu.log 2>/dev/null)
+  ./metrics.csv ./source.csv ./ncu.log 2>/dev/null)
