@@ -30,7 +30,7 @@ declare -A vname=(
   [_Z12probe_kernelILi2ELi4E]=v4 [_Z12probe_kernelILi3ELi1E]=v5 [_Z12probe_kernelILi3ELi4E]=v6
   [_Z12probe_kernelILi4ELi4E]=v7 [_Z12probe_kernelILi5ELi2E]=v8 [_Z12probe_kernelILi5ELi3E]=v9
   [_Z12probe_kernelILi6ELi4E]=v10 [_Z12probe_kernelILi7ELi4E]=v11
-  [_Z12probe_kernelILi8ELi4E]=v12)
+  [_Z12probe_kernelILi8ELi4E]=v12 [_Z12probe_kernelILi9ELi4E]=v13)
 version_of() {  # a mangled name (or a line holding one) -> v1..v6, or "" for helper kernels
   local key
   for key in "${!vname[@]}"; do

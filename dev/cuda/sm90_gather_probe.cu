@@ -418,7 +418,15 @@ enum AMode : int {
   // noinc arrivals. 8 warps gather instead of 4, and no other warpgroup is involved in A, so no
   // barrier crosses warpgroups for it. The producer warpgroup issues only B (thread 0). The token
   // ids of the next tile are fetched one tile ahead, into registers.
-  kAConsumerGather = 8
+  kAConsumerGather = 8,
+  // v13 (round 13, session 5, prepared): v12 plus two of the producer's idle warps. The fit of the
+  // gather's time against its issuing warps (round 10: 2 warps 10.98 ms, 4 warps 8.30; round 11:
+  // 8 warps 7.28 on conf3) is t ~ 5.6 + 10.7 / warps ms, so 10 warps should give ~6.7 ms (~655
+  // TFLOP/s). The consumers gather rows [0, 48) of their half (3 chunks a thread), producer warps
+  // 1 and 2 rows [48, 64) of both halves (4 chunks a thread, the k-step's slot once its empty
+  // barrier completes, as the B boxes), each arriving on both halves' a_full barrier, which then
+  // counts 128 + 64.
+  kAConsumerPlusProducer = 9
 };
 
 struct ProbeParams {
@@ -500,9 +508,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   // A (or part of it) written by the generic proxy.
   constexpr bool kProxyFence =
       AMODE == kACpAsync || AMODE == kACpAsyncL2 || AMODE == kAHybrid || AMODE == kAConsumerGather;
-  constexpr bool kConsumerGather = AMODE == kAConsumerGather;
-  constexpr int kIssueLanes = 32 * WARPS;          // v3, v4
-  constexpr int kRowsPerLane = kBM / kIssueLanes;  // v3, v4: 4 or 1
+  constexpr bool kConsumerGather = AMODE == kAConsumerGather || AMODE == kAConsumerPlusProducer;
+  constexpr bool kProducerShare = AMODE == kAConsumerPlusProducer;  // v13
+  constexpr int kConsumerRows = kProducerShare ? 48 : 64;  // rows of its half a warpgroup gathers
+  constexpr int kIssueLanes = 32 * WARPS;                  // v3, v4
+  constexpr int kRowsPerLane = kBM / kIssueLanes;          // v3, v4: 4 or 1
   constexpr uint32_t kWarpABytes = uint32_t(kBM / WARPS) * kRowBytes;
   constexpr uint32_t kFullCount = kConsumerGather          ? 1
                                   : AMODE == kACpAsyncWarp ? 4 + 1
@@ -528,8 +538,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_u32(full_bar + s), kFullCount);
       mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
-      mbar_init(smem_u32(a_full_bar + s), 128);
-      mbar_init(smem_u32(a_full_bar + kStages + s), 128);
+      mbar_init(smem_u32(a_full_bar + s), kProducerShare ? 128 + 64 : 128);
+      mbar_init(smem_u32(a_full_bar + kStages + s), kProducerShare ? 128 + 64 : 128);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     if (!kCpAsync || AMODE == kAHybrid) prefetch_tensormap(&tmap_a);
@@ -563,10 +573,47 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warp < 4) {
     // ================= producer warpgroup =================
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    // v13's gathering producer warps need more than 40 registers (they spilled at 40): 56 / 224.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kProducerShare ? 56 : 40)
+                 : "memory");
     uint32_t it = 0;
     if constexpr (kConsumerGather) {
-      // v12: thread 0 issues the B boxes only; the consumers gather A.
+      // v13: producer warps 1, 2 gather rows [48, 64) of both halves of every k-step's A tile,
+      // into the slot once its empty barrier completes (as the B boxes). Thread pt: chunk pt & 7
+      // of the 32 rows (pt >> 3) + 8 i, i < 4: row q of those is row 48 + (q & 15) of half q >> 4.
+      if (kProducerShare && (warp == 1 || warp == 2)) {
+        const int pt = tid - 32;
+        const int chunk = pt & 7;
+        for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+          const TileCoord c = decode_tile(t, tile_start, p);
+          int tok[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int q = (pt >> 3) + 8 * i;
+            const int r = (q >> 4) * 64 + 48 + (q & 15);  // tile row
+            tok[i] = r < c.rows ? __ldg(p.token_index + c.row0 + r) : -1;
+          }
+          for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
+            const int s = it % kStages;
+            mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
+            const uint32_t a_tile = smem_u32(smem + s * kStageBytes);
+            const int k = kt * kBK + chunk * 8;
+            const bool k_ok = k < p.K;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int q = (pt >> 3) + 8 * i;
+              const int r = (q >> 4) * 64 + 48 + (q & 15);
+              const bool ok = k_ok && tok[i] >= 0;
+              const bf16* src = ok ? p.x + size_t(tok[i]) * p.K + k : p.x;
+              cp_async16_zfill(a_tile + r * kRowBytes + ((chunk ^ (r & 7)) << 4), src, ok);
+            }
+            cp_async_mbar_arrive_noinc(smem_u32(a_full_bar + s));
+            cp_async_mbar_arrive_noinc(smem_u32(a_full_bar + kStages + s));
+          }
+        }
+        asm volatile("cp.async.wait_all;\n" ::: "memory");
+      }
+      // v12, v13: thread 0 issues the B boxes; the consumers gather (the rest of) A.
       if (tid == 0) {
         for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
           const TileCoord c = decode_tile(t, tile_start, p);
@@ -771,7 +818,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     // ================= consumer warpgroups =================
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kProducerShare ? 224 : 232)
+                 : "memory");
     const int wg = (warp >> 2) - 1;   // 0 or 1: rows [64 wg, 64 wg + 64) of the tile
     const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of the warpgroup's 64
     const int cw = warp - 4;
@@ -796,7 +844,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (t < total_tiles) {
         const TileCoord c = decode_tile(t, tile_start, p);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
+        for (int i = 0; i < kConsumerRows / 16; ++i) {
           const int r = wg * 64 + g_row + 16 * i;
           tok[i] = r < c.rows ? __ldg(p.token_index + c.row0 + r) : -1;
         }
@@ -809,7 +857,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int k = g_kt * kBK + g_chunk * 8;
       const bool k_ok = k < p.K;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < kConsumerRows / 16; ++i) {
         const int r = g_row + 16 * i;  // row of the half; (r & 7) is the tile row's too
         const bool ok = k_ok && g_tok[i] >= 0;
         const bf16* src = ok ? p.x + size_t(g_tok[i]) * p.K + k : p.x;
@@ -820,7 +868,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         g_kt = 0;
         g_t += gridDim.x;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) g_tok[i] = g_next_tok[i];
+        for (int i = 0; i < kConsumerRows / 16; ++i) g_tok[i] = g_next_tok[i];
         fetch_ids(g_t + gridDim.x, g_next_tok);
       }
     };
@@ -1224,7 +1272,7 @@ static void free_problem(Problem& P) {
 // ---------------------------------------------------------------------------------------------
 // versions and launch
 
-constexpr int kNumVersions = 12;
+constexpr int kNumVersions = 13;
 static const char* kVersionNames[kNumVersions + 1] = {
     "",
     "contiguous A, TMA {64,64} boxes",
@@ -1239,6 +1287,7 @@ static const char* kVersionNames[kNumVersions + 1] = {
     "hybrid: 64 rows cp.async + 64 row TMA",
     "cp.async with .L2::256B prefetch",
     "consumers gather their own 64 rows",
+    "consumers 48 rows + 2 producer warps 16",
 };
 
 typedef void (*KernelFn)(const CUtensorMap, const CUtensorMap, const ProbeParams);
@@ -1257,6 +1306,7 @@ static KernelFn kernel_for(int version) {
     case 10: return probe_kernel<kAHybrid, 4>;
     case 11: return probe_kernel<kACpAsyncL2, 4>;
     case 12: return probe_kernel<kAConsumerGather, 4>;
+    case 13: return probe_kernel<kAConsumerPlusProducer, 4>;
   }
   return nullptr;
 }
