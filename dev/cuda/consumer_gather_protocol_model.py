@@ -1,7 +1,8 @@
 # Randomised interleaving model of the barrier protocol of the Hopper kernels whose consumer
 # warpgroups gather their own A rows (session 5, round 11: src/cuda/sm90/f1_gemm.cu, rows_gemm.cu's
 # B1, wgrad_gemm.cu's B2/B3), optionally with round 12's epilogue warps and hand-off buffer
-# (dev/cuda/patches/f1-epilogue-warps.patch).
+# (dev/cuda/patches/f1-epilogue-warps.patch), and with round 13's producer share (probe v13:
+# the producer also gathers part of both halves after the slot's empty barrier).
 #
 # Agents of one CTA:
 #   - the producer (thread 0): for every k-step it of the CTA's sequence, waits empty[s] (parity
@@ -28,7 +29,8 @@
 #   /usr/bin/python3 dev/cuda/consumer_gather_protocol_model.py [trials]   (prints PASS / the error)
 # Mutations (each must FAIL): --lag-S (gather S k-steps ahead: overwrites a live slot), --no-a-wait
 # (wgmma without waiting a_full), --no-handoff-wait (hand-off written without waiting
-# handoff_empty), --handoff-empty-1 (handoff_empty counts 1 of the 2 epilogue warps).
+# handoff_empty), --handoff-empty-1 (handoff_empty counts 1 of the 2 epilogue warps),
+# --share-no-empty-wait (the producer's share of A issued before the slot's empty barrier).
 #   --self-test: the protocol must PASS and every mutation must FAIL (exit 0 only then); CTest
 #   runs this (tests/CMakeLists.txt, dev_consumer_gather_protocol_model).
 import random
@@ -68,7 +70,7 @@ class Fail(Exception):
     pass
 
 
-def run(seed, S, handoff, mut):
+def run(seed, S, handoff, mut, share=False):
     rnd = random.Random(seed)
     if rnd.random() < 0.5:
         tiles = [rnd.randint(1, 7)] * rnd.randint(0, 8)  # F1 / rows: one k-step count
@@ -78,11 +80,15 @@ def run(seed, S, handoff, mut):
     lag = S if mut.get("lag_S") else S - 1
     full = [Bar(1, "full%d" % s) for s in range(S)]
     empty = [Bar(2, "empty%d" % s) for s in range(S)]
-    a_full = [[Bar(CP_GROUPS, "a_full%d.%d" % (w, s)) for s in range(S)] for w in range(2)]
+    # share (probe v13): the producer also gathers part of both halves, after the slot's empty
+    # barrier (as its B boxes), arriving on both a_full barriers: CP_GROUPS more arrivals each.
+    a_count = 2 * CP_GROUPS if share else CP_GROUPS
+    a_full = [[Bar(a_count, "a_full%d.%d" % (w, s)) for s in range(S)] for w in range(2)]
     h_full = Bar(2, "handoff_full")
     h_empty = Bar(1 if mut.get("handoff_empty_1") else 2, "handoff_empty")
     b_fill = [None] * S
-    a_fill = [[None] * S for _ in range(2)]
+    a_fill = [[None] * S for _ in range(2)]  # the consumers' rows of each half
+    p_fill = [[None] * S for _ in range(2)]  # share: the producer's rows of each half
     readers_b = [set() for _ in range(S)]  # warpgroups whose wgmma reads B of slot s
     reading_a = [[False] * S for _ in range(2)]
     hand = [None, None]  # tile id in each half of the hand-off
@@ -95,8 +101,20 @@ def run(seed, S, handoff, mut):
 
     # ---- producer
     def producer():
+        def share_a(s, it):
+            for w in range(2):
+                def a_land(w=w, s=s, it=it):
+                    check(not reading_a[w][s], "producer's A landed in a half being read", w, s, it)
+                    p_fill[w][s] = it
+                    a_full[w][s].arrive()
+                for _ in range(CP_GROUPS):
+                    events.append(a_land)
+
         for it in range(len(seq)):
             s = it % S
+            early = share and mut.get("share_no_empty_wait")
+            if early:  # mutation: the producer's A share before the slot is free
+                share_a(s, it)
             while not empty[s].passed(((it // S) & 1) ^ 1):
                 yield
             full[s].expect_tx(1)
@@ -106,6 +124,8 @@ def run(seed, S, handoff, mut):
                 b_fill[s] = it
                 full[s].complete_tx(1)
             events.append(land)
+            if share and not early:
+                share_a(s, it)
             yield
 
     # ---- consumer warpgroup w
@@ -134,7 +154,8 @@ def run(seed, S, handoff, mut):
 
         def complete(entry):
             pit, ps = entry
-            check(b_fill[ps] == pit and a_fill[w][ps] == pit, "wgmma saw another fill", w, pit)
+            check(b_fill[ps] == pit and a_fill[w][ps] == pit and (not share or p_fill[w][ps] == pit),
+                  "wgmma saw another fill", w, pit)
             readers_b[ps].discard(w)
             reading_a[w][ps] = False
 
@@ -148,6 +169,7 @@ def run(seed, S, handoff, mut):
                     yield
                 check(b_fill[s] == it, "B of another fill at wgmma issue", w, it)
                 check(a_fill[w][s] == it, "A of another fill at wgmma issue", w, it)
+                check(not share or p_fill[w][s] == it, "producer's A of another fill", w, it)
                 readers_b[s].add(w)
                 reading_a[w][s] = True
                 pending.append((it, s))
@@ -212,7 +234,7 @@ def run(seed, S, handoff, mut):
     check(not events, "events pending at the end")
 
 
-MUTATIONS = ("lag_S", "no_a_wait", "no_handoff_wait", "handoff_empty_1")
+MUTATIONS = ("lag_S", "no_a_wait", "no_handoff_wait", "handoff_empty_1", "share_no_empty_wait")
 
 
 def check_all(trials, mut, quiet=False):
@@ -221,12 +243,14 @@ def check_all(trials, mut, quiet=False):
             for handoff in (False, True):
                 if (mut.get("no_handoff_wait") or mut.get("handoff_empty_1")) and not handoff:
                     continue
-                try:
-                    run(t * 7919 + S * 31 + handoff, S, handoff, mut)
-                except Fail as f:
-                    if not quiet:
-                        print("FAIL seed %d S %d handoff %s: %s" % (t, S, handoff, f.args[0]))
-                    return False
+                for share in (False, True):
+                    try:
+                        run(t * 7919 + S * 31 + handoff * 2 + share, S, handoff, mut, share)
+                    except Fail as f:
+                        if not quiet:
+                            print("FAIL seed %d S %d handoff %s share %s: %s" %
+                                  (t, S, handoff, share, f.args[0]))
+                        return False
     return True
 
 
@@ -236,11 +260,11 @@ def main():
     flags = [a[2:].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")]
     if "self_test" in flags:
         ok = check_all(trials, {})
-        print("protocol (%d trials x 3/4 stages x hand-off off/on): %s" %
+        print("protocol (%d trials x 3/4 stages x hand-off off/on x producer share off/on): %s" %
               (trials, "PASS" if ok else "FAIL"))
         for m in MUTATIONS:
             caught = not check_all(trials, {m: True}, quiet=True)
-            print("mutation %-16s %s" % (m, "caught (FAIL), as it must" if caught else "NOT CAUGHT"))
+            print("mutation %-20s %s" % (m, "caught (FAIL), as it must" if caught else "NOT CAUGHT"))
             ok = ok and caught
         return 0 if ok else 1
     mut = {m: True for m in flags}
@@ -250,7 +274,7 @@ def main():
         return 2
     if not check_all(trials, mut):
         return 1
-    print("PASS: %d trials x (3, 4 stages) x (hand-off off, on)%s" %
+    print("PASS: %d trials x (3, 4 stages) x (hand-off off, on) x (producer share off, on)%s" %
           (trials, (" with mutations " + ",".join(mut)) if mut else ""))
     return 0
 
