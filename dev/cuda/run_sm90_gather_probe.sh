@@ -11,7 +11,8 @@
 #    row); if any needed that, the rest of the run uses --tail zero;
 # 3. the full run (edge checked, then conf3 / mixtral / qwen timed) with the versions that passed
 #    (all of them, flagged, if none passed);
-# 4. compute-sanitizer memcheck of the edge shape (MEMCHECK=0 skips it); the table last.
+# 4. compute-sanitizer memcheck of the edge shape (MEMCHECK=0 skips it), and racecheck of it for
+#    the versions in RACECHECK_VERSIONS (e.g. 12,13; unset: none); the table last.
 # Files under ${OUT:-./probe_out}: summary.txt, build.log, sass_counts.txt, edge.log, full.log,
 # memcheck.log.
 # shellcheck disable=SC2054,SC2086  # the comma is -gencode's; $tail_opt splits on purpose
@@ -125,6 +126,15 @@ if [ "${MEMCHECK:-1}" = 1 ] && command -v compute-sanitizer >/dev/null; then
     "$out/memcheck.log" | tr '\n' ' ') $(grep -c 'CHECK PASSED' "$out/memcheck.log") checks passed"
 else
   say "memcheck skipped" | tee "$out/memcheck.log"
+fi
+
+# ---- 4b. racecheck of the edge shape for RACECHECK_VERSIONS (e.g. "12,13"; unset: skipped)
+if [ -n "${RACECHECK_VERSIONS:-}" ] && command -v compute-sanitizer >/dev/null; then
+  rrc=0
+  timeout "${RACECHECK_TIMEOUT:-120}" compute-sanitizer --tool racecheck "$bin" --check-only \
+    --shape edge --versions "$RACECHECK_VERSIONS" $tail_opt >"$out/racecheck.log" 2>&1 || rrc=$?
+  say "racecheck edge (versions $RACECHECK_VERSIONS) rc=$rrc: $(grep -E 'RACECHECK SUMMARY' \
+    "$out/racecheck.log" | tr '\n' ' ') $(grep -c 'CHECK PASSED' "$out/racecheck.log") checks passed"
 fi
 
 echo "== summary ($((SECONDS - start)) s) ==" | tee -a "$out/summary.txt"
