@@ -7,10 +7,9 @@
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -Xptxas -v -I src \
 //        -o /tmp/probe dev/cuda/sm90_gather_probe.cu
 // With a cuBLAS dense GEMM of the same FLOPs in the table: add -DWITH_CUBLAS -lcublas.
-// The repository's src/cuda/sm90/common.cuh is NOT included: it pulls in common/status.hpp, which
-// needs include/moeblaze.h (not on -I src) and moeblaze::fail from the library. The primitives used
-// here (mbarrier, cp.async, TMA, wgmma m64n256k16, the K-major SW128 descriptor, the tensor-map
-// encoder) are copied from it unchanged, plus prefetch.tensormap.
+// The device primitives (mbarrier, cp.async, TMA, wgmma m64n256k16, the K-major SW128 descriptor)
+// and the tensor-map encoder come from src/cuda/sm90/primitives.cuh, which has no dependency on
+// the rest of the library (common.cuh, which needs include/moeblaze.h, is not included).
 //
 // Run:
 //   ./probe                   # edge shape checked, then conf3 / mixtral / qwen timed
@@ -170,55 +169,17 @@
 typedef __nv_bfloat16 bf16;
 
 // ---------------------------------------------------------------------------------------------
-// device primitives, copied from src/cuda/sm90/common.cuh (see the header comment)
+// device primitives: the library's (src/cuda/sm90/primitives.cuh, on -I src), with this probe's
+// 2^24-poll mbarrier watchdog; below, the probe's own (an L2 prefetch-size variant of cp.async,
+// the tensor-map prefetch, the warp-converged TMA forms of v5/v6). Until session 5 this file
+// carried copies of the library's; the sm_90a cubin is byte-identical before and after.
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
+#define MB_SM90_MBAR_POLL_LIMIT (1u << 24)
+#include "cuda/sm90/primitives.cuh"
 
-__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
-}
+using namespace moeblaze::cuda::sm90;  // kBK (64 k per stage) comes from here too
 
-// Spins until the phase with `parity` completes. A wait far beyond any real stall (2^24 polls: a
-// second or more, as in dev/cuda/sm90_f1_epilogue.cu; real waits are microseconds) traps instead
-// of hanging the device.
-// No printf here: a call anywhere in a kernel makes ptxas serialise its wgmmas (C7510).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  uint32_t polls = 0;
-  do {
-    if (++polls == (1u << 24)) __trap();
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-
-// Arrives on `bar` once every cp.async this thread issued so far has landed. .noinc: the arrival
-// counts against the barrier's expected count (the producer threads are part of it).
-__device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
-  const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled and src is not read
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
-               : "memory");
-}
+#if MB_SM90_DEVICE
 
 __device__ __forceinline__ void cp_async16_zfill_l2_256(uint32_t dst, const void* src, bool valid) {
   const int bytes = valid ? 16 : 0;
@@ -227,33 +188,8 @@ __device__ __forceinline__ void cp_async16_zfill_l2_256(uint32_t dst, const void
                : "memory");
 }
 
-// Orders this thread's generic-proxy shared-memory accesses (cp.async results, plain stores)
-// with later async-proxy ones (wgmma operand reads, TMA writes) to the same shared memory.
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 __device__ __forceinline__ void prefetch_tensormap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-
-// The box at (c0, c1) of a 2-D map into shared memory at dst; its bytes complete on `bar`.
-__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                            int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3}], [%4];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(bar)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
-                                            int c0, int c1, int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
 }
 
 // Warp-converged forms (v5, v6; not in common.cuh): every lane of the warp executes them with
@@ -290,79 +226,13 @@ __device__ __forceinline__ void tma_load_3d_elect(uint32_t dst, const CUtensorMa
       : "memory");
 }
 
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-
-// Keeps the compiler from moving accumulator reads/writes across the asynchronous wgmma window.
-__device__ __forceinline__ void fence_accumulators(float (&d)[128]) {
-#pragma unroll
-  for (int i = 0; i < 128; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-// Shared-memory matrix descriptor: K-major operand, 128B swizzle, rows of 128 bytes (64 elements),
-// 8-row groups 1024 bytes apart (SBO); LBO is unused for swizzled K-major layouts (set to 1).
-// The tile base must be 1024-byte aligned; stepping k by 16 elements adds 32 bytes to the start.
-__device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
-  uint64_t desc = 0;
-  desc |= uint64_t((addr & 0x3FFFF) >> 4);
-  desc |= uint64_t(1) << 16;          // LBO (ignored)
-  desc |= uint64_t(1024 >> 4) << 32;  // SBO
-  desc |= uint64_t(1) << 62;          // SWIZZLE_128B
-  return desc;
-}
-
-// D[64x256] (+)= A[64x16] * B[256x16]^T, both K-major bf16 in 128B-swizzled shared memory.
-__device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_a, uint64_t desc_b,
-                                                 int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, "
-      "%111, %112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, "
-      "%125, %126, %127"
-      "}, %128, %129, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]),
-        "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]),
-        "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]),
-        "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]),
-        "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]),
-        "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]),
-        "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
-        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
-        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]),
-        "+f"(d[63]), "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]),
-        "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]),
-        "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]),
-        "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), "+f"(d[88]), "+f"(d[89]), "+f"(d[90]),
-        "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), "+f"(d[96]), "+f"(d[97]),
-        "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]),
-        "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]),
-        "+f"(d[110]), "+f"(d[111]), "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]),
-        "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), "+f"(d[120]), "+f"(d[121]),
-        "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127])
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-}
+#endif  // MB_SM90_DEVICE
 
 // ---------------------------------------------------------------------------------------------
 // the probe kernel
 
 constexpr int kBM = 128;            // routed rows per tile
 constexpr int kBN = 256;            // output columns per tile
-constexpr int kBK = 64;             // k per stage: one 128-byte swizzle row of bf16
 constexpr int kBBoxRows = 128;      // rows of W per TMA box (two boxes per stage)
 constexpr int kContigBoxRows = 64;  // v1: rows of xg per TMA box (two boxes per stage)
 constexpr int kStages = 4;
@@ -484,6 +354,7 @@ __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
 __device__ __forceinline__ uint32_t b_tile_bytes(const TileCoord& c, const ProbeParams& p) {
   return c.n0 + kBBoxRows < p.N ? 2 * kBBoxBytes : kBBoxBytes;
 }
+#if MB_SM90_DEVICE
 __device__ __forceinline__ void load_b_tile(uint32_t stage, const CUtensorMap* tmap_b,
                                             uint32_t full, const TileCoord& c, int kt,
                                             const ProbeParams& p) {
@@ -491,6 +362,7 @@ __device__ __forceinline__ void load_b_tile(uint32_t stage, const CUtensorMap* t
   if (c.n0 + kBBoxRows < p.N)
     tma_load_3d(stage + kATileBytes + kBBoxBytes, tmap_b, full, kt * kBK, c.n0 + kBBoxRows, c.e);
 }
+#endif  // MB_SM90_DEVICE
 
 // AMODE: kAContig (v1), kACpAsync (v2), kARowTmaLanes (v3, v4), kARowTmaWarp (v5, v6); WARPS:
 // the producer warps that issue the row TMAs (1 or 4; ignored by v1, v2).
@@ -500,6 +372,7 @@ template <int AMODE, int WARPS>
 __global__ void __launch_bounds__(kThreads, 1)
     probe_kernel(const __grid_constant__ CUtensorMap tmap_a,
                  const __grid_constant__ CUtensorMap tmap_b, const ProbeParams p) {
+#if MB_SM90_DEVICE
   static_assert(AMODE == kACpAsyncWarp || WARPS == 1 || WARPS == 4, "row TMA: 1 or 4 warps");
   static_assert(AMODE != kACpAsyncWarp || (WARPS >= 1 && WARPS < kStages), "0 < LAG < stages");
   constexpr bool kCpAsync = AMODE == kACpAsync || AMODE == kACpAsyncNoFence ||
@@ -918,7 +791,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int kk = 0; kk < kBK / 16; ++kk) {
           // +32 bytes per 16 k inside the swizzle row: +2 in the descriptor's address field.
-          wgmma_m64n256k16(acc, desc_a + 2 * kk, desc_b + 2 * kk, (kt > 0 || kk > 0) ? 1 : 0);
+          wgmma_m64n256k16<bf16, 0, 0>(acc, desc_a + 2 * kk, desc_b + 2 * kk,
+                                       (kt > 0 || kk > 0) ? 1 : 0);
         }
         wgmma_commit();
         wgmma_wait<1>();
@@ -966,6 +840,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int o = 16; o > 0; o >>= 1) fold += __shfl_xor_sync(0xffffffffu, fold, o);
     if (lane == 0) p.fold[blockIdx.x * kConsumerWarps + cw] = fold;
   }
+#else
+  __trap();  // no sm_90a device pass (the #error above rejects any other device target)
+#endif  // MB_SM90_DEVICE
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1110,21 +987,10 @@ __global__ void checksum_kernel(const uint32_t* words, size_t n, unsigned long l
 // ---------------------------------------------------------------------------------------------
 // host: tensor maps (common.cuh's encoder through the runtime's entry-point query)
 
-typedef CUresult (*EncodeTiledFn)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*,
-                                  const cuuint64_t*, const cuuint64_t*, const cuuint32_t*,
-                                  const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
-                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-
+// The library's encoder lookup (primitives.cuh), required here.
 static EncodeTiledFn get_encoder() {
-  static EncodeTiledFn fn = nullptr;
-  if (!fn) {
-    cudaDriverEntryPointQueryResult q;
-    void* ptr = nullptr;
-    CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                cudaEnableDefault, &q));
-    REQUIRE(q == cudaDriverEntryPointSuccess && ptr, "cuTensorMapEncodeTiled not found");
-    fn = reinterpret_cast<EncodeTiledFn>(ptr);
-  }
+  const EncodeTiledFn fn = tensor_map_encoder();
+  REQUIRE(fn != nullptr, "cuTensorMapEncodeTiled not found");
   return fn;
 }
 
