@@ -32,13 +32,10 @@ if len(rows) < 3:
     sys.exit("no metrics (see ncu.log)")
 header, units, data = rows[0], rows[1], rows[2:]
 name_col = header.index("Kernel Name") if "Kernel Name" in header else None
+sys.path.insert(0, "tools")
+from kernel_tags import kernel_tag
 def short(name):
-    for key, tag in (("f1_kernel", "F1"), ("wgrad_kernel<__nv_bfloat16, true>", "B3"),
-                     ("wgrad_kernel<__nv_bfloat16, false>", "B2"), ("rows_kernel<__nv_bfloat16, 0", "F2"),
-                     ("rows_kernel<__nv_bfloat16, 1", "B4"), ("rows_kernel<__nv_bfloat16, 2", "B1")):
-        if key in name.replace("(anonymous namespace)::", ""):
-            return tag
-    return name[:12]
+    return kernel_tag(name) or name[:12]
 tags = [short(r[name_col]) if name_col is not None else str(i) for i, r in enumerate(data)]
 cols = [i for i, h in enumerate(header) if any(p in h for p in patterns)]
 print("%-62s %s" % ("metric (unit)", " ".join("%12s" % t for t in tags)))

@@ -50,6 +50,8 @@ done <<<"$shapes"
 echo "== per-kernel CUDA time (ms), before -> after"
 python3 - "$out/profile.log" <<'PY'
 import re, sys
+sys.path.insert(0, "tools")
+from kernel_tags import kernel_tag
 blocks = re.split(r"^=== (.+)$", open(sys.argv[1]).read(), flags=re.M)[1:]
 res = {}
 for head, body in zip(blocks[::2], blocks[1::2]):
@@ -59,19 +61,15 @@ for head, body in zip(blocks[::2], blocks[1::2]):
         mm = re.search(r"fwd\+bwd ([\d.]+) ms, ([\d.]+) TFLOP/s", line)
         if mm:
             k["fwd+bwd"] = float(mm.group(1))
-        for tag, key in (("F1", "sm90_f1_kernel"), ("F2", "sm90_rows_kernel<__nv_bfloat16, 0"),
-                         ("B4", "sm90_rows_kernel<__nv_bfloat16, 1"),
-                         ("B1", "sm90_rows_kernel<__nv_bfloat16, 2"),
-                         ("B2", "sm90_wgrad_kernel<__nv_bfloat16, false"),
-                         ("B3", "sm90_wgrad_kernel<__nv_bfloat16, true")):
-            if key in line.replace("(anonymous namespace)::", ""):
-                cols = [c for c in re.split(r"\s{2,}", line.strip()) if c]
-                # torch.profiler table: name, self cpu %, self cpu, cpu total %, cpu total,
-                # cpu time avg, self cuda, self cuda %, cuda total, cuda time avg, # calls
-                avg = [c for c in cols if re.fullmatch(r"[\d.]+(ms|us)", c)]
-                if len(avg) >= 5:
-                    v = avg[-1]
-                    k[tag] = float(v[:-2]) / (1000.0 if v.endswith("us") else 1.0)
+        tag = kernel_tag(line)
+        if tag is not None:
+            cols = [c for c in re.split(r"\s{2,}", line.strip()) if c]
+            # torch.profiler table: name, self cpu %, self cpu, cpu total %, cpu total,
+            # cpu time avg, self cuda, self cuda %, cuda total, cuda time avg, # calls
+            avg = [c for c in cols if re.fullmatch(r"[\d.]+(ms|us)", c)]
+            if len(avg) >= 5:
+                v = avg[-1]
+                k[tag] = float(v[:-2]) / (1000.0 if v.endswith("us") else 1.0)
     res.setdefault(name, {})[which] = k
 tags = ["F1", "F2", "B1", "B4", "B2", "B3", "fwd+bwd"]
 print("%-16s %s" % ("shape", " ".join("%17s" % t for t in tags)))
