@@ -1,7 +1,7 @@
 # Randomised interleaving model of the barrier protocol of the Hopper kernels whose consumer
 # warpgroups gather their own A rows (session 5, round 11: src/cuda/sm90/f1_gemm.cu, rows_gemm.cu's
 # B1, wgrad_gemm.cu's B2/B3), optionally with round 12's epilogue warps and hand-off buffer
-# (dev/cuda/patches/f1-epilogue-warps.patch), and with round 13's producer share (probe v13:
+# (f1_gemm.cu's short-K form, landed in session 6), and with round 13's producer share (probe v13:
 # the producer also gathers part of both halves after the slot's empty barrier).
 #
 # Agents of one CTA:

@@ -528,6 +528,9 @@ TEST_SUITE("cuda") {
       cases.push_back({dtype, 32, 32, 4, 4, 37});                          // k = E
       cases.push_back({dtype, 32, 48, 4, 2, 1});                           // T = 1
       cases.push_back({dtype, 32, 48, 4, 2, 0});                           // T = 0
+      // d > 2048 (more than 32 k-steps a tile): the Hopper F1's long-K form (4 stages, epilogue in
+      // the consumers); every other case here takes its short-K form (epilogue warps).
+      if (dtype != MOEBLAZE_DTYPE_F32) cases.push_back({dtype, 2112, 64, 3, 2, 40});
       if (!quick()) {
         cases.push_back({dtype, 256, 384, 8, 2, 700});                  // several 128x128 tiles
         cases.push_back({dtype, 136, 200, 3, 1, 515, 5, 2, "skewed"});  // ReLU, recompute

@@ -14,8 +14,18 @@
 // 10.62 -> 10.37; SiLU conf3 5.99 -> 5.69). Persistent grid of one CTA per SM; every CTA turns
 // expert_offsets into a prefix of tile counts in shared memory; tile ids map to (expert, m-tile,
 // n-tile) by binary search, rasterised in bands of 8 m-tiles so concurrent CTAs share A rows and
-// B tiles in L2. Epilogue: each consumer warp stages 16 rows x 64 columns of one output at a time
-// in an XOR-swizzled 2 KB buffer and writes it with coalesced 16-byte stores.
+// B tiles in L2. Two forms of one kernel, chosen per call by the k-steps of a tile (d / 64):
+//   long K (> 32 k-steps, e.g. mixtral's d = 4096): 4 stages; the consumers run the epilogue
+//     after each tile's main loop: each consumer warp stages 16 rows x 64 columns of one output
+//     at a time in an XOR-swizzled 2 KB buffer and writes it with coalesced 16-byte stores;
+//   short K (<= 32 k-steps: every configuration with d <= 2048): EPILOGUE WARPS. 3 stages plus a
+//     64 KB hand-off buffer; after a tile's last wgmma the consumers round a and b (or the 256
+//     columns of a) into the hand-off and go straight on to the next tile's main loop, while
+//     warps 2 and 3 of warpgroup 0 store a and b from it and form and store u (coalesced 16-byte
+//     stores, the same rounding and activation arithmetic: bitwise the same outputs).
+//   Measured on the H200 (dev/cuda round 12, F1 alone, L2 flushed): conf3 10.49 -> 8.77 ms, qwen3
+//   3.42 -> 3.11, but mixtral 14.37 -> 15.08 (its 64 k-steps a tile leave the epilogue a small
+//   share, and the third stage's lost lead costs more), hence the threshold.
 //
 // The device code needs sm_90a (wgmma, setmaxnreg, TMA); the library is also compiled for other
 // architectures, whose image of the kernel only traps. sm90_f1_supported refuses to launch unless
@@ -36,25 +46,46 @@ using namespace sm90;
 
 constexpr int kBM = 128;        // routed rows per tile
 constexpr int kBBoxRows = 128;  // rows of one TMA weight box
-constexpr int kStages = 4;
-constexpr int kThreads = 384;  // warpgroup 0: producer; 1, 2: consumers
+constexpr int kThreads = 384;   // warpgroup 0: producer (+ epilogue warps); 1, 2: consumers
 constexpr int kConsumerWarps = 8;
+constexpr int kEpiWarps = 2;  // EPI_WARPS: warps 2 and 3
+// The form per call: epilogue warps when a tile has at most this many k-steps (see the top).
+constexpr int kEpiWarpsMaxKTiles = 32;
 constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
 constexpr int kMaxExperts = 1024;
 
 constexpr int kATileBytes = kBM * kBK * 2;       // 16 KB
 constexpr int kBBoxBytes = kBBoxRows * kBK * 2;  // 16 KB, two per stage
 constexpr int kStageBytes = kATileBytes + 2 * kBBoxBytes;
-constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
-constexpr int kEpiWarpBytes = 16 * 64 * 2;         // 16 rows x 64 cols of 16-bit
+constexpr int kEpiWarpBytes = 16 * 64 * 2;  // 16 rows x 64 cols of 16-bit
 constexpr int kEpiBytes = kConsumerWarps * kEpiWarpBytes;
-constexpr int kBarrierBytes = 4 * kStages * 8;  // full, empty, a_full of each consumer warpgroup
+// EPI_WARPS' hand-off: 4 sub-tiles of 128 rows x 64 columns (16-byte chunk c of row r at
+// r * 128 + ((c ^ (r & 7)) << 4)): the tile's 256 accumulator columns in order (gated: a 0-63,
+// a 64-127, b 0-63, b 64-127; non-gated: a 0-63 ... a 192-255).
+constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB
+constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
+constexpr int kHandoffBytes = 4 * kHandoffSubBytes;  // 64 KB
 
-constexpr size_t smem_bytes(int E) {
-  return 1024 /* alignment slack */ + kPipeBytes + kEpiBytes + kBarrierBytes +
+constexpr int stages_for(bool epi_warps) {
+  return epi_warps ? 3 : 4;
+}
+// full, empty, a_full of each consumer warpgroup; EPI_WARPS: + handoff_full, handoff_empty.
+constexpr size_t smem_bytes(int E, bool epi_warps) {
+  return 1024 /* alignment slack */ + size_t(stages_for(epi_warps)) * kStageBytes +
+         (epi_warps ? kHandoffBytes : kEpiBytes) + (4 * stages_for(epi_warps) + 2) * 8 +
          sizeof(int) * size_t(E + 1);
 }
-constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts);
+constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts, false) > smem_bytes(kMaxExperts, true)
+                                     ? smem_bytes(kMaxExperts, false)
+                                     : smem_bytes(kMaxExperts, true);
+static_assert(kMaxSmemBytes <= 232448, "227 KB of shared memory per block on the H100 / H200");
+
+// setmaxnreg counts (per thread, multiples of 8): the three warpgroups' counts may sum to at most
+// 3 x 168 (ptxas's entry count for 384 threads), or a consumer's .inc waits forever.
+constexpr int kRegsWg0 = 40, kRegsConsumer = 232;
+constexpr int kRegsWg0Epi = 72, kRegsConsumerEpi = 216;  // EPI_WARPS: the epilogue warps' math
+static_assert(kRegsWg0 + 2 * kRegsConsumer <= 3 * 168, "register split");
+static_assert(kRegsWg0Epi + 2 * kRegsConsumerEpi <= 3 * 168, "register split (epilogue warps)");
 
 // Columns of h one tile covers.
 constexpr int tile_cols(bool gated) {
@@ -91,9 +122,28 @@ __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start, c
 
 #endif  // MB_SM90_DEVICE
 
+#if MB_SM90_DEVICE
+
+// Eight outputs of u from a 16-byte chunk of a and one of b (the same columns): the values as the
+// consumers' epilogue forms them (a, b rounded once; u = act(a, b) in fp32, rounded once).
+template <typename T, Activation kAct>
+__device__ __forceinline__ uint4 act_chunk(const uint4& a, const uint4& b) {
+  const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {b.x, b.y, b.z, b.w};
+  uint32_t uw[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 af = unpack2<T>(aw[i]), bf = unpack2<T>(bw[i]);
+    uw[i] = pack2<T>(act_math::forward(kAct, af.x, bf.x), act_math::forward(kAct, af.y, bf.y));
+  }
+  return make_uint4(uw[0], uw[1], uw[2], uw[3]);
+}
+
+#endif  // MB_SM90_DEVICE
+
 // ACT: the activation (Activation cast to int); gated ones read w_gate and w_up, non-gated ones
 // read 256 rows of w_gate (tmap_second is then the w_gate map, second box at n0 + 128).
-template <typename T, int ACT>
+// EPI_WARPS: the short-K form (epilogue warps, 3 stages; see the top of the file).
+template <typename T, int ACT, bool EPI_WARPS>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_f1_kernel(const __grid_constant__ CUtensorMap tmap_gate,
                    const __grid_constant__ CUtensorMap tmap_second, const F1Params p) {
@@ -104,16 +154,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kTileCols = tile_cols(kGated);
   constexpr int kSecondRowOffset = kGated ? 0 : kBBoxRows;
   constexpr int kGroups = kTileCols / 64;  // 64-column epilogue groups per tile
+  constexpr int kStages = stages_for(EPI_WARPS);
 
   extern __shared__ uint8_t smem_raw[];
   // 1024-byte alignment (128B swizzle atoms) by an offset from smem_raw, so the compiler still
   // knows every derived pointer is shared memory.
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  uint8_t* epi = smem + kPipeBytes;
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + kEpiBytes);
+  uint8_t* epi = smem + kStages * kStageBytes;  // staging buffers, or EPI_WARPS' hand-off
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + (EPI_WARPS ? kHandoffBytes : kEpiBytes));
   uint64_t* empty_bar = full_bar + kStages;
   uint64_t* a_full_bar = empty_bar + kStages;  // [2][kStages]: consumer warpgroup wg's A half
-  int* tile_start = reinterpret_cast<int*>(a_full_bar + 2 * kStages);  // [E + 1]
+  uint64_t* handoff_full = a_full_bar + 2 * kStages;  // EPI_WARPS only
+  uint64_t* handoff_empty = handoff_full + 1;
+  int* tile_start = reinterpret_cast<int*>(handoff_empty + 1);  // [E + 1]
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -126,6 +179,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(smem_u32(a_full_bar + s), 128);  // one cp.async arrival per consumer thread
       mbar_init(smem_u32(a_full_bar + kStages + s), 128);
     }
+    // One arrival per THREAD on both (each releases its own shared-memory accesses): with one
+    // arrival per warp after __syncwarp, compute-sanitizer's racecheck reported the hand-off's
+    // reads and writes as hazards (192 on the CUDA suite's quick mode, session 5), although the
+    // PTX memory model orders them (bar.warp.sync, then a release arrival).
+    mbar_init(smem_u32(handoff_full), 32 * kConsumerWarps);
+    mbar_init(smem_u32(handoff_empty), 32 * kEpiWarps);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   for (int e = tid; e < p.E; e += kThreads) {
@@ -139,7 +198,54 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warp < 4) {
     // ================= producer warpgroup =================
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(EPI_WARPS ? kRegsWg0Epi : kRegsWg0)
+                 : "memory");
+    if constexpr (EPI_WARPS) {
+      if (warp >= 2) {
+        // ================= epilogue warps 2, 3 =================
+        // Per tile (the same sequence of tile ids as every role): wait for the consumers'
+        // hand-off, then each lane takes 16-byte chunk (lane & 7) of rows 8 i + 4 ew + (lane >> 3)
+        // of every 64-column group: a warp instruction reads 4 whole 128-byte rows of the buffer
+        // (conflict-free) and stores 4 rows x 128 contiguous bytes of each output. Then every lane
+        // releases the buffer (its reads are done).
+        const int ew = warp - 2;
+        const uint32_t* hb = reinterpret_cast<const uint32_t*>(epi);
+        T* out_a = static_cast<T*>(p.out_a);
+        T* out_b = static_cast<T*>(p.out_b);
+        T* out_u = static_cast<T*>(p.out_u);
+        uint32_t n = 0;  // this CTA's tiles so far: hand-off phase n
+        for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
+          const TileCoord c = decode_tile(t, tile_start, p);
+          const int n0 = c.n_tile * kTileCols;
+          mbar_wait(smem_u32(handoff_full), n & 1);
+#pragma unroll 1
+          for (int group = 0; group < kGroups; ++group) {
+#pragma unroll 2
+            for (int i = 0; i < kBM / 8; ++i) {
+              const int row = i * 8 + ew * 4 + (lane >> 3);
+              const int ch = lane & 7;
+              const int col = n0 + group * 64 + ch * 8;
+              if (row < c.rows && col < p.h) {  // h % 8 == 0: a chunk is all in or all out
+                const int word = row * 32 + ((ch ^ (row & 7)) << 2);
+                const uint4 av =
+                    *reinterpret_cast<const uint4*>(hb + group * kHandoffSubWords + word);
+                uint4 bv = make_uint4(0u, 0u, 0u, 0u);
+                if constexpr (kGated)
+                  bv = *reinterpret_cast<const uint4*>(hb + (2 + group) * kHandoffSubWords + word);
+                const int64_t grow = int64_t(c.row0) + row;
+                if (out_a != nullptr) *reinterpret_cast<uint4*>(out_a + grow * p.ab_ld + col) = av;
+                if (kGated && out_b != nullptr)
+                  *reinterpret_cast<uint4*>(out_b + grow * p.ab_ld + col) = bv;
+                if (out_u != nullptr)
+                  *reinterpret_cast<uint4*>(out_u + grow * p.h + col) = act_chunk<T, kAct>(av, bv);
+              }
+            }
+          }
+          mbar_arrive(smem_u32(handoff_empty));  // every lane, after its own reads
+        }
+        return;
+      }
+    }
     if (tid != 0) return;  // one thread issues the B boxes; the consumers gather A
     uint32_t it = 0;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
@@ -162,7 +268,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     // ================= consumer warpgroups =================
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    asm volatile(
+        "setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(EPI_WARPS ? kRegsConsumerEpi : kRegsConsumer)
+        : "memory");
     const int wg = (warp >> 2) - 1;   // 0 or 1: rows [64 wg, 64 wg + 64) of the tile
     const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of the warpgroup's 64
     const int cw = warp - 4;
@@ -182,9 +290,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages - 1; ++s)
       gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
     uint32_t it = 0;
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-      const TileCoord c = decode_tile(t, tile_start, p);
-      const int n0 = c.n_tile * kTileCols;
+    uint32_t n = 0;  // EPI_WARPS: this CTA's tiles so far, the hand-off's phase
+    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
       int prev_s = 0;
       for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
         const int s = it % kStages;
@@ -217,6 +324,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       fence_accumulators(acc);
       if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+
+      if constexpr (EPI_WARPS) {
+        // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
+        // (for n = 0, parity 1 of a fresh barrier returns at once), then round the accumulators
+        // into it and go on to the next tile. Register 4j + q of lane (g, t4): row g + 8 (q >> 1)
+        // of the warp's 16, accumulator column 8j + 2 t4 + (q & 1): sub-tile j >> 3, chunk j & 7,
+        // word t4. A warp instruction (fixed j, rr) writes 8 rows (row & 7 == g) at chunks
+        // (j & 7) ^ g: all 32 banks once. pack2 rounds as the epilogue below does.
+        mbar_wait(smem_u32(handoff_empty), (n & 1) ^ 1);
+        uint32_t* hb = reinterpret_cast<uint32_t*>(epi);
+        const int tile_row = wg * 64 + warp_in_wg * 16;
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const int row = tile_row + g + 8 * rr;
+            hb[(j >> 3) * kHandoffSubWords + row * 32 + (((j & 7) ^ g) << 2) + t4] =
+                pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+          }
+        }
+        mbar_arrive(smem_u32(handoff_full));  // every lane, after its own writes
+        continue;
+      }
+      const TileCoord c = decode_tile(t, tile_start, p);
+      const int n0 = c.n_tile * kTileCols;
 
       // ---- epilogue. Accumulator layout (wgmma m64n256, f32): register 4j + q of lane (g, t4)
       // holds row g (q < 2) or g + 8 (q >= 2), column 8j + 2 t4 + (q & 1) of the 256 B rows.
@@ -288,23 +420,26 @@ CUtensorMap make_weight_map(const void* w, int64_t E, int64_t h, int64_t d) {
 
 using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const F1Params);
 
-template <typename T>
+template <typename T, bool EPI_WARPS>
 KernelFn kernel_for_act(Activation act) {
   switch (act) {
-    case Activation::SwiGLU: return sm90_f1_kernel<T, int(Activation::SwiGLU)>;
-    case Activation::GeGLU: return sm90_f1_kernel<T, int(Activation::GeGLU)>;
-    case Activation::ReGLU: return sm90_f1_kernel<T, int(Activation::ReGLU)>;
-    case Activation::SiLU: return sm90_f1_kernel<T, int(Activation::SiLU)>;
-    case Activation::GELU: return sm90_f1_kernel<T, int(Activation::GELU)>;
-    case Activation::ReLU: return sm90_f1_kernel<T, int(Activation::ReLU)>;
-    case Activation::ReLU2: return sm90_f1_kernel<T, int(Activation::ReLU2)>;
+    case Activation::SwiGLU: return sm90_f1_kernel<T, int(Activation::SwiGLU), EPI_WARPS>;
+    case Activation::GeGLU: return sm90_f1_kernel<T, int(Activation::GeGLU), EPI_WARPS>;
+    case Activation::ReGLU: return sm90_f1_kernel<T, int(Activation::ReGLU), EPI_WARPS>;
+    case Activation::SiLU: return sm90_f1_kernel<T, int(Activation::SiLU), EPI_WARPS>;
+    case Activation::GELU: return sm90_f1_kernel<T, int(Activation::GELU), EPI_WARPS>;
+    case Activation::ReLU: return sm90_f1_kernel<T, int(Activation::ReLU), EPI_WARPS>;
+    case Activation::ReLU2: return sm90_f1_kernel<T, int(Activation::ReLU2), EPI_WARPS>;
   }
   return nullptr;
 }
 
-KernelFn kernel_for(Dtype dtype, Activation act) {
-  if (dtype == Dtype::BF16) return kernel_for_act<__nv_bfloat16>(act);
-  if (dtype == Dtype::F16) return kernel_for_act<__half>(act);
+KernelFn kernel_for(Dtype dtype, Activation act, bool epi_warps) {
+  if (dtype == Dtype::BF16)
+    return epi_warps ? kernel_for_act<__nv_bfloat16, true>(act)
+                     : kernel_for_act<__nv_bfloat16, false>(act);
+  if (dtype == Dtype::F16)
+    return epi_warps ? kernel_for_act<__half, true>(act) : kernel_for_act<__half, false>(act);
   return nullptr;
 }
 
@@ -321,7 +456,8 @@ size_t sm90_f1_max_smem_bytes() {
 bool sm90_f1_prepare_kernels() {
   for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
     for (Activation act : kAllActivations) {
-      if (!prepare_kernel(kernel_for(dtype, act), kMaxSmemBytes)) return false;
+      for (bool epi_warps : {false, true})
+        if (!prepare_kernel(kernel_for(dtype, act, epi_warps), kMaxSmemBytes)) return false;
     }
   }
   return true;
@@ -332,7 +468,7 @@ bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const vo
                        int64_t ab_ld) {
   if (!sm90_enabled()) return false;
   if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
-  if (kernel_for(desc.dtype, desc.activation) == nullptr) return false;
+  if (kernel_for(desc.dtype, desc.activation, false) == nullptr) return false;
   if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
   if (desc.E < 1 || desc.E > kMaxExperts || desc.k < 1 || T < 0) return false;
   const int64_t N = T * desc.k;
@@ -361,7 +497,9 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
   if (N == 0 || (out_a == nullptr && out_b == nullptr && out_u == nullptr)) return;
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 F1 launched on an unsupported device");
-  const KernelFn kernel = kernel_for(desc.dtype, desc.activation);
+  const int64_t k_tiles = (desc.d + kBK - 1) / kBK;
+  const bool epi_warps = k_tiles <= kEpiWarpsMaxKTiles;
+  const KernelFn kernel = kernel_for(desc.dtype, desc.activation, epi_warps);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 F1: unsupported dtype or activation");
 
   F1Params p;
@@ -391,7 +529,7 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
   // tiles than SMs (an upper bound from N: sum_e ceil(count_e / 128) <= N / 128 + E).
   const int64_t max_tiles = (N / kBM + desc.E) * p.n_tiles;
   const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
-  kernel<<<grid, kThreads, smem_bytes(p.E), stream>>>(map_gate, map_second, p);
+  kernel<<<grid, kThreads, smem_bytes(p.E, epi_warps), stream>>>(map_gate, map_second, p);
   check_launch("sm90_f1_kernel");
 }
 
