@@ -30,7 +30,10 @@
 # Mutations (each must FAIL): --lag-S (gather S k-steps ahead: overwrites a live slot), --no-a-wait
 # (wgmma without waiting a_full), --no-handoff-wait (hand-off written without waiting
 # handoff_empty), --handoff-empty-1 (handoff_empty counts 1 of the 2 epilogue warps),
-# --share-no-empty-wait (the producer's share of A issued before the slot's empty barrier).
+# --share-no-empty-wait (the producer's share of A issued before the slot's empty barrier),
+# --early-lag-S1 (the gather issued before wait_group 1 with lead S - 1: into the slot of k-step
+# it - 1, whose wgmma may still run). "early" (session 6): the 4-stage kernels issue the gather
+# between the commit and wait_group 1 with lead S - 2 (the slot of k-step it - 2).
 #   --self-test: the protocol must PASS and every mutation must FAIL (exit 0 only then); CTest
 #   runs this (tests/CMakeLists.txt, dev_consumer_gather_protocol_model).
 import random
@@ -70,7 +73,7 @@ class Fail(Exception):
     pass
 
 
-def run(seed, S, handoff, mut, share=False):
+def run(seed, S, handoff, mut, share=False, early=False):
     rnd = random.Random(seed)
     if rnd.random() < 0.5:
         tiles = [rnd.randint(1, 7)] * rnd.randint(0, 8)  # F1 / rows: one k-step count
@@ -78,6 +81,8 @@ def run(seed, S, handoff, mut, share=False):
         tiles = [rnd.choice([0, 1, 2, 3, 4, 5, 6]) for _ in range(rnd.randint(0, 8))]  # varlen K
     seq = [(n, kt) for n, k in enumerate(tiles) for kt in range(k)]  # the CTA's k-steps
     lag = S if mut.get("lag_S") else S - 1
+    if early:  # the gather issued between the commit and wait_group 1: lead S - 2
+        lag = S - 1 if mut.get("early_lag_S1") else S - 2
     full = [Bar(1, "full%d" % s) for s in range(S)]
     empty = [Bar(2, "empty%d" % s) for s in range(S)]
     # share (probe v13): the producer also gathers part of both halves, after the slot's empty
@@ -174,14 +179,19 @@ def run(seed, S, handoff, mut, share=False):
                 reading_a[w][s] = True
                 pending.append((it, s))
                 yield  # the wgmma runs while others move
+                if early:  # before wait_group 1: the slot of k-step it - 2 (completed before)
+                    check(cursor[0] >= len(seq) or cursor[0] == it + lag, "cursor out of step", w)
+                    gather()
+                    yield
                 while len(pending) > 1:  # wait_group 1
                     complete(pending.pop(0))
                 if prev is not None:
                     empty[prev].arrive()
-                # As the kernels: every k-step refills the slot of the previous one (its wgmma has
-                # completed) with this warpgroup's A of k-step it + lag, the cursor's next.
-                check(cursor[0] >= len(seq) or cursor[0] == it + lag, "cursor out of step", w)
-                gather()
+                if not early:
+                    # Every k-step refills the slot of the previous one (its wgmma has completed)
+                    # with this warpgroup's A of k-step it + lag, the cursor's next.
+                    check(cursor[0] >= len(seq) or cursor[0] == it + lag, "cursor out of step", w)
+                    gather()
                 prev = s
                 it += 1
                 yield
@@ -234,7 +244,8 @@ def run(seed, S, handoff, mut, share=False):
     check(not events, "events pending at the end")
 
 
-MUTATIONS = ("lag_S", "no_a_wait", "no_handoff_wait", "handoff_empty_1", "share_no_empty_wait")
+MUTATIONS = ("lag_S", "no_a_wait", "no_handoff_wait", "handoff_empty_1", "share_no_empty_wait",
+             "early_lag_S1")
 
 
 def check_all(trials, mut, quiet=False):
@@ -244,13 +255,18 @@ def check_all(trials, mut, quiet=False):
                 if (mut.get("no_handoff_wait") or mut.get("handoff_empty_1")) and not handoff:
                     continue
                 for share in (False, True):
-                    try:
-                        run(t * 7919 + S * 31 + handoff * 2 + share, S, handoff, mut, share)
-                    except Fail as f:
-                        if not quiet:
-                            print("FAIL seed %d S %d handoff %s share %s: %s" %
-                                  (t, S, handoff, share, f.args[0]))
-                        return False
+                    # early: the gather between commit and wait_group 1, as the 4-stage kernels
+                    for early in ((False, True) if S >= 4 else (False,)):
+                        if mut.get("early_lag_S1") and not early:
+                            continue
+                        try:
+                            run(t * 7919 + S * 31 + handoff * 2 + share + 4 * early, S, handoff,
+                                mut, share, early)
+                        except Fail as f:
+                            if not quiet:
+                                print("FAIL seed %d S %d handoff %s share %s early %s: %s" %
+                                      (t, S, handoff, share, early, f.args[0]))
+                            return False
     return True
 
 
@@ -260,7 +276,8 @@ def main():
     flags = [a[2:].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")]
     if "self_test" in flags:
         ok = check_all(trials, {})
-        print("protocol (%d trials x 3/4 stages x hand-off off/on x producer share off/on): %s" %
+        print("protocol (%d trials x 3/4 stages x hand-off off/on x producer share off/on x "
+              "gather before/after wait_group 1): %s" %
               (trials, "PASS" if ok else "FAIL"))
         for m in MUTATIONS:
             caught = not check_all(trials, {m: True}, quiet=True)

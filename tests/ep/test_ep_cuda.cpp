@@ -495,23 +495,29 @@ TEST_CASE("ep cuda: NCCL, world size 1 (and 2, 4, 8 when as many GPUs are visibl
     std::vector<int> devices(static_cast<size_t>(W));
     for (int32_t r = 0; r < W; ++r) devices[size_t(r)] = r;
     REQUIRE(ncclCommInitAll(comms.data(), W, devices.data()) == ncclSuccess);
+    // Token layouts: rank 1 empty (a rank that only serves its experts), and, from W = 2,
+    // every rank with tokens of its own (both directions of every exchange carry rows).
+    const int layouts = W >= 2 ? 2 : 1;
     for (int32_t dtype : {MOEBLAZE_DTYPE_F32, MOEBLAZE_DTYPE_BF16}) {
-      EpCase c;
-      c.dtype = dtype;
-      c.d = 64;
-      c.h = 96;
-      c.E = 8;
-      c.k = 2;
-      c.tokens.clear();
-      for (int32_t r = 0; r < W; ++r) c.tokens.push_back(r == 1 ? 0 : 37 + 5 * r);
-      c.seed = test_seed(20261210);
-      std::vector<RankSetup> setups(static_cast<size_t>(W));
-      for (int32_t r = 0; r < W; ++r) {
-        setups[size_t(r)].transport = MOEBLAZE_EP_TRANSPORT_NCCL;
-        setups[size_t(r)].communicator = comms[size_t(r)];
-        setups[size_t(r)].device = r;
+      for (int layout = 0; layout < layouts; ++layout) {
+        EpCase c;
+        c.dtype = dtype;
+        c.d = 64;
+        c.h = 96;
+        c.E = 8;
+        c.k = 2;
+        c.tokens.clear();
+        for (int32_t r = 0; r < W; ++r)
+          c.tokens.push_back(layout == 0 ? (r == 1 ? 0 : 37 + 5 * r) : 29 + 6 * r);
+        c.seed = test_seed(20261210);
+        std::vector<RankSetup> setups(static_cast<size_t>(W));
+        for (int32_t r = 0; r < W; ++r) {
+          setups[size_t(r)].transport = MOEBLAZE_EP_TRANSPORT_NCCL;
+          setups[size_t(r)].communicator = comms[size_t(r)];
+          setups[size_t(r)].device = r;
+        }
+        run_and_check(c, setups);
       }
-      run_and_check(c, setups);
     }
     for (ncclComm_t comm : comms) ncclCommDestroy(comm);
   }

@@ -286,8 +286,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint64_t* my_a_full = a_full_bar + wg * kStages;
     HalfTileGather<T> gather(static_cast<const T*>(p.x), p.d, p.d, p.k_tiles, p.token_index,
                              total_tiles, wg);
+    // The long-K form (4 stages) issues the gather of k-step it + 2 between k-step it's commit
+    // and its wait<1>, into the slot of k-step it - 2, so the gather runs while the tensor pipe
+    // works; the 3-stage short-K form keeps a lead of 2 by issuing after the wait, into the slot
+    // wgmma(it - 1) released (a lead of 1 would leave the rows one k-step to land).
+    constexpr bool kGatherBeforeWait = kStages >= 4;
+    constexpr int kGatherLead = kGatherBeforeWait ? kStages - 2 : kStages - 1;
     gather.start(row_range);
-    for (int s = 0; s < kStages - 1; ++s)
+    for (int s = 0; s < kGatherLead; ++s)
       gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
     uint32_t it = 0;
     uint32_t n = 0;  // EPI_WARPS: this CTA's tiles so far, the hand-off's phase
@@ -311,14 +317,18 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     (kt > 0 || kk > 0) ? 1 : 0);
         }
         wgmma_commit();
+        // This warpgroup's A of k-step it + kGatherLead (which may belong to the next tile: its
+        // loads fly during this tile's epilogue).
+        const int refill = int((it + kGatherLead) % kStages);
+        if constexpr (kGatherBeforeWait)  // the slot of k-step it - 2: its wgmma has completed
+          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
+                       row_range);
         wgmma_wait<1>();
         fence_accumulators(acc);
         if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
-        // wgmma(it - 1) has completed: its slot takes this warpgroup's A of k-step it + 3 (which
-        // may belong to the next tile: its loads fly during this tile's epilogue).
-        const int refill = int((it + kStages - 1) % kStages);
-        gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
-                     row_range);
+        if constexpr (!kGatherBeforeWait)  // the slot of k-step it - 1, released just now
+          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
+                       row_range);
         prev_s = s;
       }
       wgmma_wait<0>();

@@ -40,6 +40,9 @@ enum RowsKind : int { kF2 = 0, kB4 = 1, kB1 = 2 };
 constexpr int kBM = 128;              // routed rows per tile
 constexpr int kBN = kSm90B1TileCols;  // output columns per tile (256)
 constexpr int kStages = 4;
+// B1's consumers gather their A half this many k-steps ahead, issued between a k-step's wgmma
+// commit and its wait<1> (the slot of k-step it - 2 is free then).
+constexpr int kGatherLead = kStages - 2;
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
@@ -368,7 +371,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                              p.token_index, total_tiles, wg);
     if constexpr (kGather) {
       gather.start(row_range);
-      for (int s = 0; s < kStages - 1; ++s)
+      for (int s = 0; s < kGatherLead; ++s)
         gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
     }
     uint32_t it = 0;
@@ -398,14 +401,16 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                (kt > 0 || kk > 0) ? 1 : 0);
         }
         wgmma_commit();
-        wgmma_wait<1>();
-        fence_accumulators(acc);
-        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
-        if constexpr (kGather) {  // wgmma(it - 1) done: its slot takes our A of k-step it + 3
-          const int refill = int((it + kStages - 1) % kStages);
+        if constexpr (kGather) {
+          // While wgmma(it - 1) and wgmma(it) run: our A of k-step it + kGatherLead into the slot
+          // of k-step it - 2, whose wgmma completed before the previous k-step's wait<1>.
+          const int refill = int((it + kGatherLead) % kStages);
           gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
                        row_range);
         }
+        wgmma_wait<1>();
+        fence_accumulators(acc);
+        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
         prev_s = s;
       }
       wgmma_wait<0>();

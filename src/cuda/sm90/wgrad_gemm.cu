@@ -19,10 +19,14 @@
 // bytes in the 128-byte swizzle (16-byte chunk c of k-row r at r * 128 + ((c ^ (r & 7)) << 4)). Per
 // stage of 64 routed rows (row0 = off + 64 kt, valid = min(64, count - 64 kt)):
 //   the gathered operand A (dy for B2, x for B3): each consumer warpgroup gathers its own box
-//     (the 64 output rows it alone reads) 3 k-steps ahead, 16-byte cp.async with zero-fill (rows
+//     (the 64 output rows it alone reads) 2 k-steps ahead, 16-byte cp.async with zero-fill (rows
 //     >= valid, columns >= the operand's width) into the swizzle, completing on the warpgroup's
 //     per-slot barrier (KRowGather below; round 11: the gather's rate is per issuing warp, and
-//     the consumers' 8 warps outrun the producer's 4). The producer gathered it until then;
+//     the consumers' 8 warps outrun the producer's 4). The producer gathered it until then.
+//     The gather of k-step it + 2 is issued right after k-step it's wgmmas are committed, into
+//     the slot of k-step it - 2, so it runs while the tensor pipe works (session 6: with the
+//     gather after wait<1>, ncu of B3 on mixtral showed the wait<1> almost never stalling; the
+//     move gave B3 -2.4 % on mixtral and -4.7 % on conf4, less than that suggested);
 //   the contiguous operand B (gu for B2, dadb for B3), by the producer: a FULL stage (valid == 64)
 //     is TMA boxes
 //     {64 columns, 64 rows} of a 2-D map over [N rows, width] (one thread; boxes starting past
@@ -59,6 +63,9 @@ using namespace sm90;
 constexpr int kBM = 128;  // output rows per tile
 constexpr int kBN = 256;  // output columns per tile
 constexpr int kStages = 4;
+// The consumers gather their A box this many k-steps ahead, issued between a k-step's wgmma
+// commit and its wait<1>: the target slot (k-step it - 2) is then free, so the lead is kStages - 2.
+constexpr int kGatherLead = kStages - 2;
 constexpr int kThreads = 384;  // warpgroup 0: producer; 1, 2: consumers
 constexpr int kMaxExperts = 1024;
 
@@ -140,11 +147,12 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const T* src, int ld, in
 
 // The gathered operand A of one consumer warpgroup: box wg of each stage (64 k-rows, the expert's
 // routed rows row0.., x the warpgroup's 64 output rows m0 + 64 wg..: columns of the gathered
-// rows), loaded by the warpgroup itself kStages - 1 k-steps ahead of its wgmmas into the slot its
-// previous wgmma released. The cursor walks the consumer's (tile, k-step) sequence: tiles
-// blockIdx.x, + gridDim.x, ..., those of empty experts skipped (they run no k-step). Thread w of
-// the warpgroup loads chunk w & 7 of k-rows (w >> 3) + 16 i, i < 4; the token ids of the cursor's
-// k-step are fetched one k-step ahead (right after the previous one is issued).
+// rows), loaded by the warpgroup itself kGatherLead k-steps ahead of its wgmmas into the slot
+// whose wgmma completed before the previous k-step's wait<1> returned. The cursor walks the
+// consumer's (tile, k-step) sequence: tiles blockIdx.x, + gridDim.x, ..., those of empty experts
+// skipped (they run no k-step). Thread w of the warpgroup loads chunk w & 7 of k-rows (w >> 3) + 16
+// i, i < 4; the token ids of the cursor's k-step are fetched one k-step ahead (right after the
+// previous one is issued).
 template <typename T>
 class KRowGather {
  public:
@@ -313,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint64_t* my_a_full = a_full_bar + wg * kStages;
     KRowGather<T> gather(p, cnt_s, total_tiles, wg);
     gather.start();
-    for (int s = 0; s < kStages - 1; ++s)
+    for (int s = 0; s < kGatherLead; ++s)
       gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s));
     uint32_t it = 0;
     for (int t = cta; t < total_tiles; t += G) {
@@ -340,12 +348,14 @@ __global__ void __launch_bounds__(kThreads, 1)
                                     (kt > 0 || kk > 0) ? 1 : 0);
         }
         wgmma_commit();
+        // While wgmma(it - 1) and wgmma(it) run: this warpgroup's A of k-step it + kGatherLead
+        // into the slot of k-step it - 2, whose wgmma completed before the previous k-step's
+        // wait<1> returned (until v8 the gather came after the wait, with the pipe draining).
+        const int refill = int((it + kGatherLead) % kStages);
+        gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill));
         wgmma_wait<1>();
         fence_accumulators(acc);
         if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
-        // wgmma(it - 1) done: its slot takes this warpgroup's A of k-step it + 3.
-        const int refill = int((it + kStages - 1) % kStages);
-        gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill));
         prev_s = s;
       }
       // Unconditional (nothing may be pending): a wait under a branch makes ptxas insert its own
