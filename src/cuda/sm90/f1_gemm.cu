@@ -8,7 +8,7 @@
 //              of a, and b does not exist.
 // 384 threads: warpgroup 0 produces (one thread issues the two TMA boxes), warpgroups 1 and 2
 // consume (64 rows each, 128 fp32 accumulators per thread) and each gathers its own 64 A rows with
-// 16-byte cp.async into the same 128-byte swizzle, 3 k-steps ahead (primitives.cuh's
+// 16-byte cp.async into the same 128-byte swizzle, 2 k-steps ahead (primitives.cuh's
 // HalfTileGather; until round 11 the producer warpgroup's 4 warps gathered all 128 rows. Measured
 // on the H200, SwiGLU F1 before -> after: mixtral 13.85 -> 12.40 ms, qwen3 1.76 -> 1.63, conf3
 // 10.62 -> 10.37; SiLU conf3 5.99 -> 5.69). Persistent grid of one CTA per SM; every CTA turns

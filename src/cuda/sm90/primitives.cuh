@@ -309,9 +309,11 @@ __device__ __forceinline__ void warp_prefix_tiles(int* tile_start, int E, int la
 
 // The gathered A operand of a 128-row tile, loaded by the two consumer warpgroups themselves:
 // each loads the 64 rows that only its own wgmmas read (its 8 KB half of the stage's A tile), with
-// 16-byte cp.async and zero-fill into the 128-byte swizzle, kStages - 1 k-steps ahead of its
-// wgmmas, into the slot its previous wgmma has just released (after wgmma_wait<1>); completion on
-// a per-(warpgroup, slot) mbarrier of 128 .noinc arrivals, so no barrier crosses warpgroups for A.
+// 16-byte cp.async and zero-fill into the 128-byte swizzle, ahead of its wgmmas by a lead the
+// kernel chooses: 4-stage kernels issue k-step it + 2 between k-step it's commit and its
+// wgmma_wait<1> (into the slot of k-step it - 2), 3-stage ones k-step it + 2 after the wait (into
+// the slot wgmma(it - 1) has just released); completion on a per-(warpgroup, slot) mbarrier of
+// 128 .noinc arrivals, so no barrier crosses warpgroups for A.
 // Why not the producer warpgroup, as before: the gather's rate is limited per issuing warp (the
 // loads one warp keeps in flight), not by L2 or shared memory. dev/cuda/sm90_gather_probe.cu
 // measured on the H200 (conf3's F1 main loop): 2 gathering warps 10.98 ms, the producer's 4 warps

@@ -8,7 +8,7 @@
 //     into one accumulator, and k past k_half is zero-filled inside each half, so the da/db
 //     boundary needs no h % 64. A ragged last m-tile reads rows of the next expert; their results
 //     are never stored (rows of a GEMM are independent).
-//   A, gathered (B1: dy rows by token): each consumer warpgroup gathers its own 64 rows, 3 k-steps
+//   A, gathered (B1: dy rows by token): each consumer warpgroup gathers its own 64 rows, 2 k-steps
 //     ahead (primitives.cuh's HalfTileGather: 16-byte cp.async with zero-fill into the 128-byte
 //     swizzle, completing on the warpgroup's own per-slot barrier); the consumers
 //     fence.proxy.async after their waits. Until round 11 the producer warpgroup gathered.
