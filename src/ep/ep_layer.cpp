@@ -179,12 +179,6 @@ EpLayer::EpLayer(std::shared_ptr<api::ContextState> context, const LayerDesc& gl
 
   Backend& backend = *context_->backend;
   backend.check_supported(router_desc_);
-  MB_REQUIRE(context_->backend_kind != MOEBLAZE_BACKEND_CUDA ||
-                 (global_desc.aux_loss_coeff == 0.0f && global_desc.z_loss_coeff == 0.0f),
-             MOEBLAZE_ERR_NOT_SUPPORTED,
-             "config.aux_loss_coeff = %g, config.z_loss_coeff = %g: the expert-parallel router "
-             "loss shares are implemented on the CPU backend only so far (set both to 0 on CUDA)",
-             double(global_desc.aux_loss_coeff), double(global_desc.z_loss_coeff));
   backend.check_supported(local_desc_);
   layer_tag_ = make_layer_tag(global_desc_, world_size);
 

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "common/layer_desc.hpp"
 #include "common/status.hpp"
 #include "ep/ep_ops.hpp"
 
@@ -145,6 +146,181 @@ __global__ void global_counts_kernel(const int32_t* table, int64_t W, int64_t E,
   }
 }
 
+// ---- router loss shares (design section 3)
+// ------------------------------------------------------- This rank's share of the aux and z
+// losses, with the global expert counts and token count: the single-GPU router's formulas
+// (cuda/router.cu) with T -> global_T and counts -> global counts. Every sum has a fixed order (no
+// atomics), so the shares are bitwise repeatable.
+
+constexpr int kLossWarps = 8;
+constexpr int kLossThreads = kLossWarps * 32;
+constexpr int kLossChunk = 1024;  // experts accumulated per pass (shared memory: 8 x 1024 floats)
+
+__device__ __forceinline__ float loss_warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float loss_warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+__device__ __forceinline__ float loss_sigmoid(float l) {
+  return 1.f / (1.f + expf(-l));
+}
+
+// Softmax statistics of one row, in every lane of the warp: max and sum of exp(l - max).
+__device__ __forceinline__ float2 loss_row_stats(const float* row, int E, int lane) {
+  float m = -INFINITY;
+  for (int e = lane; e < E; e += 32) m = fmaxf(m, row[e]);
+  m = loss_warp_max(m);
+  float s = 0.f;
+  for (int e = lane; e < E; e += 32) s += expf(row[e] - m);
+  return make_float2(m, loss_warp_sum(s));
+}
+
+struct LossShareParams {
+  int64_t T, global_T;
+  int E, k;
+  bool sigmoid;
+  float aux_coeff, z_coeff;
+  const float* logits;           // [T, E]
+  const int32_t* global_counts;  // [E]
+  const float* d_losses;         // [2] or nullptr = {1, 1} (backward)
+  float* losses;                 // [2] (forward)
+  float* d_logits;               // [T, E], added to (backward)
+};
+
+// One block: warp w takes tokens w, w + 8, ...; per pass over a chunk of experts it adds the
+// tokens' balance scores (softmax, or sigmoid normalised over the experts) into its own row of
+// shared memory, then thread e sums the 8 rows in order and the block sums over e in a fixed tree.
+__global__ void __launch_bounds__(kLossThreads) loss_share_forward_kernel(LossShareParams p) {
+  __shared__ float acc[kLossWarps][kLossChunk];
+  __shared__ float warp_part[kLossWarps];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int E = p.E;
+  float aux = 0.f;  // thread 0: the sum over experts, in chunk and tree order
+  float z_warp = 0.f;
+  for (int e0 = 0; e0 < E; e0 += kLossChunk) {
+    const int chunk = min(kLossChunk, E - e0);
+    for (int e = lane; e < chunk; e += 32) acc[warp][e] = 0.f;
+    for (int64_t t = warp; t < p.T; t += kLossWarps) {
+      const float* row = p.logits + t * E;
+      const float2 st = loss_row_stats(row, E, lane);
+      if (e0 == 0) {
+        const float lse = st.x + logf(st.y);
+        z_warp += lse * lse;  // every lane holds it; lane 0's is used
+      }
+      if (p.aux_coeff != 0.f) {
+        float sig_sum = 1.f;
+        if (p.sigmoid) {
+          float s = 0.f;
+          for (int e = lane; e < E; e += 32) s += loss_sigmoid(row[e]);
+          sig_sum = loss_warp_sum(s);
+        }
+        for (int e = lane; e < chunk; e += 32) {
+          const float l = row[e0 + e];
+          acc[warp][e] += p.sigmoid ? loss_sigmoid(l) / sig_sum : expf(l - st.x) / st.y;
+        }
+      }
+    }
+    __syncthreads();
+    float part = 0.f;
+    for (int e = threadIdx.x; e < chunk; e += kLossThreads) {
+      float score_sum = 0.f;
+      for (int w = 0; w < kLossWarps; ++w) score_sum += acc[w][e];
+      const float gT = float(p.global_T);
+      part += (float(p.global_counts[e0 + e]) / float(p.global_T * p.k)) * (score_sum / gT);
+    }
+    part = loss_warp_sum(part);
+    if (lane == 0) warp_part[warp] = part;
+    __syncthreads();
+    if (threadIdx.x == 0)
+      for (int w = 0; w < kLossWarps; ++w) aux += warp_part[w];
+    __syncthreads();  // acc and warp_part are reused by the next chunk
+  }
+  if (lane == 0) warp_part[warp] = z_warp;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float z = 0.f;
+    for (int w = 0; w < kLossWarps; ++w) z += warp_part[w];
+    const bool any = p.global_T > 0;
+    p.losses[0] = any && p.aux_coeff != 0.f ? p.aux_coeff * float(E) * aux : 0.f;
+    p.losses[1] = any && p.z_coeff != 0.f ? p.z_coeff * z / float(p.global_T) : 0.f;
+  }
+}
+
+// A warp per token: d_logits[t] += the gradient of d_aux * aux share + d_z * z share, as the
+// router's backward computes its loss terms (cuda/router.cu), with the global counts and tokens.
+__global__ void __launch_bounds__(kLossThreads) loss_share_backward_kernel(LossShareParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t t = int64_t(blockIdx.x) * kLossWarps + (threadIdx.x >> 5);
+  if (t >= p.T) return;
+  const int E = p.E;
+  const float* row = p.logits + t * E;
+  float* out = p.d_logits + t * E;
+  const float d_aux = p.d_losses ? p.d_losses[0] : 1.f;
+  const float d_z = p.d_losses ? p.d_losses[1] : 1.f;
+  const float2 st = loss_row_stats(row, E, lane);
+  const bool aux = p.aux_coeff != 0.f;
+  const float aux_scale =
+      aux ? d_aux * p.aux_coeff * float(E) / (float(p.global_T) * float(p.global_T * p.k)) : 0.f;
+  float sig_sum = 1.f, wq_dot = 0.f;
+  if (aux) {
+    float dot = 0.f;
+    if (p.sigmoid) {
+      float s = 0.f;
+      for (int e = lane; e < E; e += 32) s += loss_sigmoid(row[e]);
+      sig_sum = loss_warp_sum(s);
+      for (int e = lane; e < E; e += 32)
+        dot += aux_scale * float(p.global_counts[e]) * loss_sigmoid(row[e]) / sig_sum;
+    } else {
+      for (int e = lane; e < E; e += 32)
+        dot += aux_scale * float(p.global_counts[e]) * expf(row[e] - st.x) / st.y;
+    }
+    wq_dot = loss_warp_sum(dot);
+  }
+  const float lse = st.x + logf(st.y);
+  const float z_scale = p.z_coeff != 0.f ? d_z * p.z_coeff * 2.f * lse / float(p.global_T) : 0.f;
+  for (int e = lane; e < E; e += 32) {
+    const float l = row[e];
+    const float pe = expf(l - st.x) / st.y;
+    float grad = 0.f;
+    if (aux) {
+      const float w = aux_scale * float(p.global_counts[e]);
+      if (p.sigmoid) {
+        const float s = loss_sigmoid(l);
+        grad += (w - wq_dot) / sig_sum * s * (1.f - s);
+      } else {
+        grad += pe * (w - wq_dot);
+      }
+    }
+    if (p.z_coeff != 0.f) grad += z_scale * pe;
+    out[e] += grad;
+  }
+}
+
+LossShareParams loss_share_params(const LayerDesc& desc, const LossShareCall& call) {
+  MB_REQUIRE(desc.rdtype() == Dtype::F32, MOEBLAZE_ERR_NOT_SUPPORTED,
+             "EP on CUDA: router loss shares need F32 routing values (%s is CPU only)",
+             dtype_name(desc.dtype));
+  LossShareParams p{};
+  p.T = call.T;
+  p.global_T = call.global_tokens;
+  p.E = int(desc.E);
+  p.k = int(desc.k);
+  p.sigmoid = desc.score_function == ScoreFunction::Sigmoid;
+  p.aux_coeff = desc.aux_loss_coeff;
+  p.z_coeff = desc.z_loss_coeff;
+  p.logits = static_cast<const float*>(call.logits);
+  p.global_counts = call.global_counts;
+  return p;
+}
+
 class CudaEpOps final : public EpOps {
  public:
   explicit CudaEpOps(int32_t device) : device_(device) {}
@@ -205,18 +381,30 @@ class CudaEpOps final : public EpOps {
 
   void loss_shares_forward(const LayerDesc& desc, const LossShareCall& call,
                            void* losses) override {
-    // EpLayer refuses loss coefficients on CUDA at creation; without them the shares are zero.
-    MB_REQUIRE(desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f, MOEBLAZE_ERR_NOT_SUPPORTED,
-               "EP on CUDA: router loss shares are not implemented");
     DeviceScope scope(device_);
-    check(cudaMemsetAsync(losses, 0, 2 * desc.relem_size(), as_stream(call.stream)),
-          "cudaMemsetAsync (losses)");
+    const cudaStream_t s = as_stream(call.stream);
+    if ((desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f) || call.global_tokens == 0) {
+      check(cudaMemsetAsync(losses, 0, 2 * desc.relem_size(), s), "cudaMemsetAsync (losses)");
+      return;
+    }
+    LossShareParams p = loss_share_params(desc, call);
+    p.losses = static_cast<float*>(losses);
+    loss_share_forward_kernel<<<1, kLossThreads, 0, s>>>(p);
+    check(cudaGetLastError(), "loss_share_forward launch");
   }
 
-  void loss_shares_backward(const LayerDesc& desc, const LossShareCall&, const void*,
-                            void*) override {
-    MB_REQUIRE(desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f, MOEBLAZE_ERR_NOT_SUPPORTED,
-               "EP on CUDA: router loss shares are not implemented");
+  void loss_shares_backward(const LayerDesc& desc, const LossShareCall& call, const void* d_losses,
+                            void* d_logits) override {
+    if ((desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f) || call.global_tokens == 0 ||
+        call.T == 0)
+      return;
+    DeviceScope scope(device_);
+    LossShareParams p = loss_share_params(desc, call);
+    p.d_losses = static_cast<const float*>(d_losses);
+    p.d_logits = static_cast<float*>(d_logits);
+    const int blocks = int((call.T + kLossWarps - 1) / kLossWarps);
+    loss_share_backward_kernel<<<blocks, kLossThreads, 0, as_stream(call.stream)>>>(p);
+    check(cudaGetLastError(), "loss_share_backward launch");
   }
 
   void copy_to_host(void* host_dst, const void* src, size_t bytes, void* stream) override {

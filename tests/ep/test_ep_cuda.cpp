@@ -432,6 +432,9 @@ void check_against_gpu(const EpCase& c, const Global& ref,
     compare(who + "dw_down", r.dw_down, dw_down_ref, tol(rows, dw_down_ref));
     const std::vector<double> dg_ref = slice_rows(ref.dg, t0, T, k, {T, k}).to_vector();
     compare(who + "dg", r.dg, dg_ref, tolerance_for(MOEBLAZE_DTYPE_F32, h, max_abs(dg_ref) + 1));
+    // d_logits: the router's backward plus this rank's loss shares (design section 3).
+    const std::vector<double> d_logits_ref = slice_rows(ref.d_logits, t0, T, E, {T, E}).to_vector();
+    compare(who + "d_logits", r.d_logits, d_logits_ref, tol(k * h + E, d_logits_ref));
     report_bitwise(who + "y", r.y, ref.y, t0 * d, &not_bitwise);
     report_bitwise(who + "dg", r.dg, ref.dg, t0 * k, &not_bitwise);
     report_bitwise(who + "d_logits", r.d_logits, ref.d_logits, t0 * E, &not_bitwise);
@@ -446,6 +449,19 @@ void check_against_gpu(const EpCase& c, const Global& ref,
     check_same_run(who + "dw_down", r.dw_down, again.dw_down);
     check_same_run(who + "dg", r.dg, again.dg);
     check_same_run(who + "d_logits", r.d_logits, again.d_logits);
+  }
+  // The ranks' loss shares add up to the one-GPU losses (aux, z).
+  std::vector<double> loss_sum(2, 0.0);
+  for (int32_t rank = 0; rank < W; ++rank) {
+    for (int i = 0; i < 2; ++i) loss_sum[size_t(i)] += runs[0][size_t(rank)].losses.get(i);
+  }
+  const std::vector<double> loss_ref = ref.losses.to_vector();
+  compare("sum of the ranks' loss shares", loss_sum, loss_ref,
+          tolerance_for(MOEBLAZE_DTYPE_F32, c.global_tokens() * E + W,
+                        std::max(1e-3, max_abs(loss_ref))));
+  for (int32_t rank = 0; rank < W; ++rank) {
+    check_same_run("rank " + std::to_string(rank) + ": losses", runs[0][size_t(rank)].losses,
+                   runs[1][size_t(rank)].losses);
   }
   const std::vector<double> dw_router_ref = ref.dw_router.to_vector();
   compare("sum of the ranks' dw_router shares", dw_router_sum, dw_router_ref,
@@ -509,6 +525,10 @@ TEST_CASE("ep cuda: NCCL, world size 1 (and 2, 4, 8 when as many GPUs are visibl
         c.tokens.clear();
         for (int32_t r = 0; r < W; ++r)
           c.tokens.push_back(layout == 0 ? (r == 1 ? 0 : 37 + 5 * r) : 29 + 6 * r);
+        if (layout == 1) {  // the loss shares, summed over real ranks
+          c.aux = 0.01f;
+          c.z = 0.001f;
+        }
         c.seed = test_seed(20261210);
         std::vector<RankSetup> setups(static_cast<size_t>(W));
         for (int32_t r = 0; r < W; ++r) {
@@ -540,16 +560,25 @@ TEST_CASE(
     struct Variant {
       int32_t checkpoint;
       uint32_t backward_flags;
+      int32_t score_function;
+      float aux, z;  // router loss coefficients: the loss shares on CUDA
     };
     // CONSUME_SAVED: the experts' backward writes da|db over the EXPERT saved buffer; the results
     // must not change (each step runs a fresh forward first).
     for (const Variant v :
-         {Variant{MOEBLAZE_CHECKPOINT_SAVE_PREACT, 0u}, Variant{MOEBLAZE_CHECKPOINT_RECOMPUTE, 0u},
-          Variant{MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_BACKWARD_CONSUME_SAVED}}) {
+         {Variant{MOEBLAZE_CHECKPOINT_SAVE_PREACT, 0u, MOEBLAZE_SCORE_SOFTMAX_TOPK, 0.f, 0.f},
+          Variant{MOEBLAZE_CHECKPOINT_RECOMPUTE, 0u, MOEBLAZE_SCORE_SOFTMAX_TOPK, 0.f, 0.f},
+          Variant{MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_BACKWARD_CONSUME_SAVED,
+                  MOEBLAZE_SCORE_SOFTMAX_TOPK, 0.f, 0.f},
+          Variant{MOEBLAZE_CHECKPOINT_SAVE_PREACT, 0u, MOEBLAZE_SCORE_SOFTMAX_TOPK, 0.01f, 0.001f},
+          Variant{MOEBLAZE_CHECKPOINT_RECOMPUTE, 0u, MOEBLAZE_SCORE_SIGMOID, 0.02f, 0.003f}}) {
       EpCase c;
       c.dtype = dtype;
       c.checkpoint = v.checkpoint;
       c.backward_flags = v.backward_flags;
+      c.score_function = v.score_function;
+      c.aux = v.aux;
+      c.z = v.z;
       c.d = 64;
       c.h = 96;
       c.E = 6;

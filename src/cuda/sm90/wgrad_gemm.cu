@@ -76,10 +76,20 @@ constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
 constexpr int kBarrierBytes = 4 * kStages * 8;     // full, empty, a_full of each consumer warpgroup
 
+// B3's epilogue stages each consumer warp's output through shared memory, one 64-column chunk of
+// its 16 x 256 block at a time: 64 output rows (n) x 16 m, bf16, 32 bytes a row.
+constexpr int kTransStageWarpBytes = 64 * 32;
+
+// The staging buffers follow the per-expert counts, 128-byte aligned.
+constexpr size_t trans_stage_offset(int E) {
+  return (size_t(kPipeBytes + kBarrierBytes) + sizeof(int) * size_t(E) + 127) / 128 * 128;
+}
 constexpr size_t smem_bytes(int E) {
-  return 1024 /* alignment slack */ + kPipeBytes + kBarrierBytes + sizeof(int) * size_t(E);
+  return 1024 /* alignment slack */ + trans_stage_offset(E) +
+         size_t(8 /* consumer warps */) * kTransStageWarpBytes;
 }
 constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts);
+static_assert(kMaxSmemBytes <= 232448, "227 KB of shared memory per block on the H100 / H200");
 
 struct WgradParams {
   const void* gsrc;            // gathered operand rows [T, gld] (B2: dy; B3: x)
@@ -143,6 +153,31 @@ __device__ __forceinline__ void load_rows(uint32_t dst, const T* src, int ld, in
     const T* ptr = ok ? src + size_t(row0 + r) * ld + col : src;
     cp_async16_zfill(box_dst + uint32_t(r) * 128u + uint32_t((c ^ (r & 7)) << 4), ptr, ok);
   }
+}
+
+// Four 8x8 b16 matrices from the accumulator fragment layout (lane 4 r + w holds row r, columns
+// 2w, 2w + 1 of matrix i in r[i]) into shared memory TRANSPOSED: lane 8 i + r gives the address
+// of the 16 bytes that receive column r of matrix i (its 8 rows, in order).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile(
+      "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+      "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+      : "memory");
+}
+
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(addr)
+               : "memory");
+  return v;
+}
+
+// Byte offset of 8-m half h of staged row n (32 bytes a row): the halves of rows 4..7 of every 8
+// swap, so the 8 rows one stmatrix matrix writes cover all 32 banks once.
+__device__ __forceinline__ uint32_t trans_stage_byte(int n, int h) {
+  return uint32_t(n) * 32u + (uint32_t(h ^ ((n >> 2) & 1)) << 4);
 }
 
 // The gathered operand A of one consumer warpgroup: box wg of each stage (64 k-rows, the expert's
@@ -371,8 +406,52 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (p.accumulate && count == 0) continue;  // empty expert: leave out untouched
       const int tile_row = wg * 64 + warp_in_wg * 16 + g;
       if constexpr (TRANS_OUT) {
-        // Element (m, n) is output row n, column m: 2-byte stores, a warp instruction writes 8
-        // consecutive m of 4 output rows. The same fp32 add and single rounding as below.
+        if (!p.accumulate) {
+          // Element (m, n) is output row n, column m. Per 64-column chunk of the warp's 16 x 256
+          // block: stmatrix.trans puts the rounded fragments into the warp's staging buffer as
+          // 64 rows n of its 16 m (32 bytes), then each lane pair writes one row's 32 bytes, a
+          // whole sector, with two 16-byte stores. (Until v9: 2-byte stores, 16 bytes of a
+          // sector per instruction; on mixtral, d = 4096, that epilogue took 27 % of B3.) The
+          // rounding is pack2's round-to-nearest of the fp32 accumulator, as below: the same bits.
+          const uint32_t stage = smem_u32(smem) + uint32_t(trans_stage_offset(p.E)) +
+                                 uint32_t(warp - 4) * kTransStageWarpBytes;
+          const int m_half = m0 + wg * 64 + warp_in_wg * 16 + 8 * (lane & 1);
+          const bool m_ok = m_half < p.M;  // M % 8 == 0: an 8-m half is all in or all out
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+              // Matrix i: 8-column group jc = 8 c + 2 q + (i >> 1), row half rr = i & 1.
+              uint32_t frag[4];
+#pragma unroll
+              for (int i = 0; i < 4; ++i) {
+                const int a = 4 * (8 * c + 2 * q + (i >> 1)) + 2 * (i & 1);
+                frag[i] = pack2<T>(live ? acc[a] : 0.f, live ? acc[a + 1] : 0.f);
+              }
+              const int i = lane >> 3;
+              stmatrix_x4_trans(
+                  stage + trans_stage_byte(8 * (2 * q + (i >> 1)) + (lane & 7), i & 1), frag);
+            }
+            __syncwarp();
+#pragma unroll
+            for (int pass = 0; pass < 4; ++pass) {
+              const int nl = (lane >> 1) + 16 * pass;  // row of the chunk
+              const uint4 v = ld_shared_v4(stage + trans_stage_byte(nl, lane & 1));
+              const int n = n0 + 64 * c + nl;
+              if (m_ok && n < p.N) {
+                T* o = n < p.split ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 +
+                                         size_t(n) * p.M + m_half
+                                   : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
+                                         size_t(n - p.split) * p.M + m_half;
+                *reinterpret_cast<uint4*>(o) = v;
+              }
+            }
+            __syncwarp();  // the next chunk overwrites the buffer
+          }
+          continue;
+        }
+        // Accumulate: 2-byte read-modify-write stores, a warp instruction covers 8 consecutive m
+        // of 4 output rows; the fp32 add and one rounding, as B2's path below.
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int m = m0 + tile_row + 8 * rr;
