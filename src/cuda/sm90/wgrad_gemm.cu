@@ -44,9 +44,11 @@
 // Schedule: tiles (e, m_tile, n_tile) for EVERY expert (an empty one still writes its zeros), in
 // expert index order; CTA c takes positions c, c + G, c + 2G, ... (G CTAs). Within an expert the
 // tiles run along the larger output dimension first, so a wave reads the larger operand once.
-// Epilogue: straight from the accumulators (each thread owns rows g, g + 8 of its warp's 16 and
-// column pairs 8j + 2 t4): B2 4-byte pair stores (accumulate loads the old pairs 8 at a time
-// first); B3 2-byte stores of the transposed elements.
+// Epilogue (each thread's accumulators hold rows g, g + 8 of its warp's 16 and column pairs
+// 8j + 2 t4): each consumer warp stages its block through a 2 KB shared buffer 64 columns at a
+// time (stmatrix; .trans for B3) and writes whole 32-byte sectors with 16-byte stores. In the
+// accumulate mode (the caller's accumulate_wgrad: out += the gradient) the stores go straight
+// from the fragments instead: B2 4-byte read-modify-write pairs, B3 2-byte ones.
 #include "cuda/sm90/wgrad_gemm.hpp"
 
 #include "common/status.hpp"
@@ -76,9 +78,10 @@ constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
 constexpr int kBarrierBytes = 4 * kStages * 8;     // full, empty, a_full of each consumer warpgroup
 
-// B3's epilogue stages each consumer warp's output through shared memory, one 64-column chunk of
-// its 16 x 256 block at a time: 64 output rows (n) x 16 m, bf16, 32 bytes a row.
-constexpr int kTransStageWarpBytes = 64 * 32;
+// The epilogue stages each consumer warp's output through shared memory, one 64-column chunk of
+// its 16 x 256 block at a time, 2 KB: B3 64 output rows (n) x 16 m (32 bytes a row), B2 16 rows
+// x 64 columns (128 bytes a row).
+constexpr int kEpilogueWarpBytes = 64 * 32;
 
 // The staging buffers follow the per-expert counts, 128-byte aligned.
 constexpr size_t trans_stage_offset(int E) {
@@ -86,7 +89,7 @@ constexpr size_t trans_stage_offset(int E) {
 }
 constexpr size_t smem_bytes(int E) {
   return 1024 /* alignment slack */ + trans_stage_offset(E) +
-         size_t(8 /* consumer warps */) * kTransStageWarpBytes;
+         size_t(8 /* consumer warps */) * kEpilogueWarpBytes;
 }
 constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts);
 static_assert(kMaxSmemBytes <= 232448, "227 KB of shared memory per block on the H100 / H200");
@@ -163,6 +166,14 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t 
       "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
       "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
       : "memory");
+}
+
+// The same four matrices NOT transposed: lane 8 i + r gives the address of the 16 bytes that
+// receive row r of matrix i (its 8 columns, in order).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
 }
 
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
@@ -414,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // sector per instruction; on mixtral, d = 4096, that epilogue took 27 % of B3.) The
           // rounding is pack2's round-to-nearest of the fp32 accumulator, as below: the same bits.
           const uint32_t stage = smem_u32(smem) + uint32_t(trans_stage_offset(p.E)) +
-                                 uint32_t(warp - 4) * kTransStageWarpBytes;
+                                 uint32_t(warp - 4) * kEpilogueWarpBytes;
           const int m_half = m0 + wg * 64 + warp_in_wg * 16 + 8 * (lane & 1);
           const bool m_ok = m_half < p.M;  // M % 8 == 0: an 8-m half is all in or all out
 #pragma unroll
@@ -470,7 +481,51 @@ __global__ void __launch_bounds__(kThreads, 1)
             *o = from_f32<T>(v);
           }
         }
+      } else if (!p.accumulate) {
+        // B2: element (m, n) is output row m, column n. Per 64-column chunk of the warp's
+        // 16 x 256 block: stmatrix puts the rounded fragments into the warp's staging buffer as
+        // 16 rows of 128 bytes (16-byte chunk ch of row r at chunk ch ^ (r & 7), so the 8 rows
+        // of one matrix, and the 8 chunks one load reads of a row, fall in distinct banks), then
+        // each warp store writes 4 rows x 128 contiguous bytes with 16-byte stores. (Until v10:
+        // 4-byte pair stores from the fragments, 8 rows x 16 bytes per instruction, 64 a thread;
+        // on mixtral B2 ran 7.5 % faster without its epilogue.) Same pack2 rounding: same bits.
+        const uint32_t stage = smem_u32(smem) + uint32_t(trans_stage_offset(p.E)) +
+                               uint32_t(warp - 4) * kEpilogueWarpBytes;
+        const int warp_row0 = m0 + wg * 64 + warp_in_wg * 16;
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            // Matrix i: 8-column group jc = 8 c + 2 q + (i >> 1), row half rr = i & 1.
+            uint32_t frag[4];
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int a = 4 * (8 * c + 2 * q + (i >> 1)) + 2 * (i & 1);
+              frag[i] = pack2<T>(live ? acc[a] : 0.f, live ? acc[a + 1] : 0.f);
+            }
+            const int i = lane >> 3, r = 8 * (i & 1) + (lane & 7);
+            stmatrix_x4(stage + 4u * uint32_t(stage_chunk_word(r, 2 * q + (i >> 1))), frag);
+          }
+          __syncwarp();
+          const int n = n0 + 64 * c + 8 * (lane & 7);
+#pragma unroll
+          for (int pass = 0; pass < 4; ++pass) {
+            const int r = (lane >> 3) + 4 * pass;  // row of the warp's 16
+            const uint4 v = ld_shared_v4(stage + 4u * uint32_t(stage_chunk_word(r, lane & 7)));
+            const int m = warp_row0 + r;
+            if (m < p.M && n < p.N) {  // N % 8 == 0: a 16-byte chunk is all in or all out
+              T* o = m < p.split
+                         ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(m) * p.N + n
+                         : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
+                               size_t(m - p.split) * p.N + n;
+              *reinterpret_cast<uint4*>(o) = v;
+            }
+          }
+          __syncwarp();  // the next chunk overwrites the buffer
+        }
       } else {
+        // B2, accumulate: 4-byte read-modify-write pair stores from the fragments (the old pairs
+        // loaded 8 at a time first), the fp32 add and one rounding.
 #pragma unroll  // rr indexes the accumulators: a runtime index would move them to local memory
         for (int rr = 0; rr < 2; ++rr) {
           const int m = m0 + tile_row + 8 * rr;
@@ -480,32 +535,23 @@ __global__ void __launch_bounds__(kThreads, 1)
                   ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(m) * p.N
                   : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 + size_t(m - p.split) * p.N;
           orow += n0 + 2 * t4;
-          if (p.accumulate) {
 #pragma unroll
-            for (int j0 = 0; j0 < 32; j0 += 8) {
-              uint32_t old[8];
+          for (int j0 = 0; j0 < 32; j0 += 8) {
+            uint32_t old[8];
 #pragma unroll
-              for (int jj = 0; jj < 8; ++jj) {
-                const bool ok = n0 + 8 * (j0 + jj) < p.N;  // N % 8 == 0: a pair is all in or out
-                old[jj] = ok ? *reinterpret_cast<const uint32_t*>(orow + 8 * (j0 + jj)) : 0u;
-              }
-#pragma unroll
-              for (int jj = 0; jj < 8; ++jj) {
-                const int jc = j0 + jj;
-                if (n0 + 8 * jc < p.N) {
-                  const float2 o = unpack2<T>(old[jj]);
-                  *reinterpret_cast<uint32_t*>(orow + 8 * jc) =
-                      pack2<T>(o.x + (live ? acc[4 * jc + 2 * rr] : 0.f),
-                               o.y + (live ? acc[4 * jc + 2 * rr + 1] : 0.f));
-                }
-              }
+            for (int jj = 0; jj < 8; ++jj) {
+              const bool ok = n0 + 8 * (j0 + jj) < p.N;  // N % 8 == 0: a pair is all in or out
+              old[jj] = ok ? *reinterpret_cast<const uint32_t*>(orow + 8 * (j0 + jj)) : 0u;
             }
-          } else {
 #pragma unroll
-            for (int jc = 0; jc < 32; ++jc) {
-              if (n0 + 8 * jc < p.N)
-                *reinterpret_cast<uint32_t*>(orow + 8 * jc) = pack2<T>(
-                    live ? acc[4 * jc + 2 * rr] : 0.f, live ? acc[4 * jc + 2 * rr + 1] : 0.f);
+            for (int jj = 0; jj < 8; ++jj) {
+              const int jc = j0 + jj;
+              if (n0 + 8 * jc < p.N) {
+                const float2 o = unpack2<T>(old[jj]);
+                *reinterpret_cast<uint32_t*>(orow + 8 * jc) =
+                    pack2<T>(o.x + (live ? acc[4 * jc + 2 * rr] : 0.f),
+                             o.y + (live ? acc[4 * jc + 2 * rr + 1] : 0.f));
+              }
             }
           }
         }
