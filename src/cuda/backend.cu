@@ -169,6 +169,9 @@ class CudaBackend final : public Backend {
     // Tuning switch (read here, never on an execute path): the tensor-core warp layout.
     const char* warps = std::getenv("MOEBLAZE_CUDA_MMA_WARPS");
     gemm_set_mma_warps(warps ? std::atoi(warps) : 0);
+    // Test/tuning switch: B1/B2's column chunks of h (experts.cu), 0 or unset = its policy.
+    const char* gu_chunks = std::getenv("MOEBLAZE_CUDA_GU_CHUNKS");
+    experts_set_gu_chunks(gu_chunks ? std::atoi(gu_chunks) : 0);
   }
   ~CudaBackend() override {
     if (lt_) {

@@ -2,8 +2,9 @@
 // reductions) on top of the grouped GEMM engine. Transients (never saved): u unless SAVE_ALL, the
 // fp32 [N,d] outputs of F2 and B4 (reduced per token in fixed j order and rounded once, so y and dx
 // are deterministic without atomics), da|db and g*u in the storage dtype, B1's per-n-tile dg
-// partials. In the backward, B4's fp32 rows reuse g*u's region and RECOMPUTE's a, b live in da|db's
-// (see experts_backward).
+// partials. In the backward, B4's fp32 rows reuse g*u's region, RECOMPUTE's a, b live in da|db's,
+// and B1 + B2 run over column chunks of h when g*u would be the larger region (see
+// experts_backward).
 #include "cuda/experts.hpp"
 
 #include "common/saved_layout.hpp"
@@ -83,6 +84,44 @@ void token_reduce_any(int64_t T_, const LayerDesc& desc, const int32_t* tim, con
   if (T_ == 0) return;
   MB_CUDA_DISPATCH_DTYPE(desc.dtype,
                          token_reduce<scalar_t>(T_, desc, tim, weights, rows, out, stream));
+}
+
+// MOEBLAZE_CUDA_GU_CHUNKS (read at backend creation): 0 = the policy of gu_chunk_cols, n > 0 =
+// n chunks (tests and tuning).
+int g_gu_chunks_override = 0;
+
+// Every B1 tile width (sm90 256, mma.sync 128, SIMT 64) divides a chunk's width, so each chunk's
+// n-tiles are exactly the unchunked kernel's and its dg partials keep their absolute index.
+constexpr int64_t kGuChunkAlign = 256;
+constexpr int64_t kMaxGuChunks = 4;
+
+// Width of B1/B2's column chunks of h (h itself: one chunk). g*u ([N, h], storage dtype) is the
+// backward's largest transient, and B4's fp32 rows ([N, d]) take its region once B2 has read it,
+// so the region can shrink to B4's size at no cost in memory: chunks = floor(h*es / (4d)), at
+// most 4 (conf4: h = 4d, bf16: two chunks, g*u's 2 GiB region becomes B4's 1 GiB). Each chunk
+// re-gathers dy for B1 and B2 (from L2 mostly) and adds a partial last wave to each, so this is
+// done only where it lowers the layer's peak: when the backward's transients (g*u and the weight
+// gradients it fills) are at least the forward's (u unless saved, and F2's fp32 rows). By that
+// rule the benchmark's conf4, conf6 and conf7 chunk and conf1, conf2, conf3, conf5 (whose
+// measured peak is the forward's) do not.
+int64_t gu_chunk_cols(const LayerDesc& desc, int64_t N) {
+  const int64_t h = desc.h, d = desc.d;
+  const int64_t es = int64_t(desc.elem_size()), f32 = int64_t(sizeof(float));
+  if (N == 0) return h;
+  int64_t chunks = g_gu_chunks_override;
+  if (chunks == 0) {
+    const int64_t weights = desc.gated() ? 3 : 2;
+    const int64_t forward_transients =
+        (desc.checkpoint == Checkpoint::SaveAll ? 0 : es * N * h) + f32 * N * d;
+    const int64_t backward_transients = es * N * h + es * desc.E * d * h * weights;
+    if (backward_transients < forward_transients) return h;
+    chunks = (h * es) / (d * f32);
+    if (chunks > kMaxGuChunks) chunks = kMaxGuChunks;
+  }
+  if (chunks <= 1) return h;
+  const int64_t cols =
+      ((h + chunks - 1) / chunks + kGuChunkAlign - 1) / kGuChunkAlign * kGuChunkAlign;
+  return cols < h ? cols : h;
 }
 
 // The dg partial buffer is sized for the smaller (SIMT) n-tile.
@@ -192,6 +231,10 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
 
 // ---- backward -----------------------------------------------------------------------------------
 
+void experts_set_gu_chunks(int chunks) {
+  g_gu_chunks_override = chunks > 0 ? chunks : 0;
+}
+
 void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Carver& ws,
                       bool run) {
   const int64_t T = call.T, N = T * desc.k, h = desc.h, d = desc.d, E = desc.E;
@@ -205,7 +248,9 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   const bool consume = call.consume_saved && !recompute;
   int32_t* row_pair = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
   int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
-  const size_t gu_bytes = es * size_t(N) * size_t(h);
+  // g*u for one column chunk of h at a time (gu_chunk_cols; all of h when that is one chunk).
+  const int64_t gu_cols = gu_chunk_cols(desc, N);
+  const size_t gu_bytes = es * size_t(N) * size_t(gu_cols);
   const size_t dxr_bytes = sizeof(float) * size_t(N) * size_t(d);
   // B4's fp32 rows reuse g*u's region when they fit: g*u is written by B1 and last read by B2, and
   // all kernels run in order on one stream. (RECOMPUTE's a, b need no region: see below.)
@@ -256,82 +301,105 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   }
 
   // B1: v = dy[tok] . w_down[e]  ([rows, d] x [d, h]); epilogue -> dg partials, da|db, g*u.
-  int b1_ntiles = 0;
-  if (sm90_rows_supported(desc, T, {call.dy, call.w_down, a_src, b_src, u_src, dadb, gu})) {
-    Sm90B1Epilogue ep;
-    ep.a_src = a_src;
-    ep.b_src = b_src;
-    ep.ab_ld = ab_ld;
-    ep.u_src = u_src;
-    ep.g = static_cast<const float*>(call.g);
-    ep.row_pair = row_pair;
-    ep.dadb = dadb;
-    ep.gu = gu;
-    ep.dg_part = dg_part;
-    sm90_b1_launch(desc, T, call.dy, sv.expert_offsets, sv.expert_token_indices, call.w_down, ep,
-                   stream);
-    b1_ntiles = int((h + kSm90B1TileCols - 1) / kSm90B1TileCols);
-  } else {
-    GemmParams b1;
-    b1.E = int(E);
-    b1.N = int(h);
-    b1.K = int(d);
-    b1.offsets = sv.expert_offsets;
-    b1.mtile_start = mtile;
-    b1.A.p0 = call.dy;
-    b1.A.ld = d;
-    b1.A.routed = true;
-    b1.A.gather = sv.expert_token_indices;
-    b1.B.p0 = call.w_down;  // MN-major: row k (of d) is w_down[e][k, :]
-    b1.B.ld = h;
-    b1.B.expert_stride = d * h;
-    b1.ep.act = desc.activation;
-    b1.ep.gated = gated;
-    b1.ep.h = h;
-    b1.ep.d = d;
-    b1.ep.total_rows = N;
-    b1.ep.a_src = a_src;
-    b1.ep.b_src = b_src;
-    b1.ep.ab_ld = ab_ld;
-    b1.ep.u_src = u_src;
-    b1.ep.g = static_cast<const float*>(call.g);
-    b1.ep.row_pair = row_pair;
-    b1.ep.dadb = dadb;
-    b1.ep.gu = gu;
-    b1.ep.dg_part = dg_part;
-    launch_gemm(desc.dtype, Epi::B1, mma, b1, int(N), stream);
-    b1_ntiles = int((h + (mma ? kMmaBN : kSimtBN) - 1) / (mma ? kMmaBN : kSimtBN));
+  // B2: dw_down[e] [d, h] = sum_r dy[tok_r]^T (g u)_r.
+  // Both per column chunk [h0, h0 + cols) of h: B1 writes da|db's columns of the chunk and its g*u
+  // into the [N, cols] region, B2 turns that into the same columns of dw_down. Every output tile
+  // of either kernel is the unchunked one, so the results do not depend on the chunking.
+  const int64_t ab_ld_full = ab_ld != 0 ? ab_ld : h;
+  const bool b1_sm90 =
+      sm90_rows_supported(desc, T, {call.dy, call.w_down, a_src, b_src, u_src, dadb, gu});
+  const bool b2_sm90 =
+      call.dw_down != nullptr && sm90_wgrad_supported(desc, T, {call.dy, gu, call.dw_down});
+  const int b1_tile_cols = b1_sm90 ? kSm90B1TileCols : (mma ? kMmaBN : kSimtBN);
+  const auto column = [es](const void* base, int64_t col) -> void* {
+    return base == nullptr ? nullptr
+                           : const_cast<unsigned char*>(static_cast<const unsigned char*>(base)) +
+                                 es * size_t(col);
+  };
+  for (int64_t h0 = 0; h0 < h; h0 += gu_cols) {
+    const int64_t cols = h - h0 < gu_cols ? h - h0 : gu_cols;
+    float* dg_chunk = dg_part + size_t(h0 / b1_tile_cols) * size_t(N);
+    if (b1_sm90) {
+      Sm90B1Epilogue ep;
+      ep.a_src = column(a_src, h0);
+      ep.b_src = column(b_src, h0);
+      ep.ab_ld = ab_ld_full;
+      ep.u_src = column(u_src, h0);
+      ep.u_ld = h;
+      ep.g = static_cast<const float*>(call.g);
+      ep.row_pair = row_pair;
+      ep.dadb = column(dadb, h0);
+      ep.dadb_ld = dadb_ld;
+      ep.gu = gu;
+      ep.dg_part = dg_chunk;
+      ep.col0 = h0;
+      ep.cols = cols;
+      sm90_b1_launch(desc, T, call.dy, sv.expert_offsets, sv.expert_token_indices, call.w_down, ep,
+                     stream);
+    } else {
+      GemmParams b1;
+      b1.E = int(E);
+      b1.N = int(cols);
+      b1.K = int(d);
+      b1.offsets = sv.expert_offsets;
+      b1.mtile_start = mtile;
+      b1.A.p0 = call.dy;
+      b1.A.ld = d;
+      b1.A.routed = true;
+      b1.A.gather = sv.expert_token_indices;
+      b1.B.p0 = column(call.w_down, h0);  // MN-major: row k (of d) is w_down[e][k, h0:]
+      b1.B.ld = h;
+      b1.B.expert_stride = d * h;
+      b1.ep.act = desc.activation;
+      b1.ep.gated = gated;
+      b1.ep.h = cols;
+      b1.ep.d = d;
+      b1.ep.total_rows = N;
+      b1.ep.a_src = column(a_src, h0);
+      b1.ep.b_src = column(b_src, h0);
+      b1.ep.ab_ld = ab_ld_full;
+      b1.ep.u_src = column(u_src, h0);
+      b1.ep.u_ld = h;
+      b1.ep.g = static_cast<const float*>(call.g);
+      b1.ep.row_pair = row_pair;
+      b1.ep.dadb = column(dadb, h0);
+      b1.ep.dadb_ld = dadb_ld;
+      b1.ep.db_offset = h;
+      b1.ep.gu = gu;
+      b1.ep.dg_part = dg_chunk;
+      launch_gemm(desc.dtype, Epi::B1, mma, b1, int(N), stream);
+    }
+
+    if (b2_sm90) {
+      sm90_b2_launch(desc, T, call.dy, sv.expert_offsets, sv.expert_token_indices, gu, call.dw_down,
+                     call.accumulate_wgrad, stream, h0, cols);
+    } else if (call.dw_down) {
+      GemmParams b2;
+      b2.E = int(E);
+      b2.M = int(d);
+      b2.N = int(cols);
+      b2.offsets = sv.expert_offsets;
+      b2.A.p0 = call.dy;
+      b2.A.ld = d;
+      b2.A.routed = true;
+      b2.A.gather = sv.expert_token_indices;
+      b2.B.p0 = gu;
+      b2.B.ld = cols;
+      b2.B.routed = true;
+      b2.ep.out0 = column(call.dw_down, h0);
+      b2.ep.out_ld = h;
+      b2.ep.out_expert_stride = d * h;
+      b2.ep.out_split = int32_t(d);
+      b2.ep.accumulate = call.accumulate_wgrad;
+      launch_gemm(desc.dtype, Epi::Wgrad, mma, b2, int(N), stream);
+    }
   }
 
   if (call.dg && N > 0) {
+    const int b1_ntiles = int((h + b1_tile_cols - 1) / b1_tile_cols);
     dg_reduce_kernel<<<blocks_for(N, 256), 256, 0, stream>>>(N, b1_ntiles, sv.token_index_map,
                                                              dg_part, static_cast<float*>(call.dg));
     check_launch("dg_reduce_kernel");
-  }
-
-  // B2: dw_down[e] [d, h] = sum_r dy[tok_r]^T (g u)_r.
-  if (call.dw_down && sm90_wgrad_supported(desc, T, {call.dy, gu, call.dw_down})) {
-    sm90_b2_launch(desc, T, call.dy, sv.expert_offsets, sv.expert_token_indices, gu, call.dw_down,
-                   call.accumulate_wgrad, stream);
-  } else if (call.dw_down) {
-    GemmParams b2;
-    b2.E = int(E);
-    b2.M = int(d);
-    b2.N = int(h);
-    b2.offsets = sv.expert_offsets;
-    b2.A.p0 = call.dy;
-    b2.A.ld = d;
-    b2.A.routed = true;
-    b2.A.gather = sv.expert_token_indices;
-    b2.B.p0 = gu;
-    b2.B.ld = h;
-    b2.B.routed = true;
-    b2.ep.out0 = call.dw_down;
-    b2.ep.out_ld = h;
-    b2.ep.out_expert_stride = d * h;
-    b2.ep.out_split = int32_t(d);
-    b2.ep.accumulate = call.accumulate_wgrad;
-    launch_gemm(desc.dtype, Epi::Wgrad, mma, b2, int(N), stream);
   }
 
   // B3: [dw_gate; dw_up][e] [2h, d] = sum_r [da|db]_r^T x[tok_r].

@@ -76,6 +76,10 @@ struct EpilogueArgs {
   void* dadb = nullptr;      // [N, 2h] (gated) or [N, h]
   void* gu = nullptr;        // [N, h]: g * u, storage dtype
   float* dg_part = nullptr;  // [n-tiles, N]
+  // B1 under a column chunk (experts.cu): h is then the chunk's width, the activation pointers
+  // point at its first column, gu is the chunk's own [N, h] buffer, and these carry the full-width
+  // buffers' row strides and da's distance to db. 0: derived from h (no chunk).
+  int64_t dadb_ld = 0, db_offset = 0, u_ld = 0;
   // Wgrad: rows m < split -> out0[e], else out1[e] (row m - split)
   void* out0 = nullptr;
   void* out1 = nullptr;
@@ -260,7 +264,9 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
     } else if constexpr (EPI == Epi::B1) {
       const int64_t grow = int64_t(ti.off_e) + m;
       const float gval = ep.g[ep.row_pair[grow]];
-      const int64_t dadb_ld = ep.gated ? 2 * ep.h : ep.h;
+      const int64_t dadb_ld = ep.dadb_ld ? ep.dadb_ld : (ep.gated ? 2 * ep.h : ep.h);
+      const int64_t db_offset = ep.db_offset ? ep.db_offset : ep.h;
+      const int64_t u_ld = ep.u_ld ? ep.u_ld : ep.h;
       const bool vec = (ep.h & 1) == 0;
       float dot = 0.f;
       for (int c = 2 * lane; c < logical_bn; c += 64) {
@@ -274,7 +280,7 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
         load2(static_cast<const T*>(ep.a_src) + at_ab, both, vec, a0, a1);
         if (ep.gated) load2(static_cast<const T*>(ep.b_src) + at_ab, both, vec, b0, b1);
         if (ep.u_src) {
-          load2(static_cast<const T*>(ep.u_src) + at, both, vec, u0, u1);
+          load2(static_cast<const T*>(ep.u_src) + grow * u_ld + n, both, vec, u0, u1);
         } else {
           u0 = round_to<T>(act_math::forward(ep.act, a0, b0));
           u1 = both ? round_to<T>(act_math::forward(ep.act, a1, b1)) : 0.f;
@@ -286,7 +292,7 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
         act_math::backward(ep.act, a1, b1, gval * v1, &da1, &db1);
         T* drow = static_cast<T*>(ep.dadb) + grow * dadb_ld;
         store2(drow + n, both, vec, da0, da1);
-        if (ep.gated) store2(drow + ep.h + n, both, vec, db0, db1);
+        if (ep.gated) store2(drow + db_offset + n, both, vec, db0, db1);
         store2(static_cast<T*>(ep.gu) + at, both, vec, gval * u0, gval * u1);
       }
       dot = warp_sum_f(dot);
@@ -579,7 +585,9 @@ __device__ __forceinline__ void b1_epilogue_batched(const GemmParams& p, const T
   const EpilogueArgs& ep = p.ep;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int n0 = ti.nt * kMmaBN;
-  const int64_t dadb_ld = ep.gated ? 2 * ep.h : ep.h;
+  const int64_t dadb_ld = ep.dadb_ld ? ep.dadb_ld : (ep.gated ? 2 * ep.h : ep.h);
+  const int64_t db_offset = ep.db_offset ? ep.db_offset : ep.h;
+  const int64_t u_ld = ep.u_ld ? ep.u_ld : ep.h;
   const int64_t ab_ld = ep.ab_ld ? ep.ab_ld : ep.h;
   const T* a_src = static_cast<const T*>(ep.a_src);
   const T* b_src = static_cast<const T*>(ep.b_src);
@@ -598,13 +606,12 @@ __device__ __forceinline__ void b1_epilogue_batched(const GemmParams& p, const T
       for (int j = 0; j < kPairs; ++j) {
         const int64_t n = n0 + 2 * lane + 64 * j;
         const bool ok = row_ok && n < ep.h;
-        const int64_t at = grow * ep.h + n;
         const int64_t at_ab = grow * ab_ld + n;
         // Plain (coherent) loads: with RECOMPUTE, a and b live in the da|db buffer this kernel
         // writes (each element is overwritten only after this, its one read, by this thread).
         ra[i][j] = ok ? *reinterpret_cast<const T2*>(a_src + at_ab) : P::zero();
         rb[i][j] = ok && ep.gated ? *reinterpret_cast<const T2*>(b_src + at_ab) : P::zero();
-        ru[i][j] = ok && u_src ? *reinterpret_cast<const T2*>(u_src + at) : P::zero();
+        ru[i][j] = ok && u_src ? *reinterpret_cast<const T2*>(u_src + grow * u_ld + n) : P::zero();
       }
     }
     float gval[kBatch];
@@ -651,7 +658,7 @@ __device__ __forceinline__ void b1_epilogue_batched(const GemmParams& p, const T
         act_math::backward(ep.act, a1, b1, gval[i] * v1, &da1, &db1);
         T* drow = static_cast<T*>(ep.dadb) + grow * dadb_ld;
         store2(drow + n, true, true, da0, da1);
-        if (ep.gated) store2(drow + ep.h + n, true, true, db0, db1);
+        if (ep.gated) store2(drow + db_offset + n, true, true, db0, db1);
         store2(static_cast<T*>(ep.gu) + at, true, true, gval[i] * u0, gval[i] * u1);
       }
       dot = warp_sum_f(dot);

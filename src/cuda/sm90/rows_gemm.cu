@@ -83,9 +83,14 @@ struct RowsParams {
   int n_tiles;  // ceil(n_out / kBN)
   int kt_half;  // ceil(k_half / kBK)
   int64_t N;    // routed rows (dg_part stride)
-  // B1 epilogue (n_out = h)
+  // B1 epilogue. n_out is the width of the column range this launch covers (all of h, or one
+  // chunk of it: experts.cu); a, b, u, dadb, gu and dg_part point at the range's first column, and
+  // the row strides of the full-width buffers are explicit.
   bool gated;
   int64_t ab_ld;
+  int64_t dadb_ld;    // elements between rows of da|db ([N, 2h] gated, [N, h] otherwise)
+  int64_t db_offset;  // elements from da to db within a da|db row (the full h)
+  int64_t u_ld;       // elements between rows of the saved u (SAVE_ALL)
   const void* a;
   const void* b;
   const void* u;
@@ -199,7 +204,7 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
                                             int lane, uint32_t* stg, const float (&acc)[128]) {
   const int g = lane >> 2, t4 = lane & 3;
   const int h = p.n_out;
-  const int64_t dadb_ld = p.gated ? 2 * int64_t(h) : int64_t(h);
+  const int64_t dadb_ld = p.dadb_ld;
   const int rows = c.rows - tile_row;  // valid rows of this warp's 16 (may be <= 0)
   const int64_t grow0 = int64_t(c.row0) + tile_row;
   const bool have_u = p.u != nullptr;
@@ -239,8 +244,8 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
     }
     if (have_u) {  // SAVE_ALL only
       uint4 vu[2];
-      b1_load_chunks<T>(vu, static_cast<const T*>(p.u) + (grow0 + r0) * h, h, rows - r0, col0, h,
-                        lane);
+      b1_load_chunks<T>(vu, static_cast<const T*>(p.u) + (grow0 + r0) * p.u_ld, p.u_ld, rows - r0,
+                        col0, h, lane);
       b1_stage_chunks(buf_u, vu, lane);
     }
     __syncwarp();
@@ -266,7 +271,8 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
     __syncwarp();
     T* da_rows = static_cast<T*>(p.dadb) + (grow0 + r0) * dadb_ld;
     b1_store_chunks<T>(buf_a, da_rows, dadb_ld, rows - r0, col0, h, lane);
-    if (p.gated) b1_store_chunks<T>(buf_b, da_rows + h, dadb_ld, rows - r0, col0, h, lane);
+    if (p.gated)
+      b1_store_chunks<T>(buf_b, da_rows + p.db_offset, dadb_ld, rows - r0, col0, h, lane);
     b1_store_chunks<T>(buf_u, static_cast<T*>(p.gu) + (grow0 + r0) * h, h, rows - r0, col0, h,
                        lane);
     __syncwarp();
@@ -488,14 +494,22 @@ CUtensorMap map_for(const void* base, int64_t dim0, int64_t dim1, int64_t dim2, 
                         uint64_t(stride2), box0, box1, box2, what);
 }
 
-// A weight operand [E, rows, cols] (cols contiguous): MN-major boxes {64 cols, 64 rows} when the
-// GEMM's n runs along cols, K-major boxes {64 cols, 128 rows} when k does.
+// Columns [col0, col0 + cols) of a weight operand [E, rows, ld] (ld contiguous; 16-bit elements):
+// MN-major boxes {64 cols, 64 rows} when the GEMM's n runs along the columns, K-major boxes
+// {64 cols, 128 rows} when k does. Columns past the range read as zeros.
+CUtensorMap weight_map_range(Dtype dtype, const void* w, int64_t E, int64_t rows, int64_t ld,
+                             int64_t col0, int64_t cols, bool mn_major, const char* what) {
+  const uint32_t box1 = mn_major ? uint32_t(kBK) : uint32_t(kBKBoxRows);
+  const void* base = static_cast<const uint16_t*>(w) + col0;
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
+  return map_for<__half>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
+}
+
+// A whole weight operand [E, rows, cols].
 CUtensorMap weight_map(Dtype dtype, const void* w, int64_t E, int64_t rows, int64_t cols,
                        bool mn_major, const char* what) {
-  const uint32_t box1 = mn_major ? uint32_t(kBK) : uint32_t(kBKBoxRows);
-  if (dtype == Dtype::BF16)
-    return map_for<__nv_bfloat16>(w, cols, rows, E, cols, rows * cols, 64, box1, 1, what);
-  return map_for<__half>(w, cols, rows, E, cols, rows * cols, 64, box1, 1, what);
+  return weight_map_range(dtype, w, E, rows, cols, 0, cols, mn_major, what);
 }
 
 // A row operand [N, halves * k_half] as {k_half, halves, N}, box {64 k, 1, 128 rows}.
@@ -601,12 +615,16 @@ void sm90_b1_launch(const LayerDesc& desc, int64_t T, const void* dy, const int3
                     const Sm90B1Epilogue& ep, cudaStream_t stream) {
   const int64_t N = T * desc.k;
   if (N == 0) return;
-  RowsParams p = base_params(desc, expert_offsets, int(desc.h), desc.d, 1, T);
+  const int64_t cols = ep.cols != 0 ? ep.cols : desc.h;
+  RowsParams p = base_params(desc, expert_offsets, int(cols), desc.d, 1, T);
   p.a_src = dy;
   p.token_index = expert_token_indices;
   p.lda = int(desc.d);
   p.gated = desc.gated();
   p.ab_ld = ep.ab_ld != 0 ? ep.ab_ld : desc.h;
+  p.dadb_ld = ep.dadb_ld != 0 ? ep.dadb_ld : (p.gated ? 2 * desc.h : desc.h);
+  p.db_offset = desc.h;
+  p.u_ld = ep.u_ld != 0 ? ep.u_ld : desc.h;
   p.a = ep.a_src;
   p.b = p.gated ? ep.b_src : nullptr;
   p.u = ep.u_src;
@@ -615,9 +633,10 @@ void sm90_b1_launch(const LayerDesc& desc, int64_t T, const void* dy, const int3
   p.dadb = ep.dadb;
   p.gu = ep.gu;
   p.dg_part = ep.dg_part;
-  // w_down [E, d, h]: k runs over d (rows), n over h (contiguous): MN-major. A is gathered (no map;
-  // the kernel never reads tmap_a, the B map stands in for it).
-  const CUtensorMap b = weight_map(desc.dtype, w_down, desc.E, desc.d, desc.h, true, "B1");
+  // w_down [E, d, h]: k runs over d (rows), n over the range's columns of h: MN-major. A is
+  // gathered (no map; the kernel never reads tmap_a, the B map stands in for it).
+  const CUtensorMap b =
+      weight_map_range(desc.dtype, w_down, desc.E, desc.d, desc.h, ep.col0, cols, true, "B1");
   launch(desc, kB1, b, b, b, p, stream, "sm90_rows_kernel (B1)");
 }
 

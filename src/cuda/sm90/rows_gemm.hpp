@@ -57,16 +57,23 @@ void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
                     float* rows_out, cudaStream_t stream);
 
 // B1's epilogue operands (as gemm.cuh's EpilogueArgs for Epi::B1).
+// B1 covers columns [col0, col0 + cols) of h (cols = 0: all of h). The activation pointers below
+// point at column col0 of their buffers (the caller offsets them); w_down is offset here. gu is
+// the range's own [N, cols] buffer; dg_part points at the partials of the range's first n-tile
+// (col0 / kSm90B1TileCols), so col0 must be a multiple of kSm90B1TileCols.
 struct Sm90B1Epilogue {
   const void* a_src = nullptr;  // [N, ab_ld] saved or recomputed a (may alias dadb: RECOMPUTE)
   const void* b_src = nullptr;  // [N, ab_ld] b (gated only; may alias dadb)
   int64_t ab_ld = 0;            // elements between rows of a_src / b_src (0 = h)
-  const void* u_src = nullptr;  // [N, h] saved u (SAVE_ALL) or nullptr (recomputed from a, b)
+  const void* u_src = nullptr;  // [N, u_ld] saved u (SAVE_ALL) or nullptr (recomputed from a, b)
+  int64_t u_ld = 0;             // 0 = h
   const float* g = nullptr;     // [T*k] routing weights, read at row_pair[r]
   const int32_t* row_pair = nullptr;  // [N] routed row -> (token, slot) pair index
-  void* dadb = nullptr;               // [N, 2h] (gated) or [N, h]
-  void* gu = nullptr;                 // [N, h] g * u
-  float* dg_part = nullptr;           // [ceil(h / kSm90B1TileCols), N] per-tile partials
+  void* dadb = nullptr;               // [N, dadb_ld]: da at column n, db at column h + n
+  int64_t dadb_ld = 0;                // 0 = 2h (gated) or h
+  void* gu = nullptr;                 // [N, cols] g * u
+  float* dg_part = nullptr;           // [ceil(cols / kSm90B1TileCols), N] per-tile partials
+  int64_t col0 = 0, cols = 0;
 };
 
 // B1 on `stream`: dy [T, d]; w_down [E, d, h]. Precondition: sm90_rows_supported.

@@ -103,7 +103,8 @@ struct WgradParams {
   void* out0;                  // [E, split, N]
   void* out1;                  // [E, M - split, N] (nullptr when split == M)
   int64_t out_stride0, out_stride1;  // elements per expert
-  int split;  // output rows m < split -> out0, else out1 (row m - split); TRANS_OUT: columns n
+  int64_t out_ld;  // B2: elements between output rows (h; N is the width of a column chunk)
+  int split;       // output rows m < split -> out0, else out1 (row m - split); TRANS_OUT: columns n
   int M, N, E, m_tiles, n_tiles;
   int m_fast;  // tiles of one expert m-fastest (N > M) or n-fastest (see tile_origin)
   int accumulate;
@@ -514,10 +515,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             const uint4 v = ld_shared_v4(stage + 4u * uint32_t(stage_chunk_word(r, lane & 7)));
             const int m = warp_row0 + r;
             if (m < p.M && n < p.N) {  // N % 8 == 0: a 16-byte chunk is all in or all out
-              T* o = m < p.split
-                         ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(m) * p.N + n
-                         : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
-                               size_t(m - p.split) * p.N + n;
+              T* o = m < p.split ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 +
+                                       size_t(m) * p.out_ld + n
+                                 : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
+                                       size_t(m - p.split) * p.out_ld + n;
               *reinterpret_cast<uint4*>(o) = v;
             }
           }
@@ -530,10 +531,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int rr = 0; rr < 2; ++rr) {
           const int m = m0 + tile_row + 8 * rr;
           if (m >= p.M) continue;
-          T* orow =
-              m < p.split
-                  ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(m) * p.N
-                  : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 + size_t(m - p.split) * p.N;
+          T* orow = m < p.split
+                        ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(m) * p.out_ld
+                        : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
+                              size_t(m - p.split) * p.out_ld;
           orow += n0 + 2 * t4;
 #pragma unroll
           for (int j0 = 0; j0 < 32; j0 += 8) {
@@ -648,10 +649,17 @@ bool sm90_wgrad_supported(const LayerDesc& desc, int64_t T,
 
 void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
                     const int32_t* expert_token_indices, const void* gu, void* dw_down,
-                    bool accumulate, cudaStream_t stream) {
+                    bool accumulate, cudaStream_t stream, int64_t col0, int64_t cols) {
   if (dw_down == nullptr) return;
   const int64_t N = T * desc.k;
+  if (cols == 0) cols = desc.h;
+  MB_REQUIRE(col0 >= 0 && cols > 0 && col0 + cols <= desc.h && (col0 % 8) == 0 && (cols % 8) == 0,
+             MOEBLAZE_ERR_INTERNAL, "sm90 B2: bad column range [%lld, +%lld) of h = %lld",
+             static_cast<long long>(col0), static_cast<long long>(cols),
+             static_cast<long long>(desc.h));
   if (N == 0) {
+    MB_REQUIRE(cols == desc.h || accumulate, MOEBLAZE_ERR_INTERNAL,
+               "sm90 B2: no routed rows under a column range");
     if (!accumulate)
       write_zeros(dw_down, desc.E * desc.d * desc.h, desc.elem_size(), stream, "sm90 B2 zeros");
     return;
@@ -660,16 +668,17 @@ void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int3
   p.gsrc = dy;
   p.gld = int(desc.d);
   p.csrc = gu;
-  p.cld = int(desc.h);
+  p.cld = int(cols);
   p.offsets = expert_offsets;
   p.token_index = expert_token_indices;
-  p.out0 = dw_down;
+  p.out0 = static_cast<unsigned char*>(dw_down) + size_t(col0) * desc.elem_size();
   p.out_stride0 = desc.d * desc.h;
+  p.out_ld = desc.h;
   p.M = int(desc.d);
-  p.N = int(desc.h);
+  p.N = int(cols);
   p.split = p.M;
   p.accumulate = accumulate ? 1 : 0;
-  const CUtensorMap map = contiguous_map(desc.dtype, gu, desc.h, N, desc.h, "B2");
+  const CUtensorMap map = contiguous_map(desc.dtype, gu, cols, N, cols, "B2");
   launch(desc, WgradForm::B2, map, p, stream, "sm90_wgrad_kernel (B2)");
 }
 

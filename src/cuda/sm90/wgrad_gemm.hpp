@@ -46,12 +46,13 @@ bool sm90_wgrad_supported(const LayerDesc& desc, int64_t T,
                           std::initializer_list<const void*> tensors);
 
 // B2 on `stream`: dy [T, d]; expert_offsets [E+1] and expert_token_indices [N] on the device
-// (N = T*k, an upper bound of expert_offsets[E]); gu [N, h] (g * u by routed row);
-// dw_down [E, d, h] (nullptr: nothing to do). Precondition: sm90_wgrad_supported.
+// (N = T*k, an upper bound of expert_offsets[E]); dw_down [E, d, h] (nullptr: nothing to do).
+// Columns [col0, col0 + cols) of dw_down only (cols = 0: all of h; both multiples of 8), from gu
+// [N, cols]: g * u by routed row for those columns. Precondition: sm90_wgrad_supported.
 // Throws moeblaze::Error (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.
 void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
                     const int32_t* expert_token_indices, const void* gu, void* dw_down,
-                    bool accumulate, cudaStream_t stream);
+                    bool accumulate, cudaStream_t stream, int64_t col0 = 0, int64_t cols = 0);
 
 // B3 on `stream`: dadb [N, 2h] (da at [0, h), db at [h, 2h)) for gated activations, [N, h] (da)
 // otherwise; x [T, d]; dw_gate, dw_up [E, h, d]. A nullptr gradient is neither computed nor stored
