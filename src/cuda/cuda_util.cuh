@@ -117,5 +117,20 @@ __device__ __forceinline__ float round_to(float v) {
       ::moeblaze::fail(MOEBLAZE_ERR_NOT_SUPPORTED, "dtype not supported by the CUDA backend"); \
   }
 
+// Butterfly reductions over a warp's 32 lanes: every lane ends with the result, combined in the
+// same fixed order, so the sums are bitwise repeatable (the router, B1's dg, the EP loss shares).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
 }  // namespace cuda
 }  // namespace moeblaze

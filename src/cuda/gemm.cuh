@@ -176,12 +176,6 @@ __device__ __forceinline__ TileInfo locate_tile(const GemmParams& p, int bm) {
 
 // ---- row-wise epilogue (a warp per row of the staged fp32 tile) ---------------------------------
 
-__device__ __forceinline__ float warp_sum_f(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // Two adjacent elements at p (p[0], p[1]); `both` false: only p[0]. `vec`: p is 2-element aligned.
 template <typename T>
 __device__ __forceinline__ void load2(const T* p, bool both, bool vec, float& a, float& b) {
@@ -295,7 +289,7 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
         if (ep.gated) store2(drow + db_offset + n, both, vec, db0, db1);
         store2(static_cast<T*>(ep.gu) + at, both, vec, gval * u0, gval * u1);
       }
-      dot = warp_sum_f(dot);
+      dot = warp_sum(dot);
       if (lane == 0) ep.dg_part[int64_t(ti.nt) * ep.total_rows + grow] = dot;
     } else {  // Wgrad
       const bool second = m >= ep.out_split;
@@ -661,7 +655,7 @@ __device__ __forceinline__ void b1_epilogue_batched(const GemmParams& p, const T
         if (ep.gated) store2(drow + db_offset + n, true, true, db0, db1);
         store2(static_cast<T*>(ep.gu) + at, true, true, gval[i] * u0, gval[i] * u1);
       }
-      dot = warp_sum_f(dot);
+      dot = warp_sum(dot);
       if (lane == 0) ep.dg_part[int64_t(ti.nt) * ep.total_rows + grow] = dot;
     }
   }

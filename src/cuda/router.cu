@@ -17,19 +17,6 @@ constexpr int kRouterWarps = 4;           // warps per block
 constexpr int kRouterTokensPerWarp = 16;  // tokens each warp handles, one after the other
 constexpr int kRouterTokensPerBlock = kRouterWarps * kRouterTokensPerWarp;
 
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1)
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
-
 // Top-k order: larger value first; NaN below every number; ties to the lower expert id.
 __device__ __forceinline__ bool ranks_before(float a, int ia, float b, int ib) {
   const bool a_nan = isnan(a), b_nan = isnan(b);

@@ -6,6 +6,7 @@
 
 #include "common/layer_desc.hpp"
 #include "common/status.hpp"
+#include "cuda/cuda_util.cuh"
 #include "ep/ep_ops.hpp"
 
 namespace moeblaze {
@@ -146,28 +147,14 @@ __global__ void global_counts_kernel(const int32_t* table, int64_t W, int64_t E,
   }
 }
 
-// ---- router loss shares (design section 3)
-// ------------------------------------------------------- This rank's share of the aux and z
-// losses, with the global expert counts and token count: the single-GPU router's formulas
-// (cuda/router.cu) with T -> global_T and counts -> global counts. Every sum has a fixed order (no
-// atomics), so the shares are bitwise repeatable.
+// ---- router loss shares (design section 3) ------------------------------------------------------
+// This rank's share of the aux and z losses, with the global expert counts and token count: the
+// single-GPU router's formulas (cuda/router.cu) with T -> global_T and counts -> global counts.
+// Every sum has a fixed order (no atomics), so the shares are bitwise repeatable.
 
 constexpr int kLossWarps = 8;
 constexpr int kLossThreads = kLossWarps * 32;
 constexpr int kLossChunk = 1024;  // experts accumulated per pass (shared memory: 8 x 1024 floats)
-
-__device__ __forceinline__ float loss_warp_sum(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-__device__ __forceinline__ float loss_warp_max(float v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1)
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  return v;
-}
 
 __device__ __forceinline__ float loss_sigmoid(float l) {
   return 1.f / (1.f + expf(-l));
@@ -177,10 +164,10 @@ __device__ __forceinline__ float loss_sigmoid(float l) {
 __device__ __forceinline__ float2 loss_row_stats(const float* row, int E, int lane) {
   float m = -INFINITY;
   for (int e = lane; e < E; e += 32) m = fmaxf(m, row[e]);
-  m = loss_warp_max(m);
+  m = cuda::warp_max(m);
   float s = 0.f;
   for (int e = lane; e < E; e += 32) s += expf(row[e] - m);
-  return make_float2(m, loss_warp_sum(s));
+  return make_float2(m, cuda::warp_sum(s));
 }
 
 struct LossShareParams {
@@ -220,7 +207,7 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_forward_kernel(LossSh
         if (p.sigmoid) {
           float s = 0.f;
           for (int e = lane; e < E; e += 32) s += loss_sigmoid(row[e]);
-          sig_sum = loss_warp_sum(s);
+          sig_sum = cuda::warp_sum(s);
         }
         for (int e = lane; e < chunk; e += 32) {
           const float l = row[e0 + e];
@@ -236,7 +223,7 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_forward_kernel(LossSh
       const float gT = float(p.global_T);
       part += (float(p.global_counts[e0 + e]) / float(p.global_T * p.k)) * (score_sum / gT);
     }
-    part = loss_warp_sum(part);
+    part = cuda::warp_sum(part);
     if (lane == 0) warp_part[warp] = part;
     __syncthreads();
     if (threadIdx.x == 0)
@@ -275,14 +262,14 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_backward_kernel(LossS
     if (p.sigmoid) {
       float s = 0.f;
       for (int e = lane; e < E; e += 32) s += loss_sigmoid(row[e]);
-      sig_sum = loss_warp_sum(s);
+      sig_sum = cuda::warp_sum(s);
       for (int e = lane; e < E; e += 32)
         dot += aux_scale * float(p.global_counts[e]) * loss_sigmoid(row[e]) / sig_sum;
     } else {
       for (int e = lane; e < E; e += 32)
         dot += aux_scale * float(p.global_counts[e]) * expf(row[e] - st.x) / st.y;
     }
-    wq_dot = loss_warp_sum(dot);
+    wq_dot = cuda::warp_sum(dot);
   }
   const float lse = st.x + logf(st.y);
   const float z_scale = p.z_coeff != 0.f ? d_z * p.z_coeff * 2.f * lse / float(p.global_T) : 0.f;

@@ -177,6 +177,19 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
                : "memory");
 }
 
+// The staged epilogues' four matrices of stmatrix call q (0..3) of 64-column chunk c (0..3): matrix
+// i is 8-column group jc = 8 c + 2 q + (i >> 1) of the warp's block, row half rr = i & 1, rounded
+// by pack2 (zeros when the tile ran no k-step: `live` false).
+template <typename T>
+__device__ __forceinline__ void stmatrix_fragments(uint32_t (&frag)[4], const float (&acc)[128],
+                                                   int c, int q, bool live) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int a = 4 * (8 * c + 2 * q + (i >> 1)) + 2 * (i & 1);
+    frag[i] = pack2<T>(live ? acc[a] : 0.f, live ? acc[a + 1] : 0.f);
+  }
+}
+
 __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
@@ -433,13 +446,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int c = 0; c < 4; ++c) {
 #pragma unroll
             for (int q = 0; q < 4; ++q) {
-              // Matrix i: 8-column group jc = 8 c + 2 q + (i >> 1), row half rr = i & 1.
               uint32_t frag[4];
-#pragma unroll
-              for (int i = 0; i < 4; ++i) {
-                const int a = 4 * (8 * c + 2 * q + (i >> 1)) + 2 * (i & 1);
-                frag[i] = pack2<T>(live ? acc[a] : 0.f, live ? acc[a + 1] : 0.f);
-              }
+              stmatrix_fragments<T>(frag, acc, c, q, live);
               const int i = lane >> 3;
               stmatrix_x4_trans(
                   stage + trans_stage_byte(8 * (2 * q + (i >> 1)) + (lane & 7), i & 1), frag);
@@ -477,9 +485,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                        ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 + size_t(n) * p.M + m
                        : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
                              size_t(n - p.split) * p.M + m;
-            float v = live ? acc[4 * jc + 2 * rr + half] : 0.f;
-            if (p.accumulate) v += to_f32<T>(*o);
-            *o = from_f32<T>(v);
+            *o = from_f32<T>((live ? acc[4 * jc + 2 * rr + half] : 0.f) + to_f32<T>(*o));
           }
         }
       } else if (!p.accumulate) {
@@ -497,13 +503,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int c = 0; c < 4; ++c) {
 #pragma unroll
           for (int q = 0; q < 4; ++q) {
-            // Matrix i: 8-column group jc = 8 c + 2 q + (i >> 1), row half rr = i & 1.
             uint32_t frag[4];
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int a = 4 * (8 * c + 2 * q + (i >> 1)) + 2 * (i & 1);
-              frag[i] = pack2<T>(live ? acc[a] : 0.f, live ? acc[a + 1] : 0.f);
-            }
+            stmatrix_fragments<T>(frag, acc, c, q, live);
             const int i = lane >> 3, r = 8 * (i & 1) + (lane & 7);
             stmatrix_x4(stage + 4u * uint32_t(stage_chunk_word(r, 2 * q + (i >> 1))), frag);
           }
