@@ -1,5 +1,5 @@
-// F1 on Hopper (see f1_gemm.hpp): dev/cuda/sm90_gather_gemm.cu version 1 (consumer proxy fence, no
-// cluster), generalised to BF16 / F16 and the 7 activations.
+// F1 on Hopper (see f1_gemm.hpp): dev/cuda/sm90_gather_gemm.cu@92ab1fc version 1 (consumer proxy
+// fence, no cluster), generalised to BF16 / F16 and the 7 activations.
 //
 // Tile: 128 routed rows x 256 columns of the dual B operand x 64 k, 4 stages of 48 KB.
 //   gated:     B = 128 rows of w_gate[e] (n0..n0+127) next to the same 128 rows of w_up[e]:

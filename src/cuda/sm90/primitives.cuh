@@ -315,11 +315,12 @@ __device__ __forceinline__ void warp_prefix_tiles(int* tile_start, int E, int la
 // the slot wgmma(it - 1) has just released); completion on a per-(warpgroup, slot) mbarrier of
 // 128 .noinc arrivals, so no barrier crosses warpgroups for A.
 // Why not the producer warpgroup, as before: the gather's rate is limited per issuing warp (the
-// loads one warp keeps in flight), not by L2 or shared memory. dev/cuda/sm90_gather_probe.cu
-// measured on the H200 (conf3's F1 main loop): 2 gathering warps 10.98 ms, the producer's 4 warps
-// 8.30 ms, the consumers' 8 warps (round 11, v12) 7.28 ms; contiguous rows by TMA 6.24 ms.
-// Thread w of the warpgroup loads chunk w & 7 of rows (w >> 3) + 16 i, i < 4, of its half. The
-// cursor walks the same (tile, k-step) sequence as the consumer's main loop (tiles blockIdx.x,
+// loads one warp keeps in flight), not by L2 or shared memory.
+// dev/cuda/sm90_gather_probe.cu@92ab1fc measured on the H200 (conf3's F1 main loop): 2 gathering
+// warps 10.98 ms, the producer's 4 warps 8.30 ms, the consumers' 8 warps (round 11, v12) 7.28 ms;
+// contiguous rows by TMA 6.24 ms. Thread w of the warpgroup loads chunk w & 7 of rows (w >> 3) + 16
+// i, i < 4, of its half. The cursor walks the same (tile, k-step) sequence as the consumer's main
+// loop (tiles blockIdx.x,
 // + gridDim.x, ...), and fetches the token ids of the following tile one tile ahead.
 // RowRange: tile id -> int2 {first routed row, valid rows}.
 template <typename T>

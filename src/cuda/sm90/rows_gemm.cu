@@ -1,4 +1,5 @@
-// F2, B4, B1 on Hopper (see rows_gemm.hpp): dev/cuda/sm90_rows_gemm.cuh version 1 (no cluster).
+// F2, B4, B1 on Hopper (see rows_gemm.hpp): dev/cuda/sm90_rows_gemm.cuh@92ab1fc version 1 (no
+// cluster).
 //
 // Tile: 128 routed rows x 256 output columns x 64 k, 4 stages of 48 KB (A 16 KB + B 32 KB).
 // 384 threads: warpgroup 0 produces, warpgroups 1 and 2 consume 64 rows each with

@@ -1,5 +1,5 @@
-// B2, B3 on Hopper (see wgrad_gemm.hpp): dev/cuda/sm90_wgrad_gemm.cu version 2 (SCHED naive:
-// experts in index order; the LPT order of version 1 was never faster and is not kept).
+// B2, B3 on Hopper (see wgrad_gemm.hpp): dev/cuda/sm90_wgrad_gemm.cu@92ab1fc version 2 (SCHED
+// naive: experts in index order; the LPT order of version 1 was never faster and is not kept).
 //
 // As a GEMM with M output rows, N output columns and K = the expert's routed rows:
 //   B2: A[m][k=r] = dy[tok_r][m] (gathered, M = d), B[k=r][n] = gu[r][n] (contiguous, N = h)
