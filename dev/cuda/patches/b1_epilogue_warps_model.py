@@ -1,0 +1,70 @@
+# Index model of b1-epilogue-warps.patch (B1's epilogue run by warps 1-3 of the producer warpgroup
+# from a 64 KB bf16 hand-off of v). It checks the patch's bookkeeping, not the hardware:
+#  - the consumers' hand-off writes (register 4j + q of lane (g, t4) of consumer warp w) and the
+#    epilogue warps' 16-byte reads agree: every element (row, col) of the 128 x 256 tile is read
+#    back from where it was written, and each warp store instruction of the hand-off (fixed j, rr)
+#    touches all 32 banks once;
+#  - the epilogue warps' items (idx = 32 ew + lane + 96 i) cover every (row, 16-byte chunk) of the
+#    tile exactly once, each warp runs a warp-uniform number of iterations (the dg shuffles need
+#    all 32 lanes), and the 8 lanes of a row are consecutive and 8-aligned in one warp (so the
+#    xor-1/2/4 shuffles sum exactly that row's chunks).
+#   /usr/bin/python3 dev/cuda/patches/b1_epilogue_warps_model.py
+import sys
+
+K_BM, K_EPI_WARPS, SUB_WORDS = 128, 3, 128 * 64 * 2 // 4
+
+
+def run():
+    errors = []
+    written = {}  # word -> (row, col of the word's first element)
+    for cw in range(8):  # consumer warp: warpgroup cw // 4, warp_in_wg cw % 4
+        tile_row = (cw // 4) * 64 + (cw % 4) * 16
+        for j in range(32):
+            for rr in range(2):
+                banks = set()
+                for lane in range(32):
+                    g, t4 = lane >> 2, lane & 3
+                    row = tile_row + g + 8 * rr
+                    word = (j >> 3) * SUB_WORDS + row * 32 + (((j & 7) ^ g) << 2) + t4
+                    if word in written:
+                        errors.append(("hand-off word written twice", word))
+                    written[word] = (row, 8 * j + 2 * t4)
+                    banks.add(word % 32)
+                if len(banks) != 32:
+                    errors.append(("hand-off bank conflict", cw, j, rr))
+    seen = {}
+    for ew in range(K_EPI_WARPS):
+        iters = 0
+        base = 32 * ew
+        while base < K_BM * 8:
+            iters += 1
+            rows_of_lanes = {}
+            for lane in range(32):
+                idx = base + lane
+                row, ch = idx >> 3, idx & 7
+                rows_of_lanes.setdefault(row, []).append(lane)
+                for group in range(4):
+                    col = group * 64 + ch * 8
+                    for k in range(4):  # the uint4's 4 words, 2 elements each
+                        word = group * SUB_WORDS + row * 32 + ((ch ^ (row & 7)) << 2) + k
+                        if written.get(word) != (row, col + 2 * k):
+                            errors.append(("read != write", ew, lane, group, k))
+                    key = (row, col)
+                    seen[key] = seen.get(key, 0) + 1
+            for row, lanes in rows_of_lanes.items():
+                if len(lanes) != 8 or lanes[0] % 8 != 0 or lanes != list(range(lanes[0], lanes[0] + 8)):
+                    errors.append(("row lanes not an aligned octet", ew, row, lanes))
+            base += 32 * K_EPI_WARPS
+        if iters == 0:
+            errors.append(("warp without items", ew))
+    for row in range(K_BM):
+        for col in range(0, 256, 8):
+            if seen.get((row, col)) != 1:
+                errors.append(("chunk not covered exactly once", row, col, seen.get((row, col))))
+    return errors
+
+
+if __name__ == "__main__":
+    errs = run()
+    print("b1 epilogue-warps index model:", "PASS" if not errs else "FAIL %s" % errs[:5])
+    sys.exit(1 if errs else 0)
