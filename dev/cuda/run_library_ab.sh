@@ -4,7 +4,8 @@
 # the working tree's CUDA tests and sanitizers (tools/device_check.sh).
 #   AB_DIR=.ab bash dev/cuda/run_library_ab.sh   (carry .deps and AB_DIR; ~5-6 minutes)
 # AB_DIR holds the BEFORE files by name (f1_gemm.cu, rows_gemm.cu, primitives.cuh, ...: each is
-# copied over src/cuda/sm90/<name> in a copy of the tree). Logs under $OUT, the table last.
+# copied over src/cuda/sm90/<name> in a copy of the tree), and other BEFORE sources under
+# AB_DIR/src/ by their path below src/ (AB_DIR/src/cuda/experts.cu). Logs under $OUT, the table last.
 # Shapes: PROFILE_SHAPES, one "name|profile_kernels.py arguments" per line. AB_DIR=none: no BEFORE
 # build, the working tree's per-kernel times alone.
 set -u -o pipefail
@@ -24,7 +25,9 @@ before=/tmp/moeblaze_before
 if [ "$ab" != none ]; then
   rm -rf "$before" && mkdir -p "$before"
   tar --exclude=./build-device --exclude=./.git -cf - . | tar -xf - -C "$before"
-  for f in "$ab"/*; do cp "$f" "$before/src/cuda/sm90/$(basename "$f")"; done
+  # Plain files: sm90 sources by name; a src/ subtree: copied over src/ path by path.
+  for f in "$ab"/*; do [ -f "$f" ] && cp "$f" "$before/src/cuda/sm90/$(basename "$f")"; done
+  [ -d "$ab/src" ] && cp -r "$ab/src/." "$before/src/"
   (cd "$before" && cmake -S . -B build-before -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DMOEBLAZE_CUDA=ON "-DMOEBLAZE_CUDA_ARCHS=90a" -DMOEBLAZE_BUILD_EXAMPLES=OFF \
     -DMOEBLAZE_BUILD_TESTS=OFF >"$out/build_before.log" 2>&1 &&
