@@ -177,6 +177,11 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
                : "memory");
 }
 
+// The staging buffer of consumer warp `warp` (4..11) for the staged epilogues.
+__device__ __forceinline__ uint32_t epilogue_stage(const uint8_t* smem, int E, int warp) {
+  return smem_u32(smem) + uint32_t(trans_stage_offset(E)) + uint32_t(warp - 4) * kEpilogueWarpBytes;
+}
+
 // The staged epilogues' four matrices of stmatrix call q (0..3) of 64-column chunk c (0..3): matrix
 // i is 8-column group jc = 8 c + 2 q + (i >> 1) of the warp's block, row half rr = i & 1, rounded
 // by pack2 (zeros when the tile ran no k-step: `live` false).
@@ -438,8 +443,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           // whole sector, with two 16-byte stores. (Until v9: 2-byte stores, 16 bytes of a
           // sector per instruction; on mixtral, d = 4096, that epilogue took 27 % of B3.) The
           // rounding is pack2's round-to-nearest of the fp32 accumulator, as below: the same bits.
-          const uint32_t stage = smem_u32(smem) + uint32_t(trans_stage_offset(p.E)) +
-                                 uint32_t(warp - 4) * kEpilogueWarpBytes;
+          const uint32_t stage = epilogue_stage(smem, p.E, warp);
           const int m_half = m0 + wg * 64 + warp_in_wg * 16 + 8 * (lane & 1);
           const bool m_ok = m_half < p.M;  // M % 8 == 0: an 8-m half is all in or all out
 #pragma unroll
@@ -496,8 +500,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         // each warp store writes 4 rows x 128 contiguous bytes with 16-byte stores. (Until v10:
         // 4-byte pair stores from the fragments, 8 rows x 16 bytes per instruction, 64 a thread;
         // on mixtral B2 ran 7.5 % faster without its epilogue.) Same pack2 rounding: same bits.
-        const uint32_t stage = smem_u32(smem) + uint32_t(trans_stage_offset(p.E)) +
-                               uint32_t(warp - 4) * kEpilogueWarpBytes;
+        const uint32_t stage = epilogue_stage(smem, p.E, warp);
         const int warp_row0 = m0 + wg * 64 + warp_in_wg * 16;
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
