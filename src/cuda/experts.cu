@@ -7,6 +7,8 @@
 // experts_backward).
 #include "cuda/experts.hpp"
 
+#include <type_traits>
+
 #include "common/saved_layout.hpp"
 #include "cuda/cuda_util.cuh"
 #include "cuda/gemm.cuh"
@@ -43,6 +45,54 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
+// Four adjacent outputs (p 4-element aligned), each rounded by from_f32 as the scalar kernel does.
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float4& s) {
+  if constexpr (std::is_same<T, float>::value) {
+    *reinterpret_cast<float4*>(p) = s;
+  } else {
+    static_assert(sizeof(T) == 2, "store4: float, bf16 or half");
+    const T v[4] = {from_f32<T>(s.x), from_f32<T>(s.y), from_f32<T>(s.z), from_f32<T>(s.w)};
+    uint16_t bits[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) bits[i] = *reinterpret_cast<const uint16_t*>(&v[i]);
+    *reinterpret_cast<uint2*>(p) = make_uint2(uint32_t(bits[0]) | (uint32_t(bits[1]) << 16),
+                                              uint32_t(bits[2]) | (uint32_t(bits[3]) << 16));
+  }
+}
+
+// token_reduce_kernel four columns at a time, for d % 4 == 0 with rows 16-byte and out 4-element
+// aligned: one 16-byte load per row instead of four 4-byte ones, the same per-element arithmetic
+// in the same j order (bitwise the same outputs). Measured (session 8): mixtral's two calls
+// 0.595 -> 0.317 ms (3.4 TB/s), conf3 0.625 -> 0.557 ms for 2 x 1 GiB of rows (3.9 TB/s).
+template <typename T>
+__global__ void __launch_bounds__(kReduceThreads)
+    token_reduce4_kernel(int64_t d, int k, const int32_t* token_index_map, const float* weights,
+                         const float* rows, T* out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = 4 * int64_t(threadIdx.x); c < d; c += 4 * int64_t(blockDim.x)) {
+    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int j = 0; j < k; ++j) {
+      const int32_t r = token_index_map[t * k + j];
+      if (r < 0) continue;
+      const float4 v = *reinterpret_cast<const float4*>(rows + int64_t(r) * d + c);
+      if (weights) {
+        const float w = weights[t * k + j];
+        s.x = __fadd_rn(s.x, __fmul_rn(w, v.x));
+        s.y = __fadd_rn(s.y, __fmul_rn(w, v.y));
+        s.z = __fadd_rn(s.z, __fmul_rn(w, v.z));
+        s.w = __fadd_rn(s.w, __fmul_rn(w, v.w));
+      } else {
+        s.x = __fadd_rn(s.x, v.x);
+        s.y = __fadd_rn(s.y, v.y);
+        s.z = __fadd_rn(s.z, v.z);
+        s.w = __fadd_rn(s.w, v.w);
+      }
+    }
+    store4<T>(out + t * d + c, s);
+  }
+}
+
 // dg[p] = sum over n-tiles of B1's partial dot products, in n-tile order.
 __global__ void dg_reduce_kernel(int64_t N, int tiles, const int32_t* token_index_map,
                                  const float* part, float* dg) {
@@ -74,6 +124,14 @@ bool can_use_mma(const LayerDesc& desc, std::initializer_list<const void*> opera
 template <typename T>
 void token_reduce(int64_t T_, const LayerDesc& desc, const int32_t* tim, const float* weights,
                   const float* rows, void* out, cudaStream_t stream) {
+  const bool vec4 = desc.d % 4 == 0 && aligned16(rows) &&
+                    (reinterpret_cast<uintptr_t>(out) % (4 * sizeof(T))) == 0;
+  if (vec4) {
+    token_reduce4_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
+        desc.d, int(desc.k), tim, weights, rows, static_cast<T*>(out));
+    check_launch("token_reduce4_kernel");
+    return;
+  }
   token_reduce_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
       desc.d, int(desc.k), tim, weights, rows, static_cast<T*>(out));
   check_launch("token_reduce_kernel");
