@@ -5,11 +5,10 @@
 # racecheck over the CUDA suite, memcheck over the EP suite) and per-kernel times of the patched
 # library against the unpatched sources (.ab) on the shapes below. The summary and table come last.
 #   bash dev/cuda/patches/run_patches.sh       (carry .deps; ~7 minutes)
-# Each patch touches its own file (b1-epilogue-warps: src/cuda/sm90/rows_gemm.cu, judged by B1's
-# time and the CUDA suite's da/db/dg checks; token-reduce-vec4: src/cuda/experts.cu, judged by
-# token_reduce*_kernel's time in profile.log and the suite's y/dx checks). The patches stay
+# b1-epilogue-warps touches src/cuda/sm90/rows_gemm.cu, judged by B1's time and the CUDA suite's
+# da/db/dg checks (mixtral, d > 2048, keeps the 4-stage form: not profiled). The patches stay
 # applied in the device's copy of the tree; land each here (git apply) only if its checks passed.
-#   PATCHES="token-reduce-vec4" bash dev/cuda/patches/run_patches.sh    (a subset)
+#   PATCHES="b1-epilogue-warps" bash dev/cuda/patches/run_patches.sh    (a subset)
 set -u -o pipefail
 out="${OUT:-./patches_out}"
 mkdir -p "$out"
@@ -19,7 +18,7 @@ python3 "$here/b1_epilogue_warps_model.py" || exit 1
 # BEFORE: the tree as it is (the files the patches touch).
 rm -rf .ab && mkdir -p .ab/src/cuda && cp src/cuda/sm90/rows_gemm.cu .ab/ &&
   cp src/cuda/experts.cu .ab/src/cuda/
-for name in ${PATCHES:-b1-epilogue-warps token-reduce-vec4}; do
+for name in ${PATCHES:-b1-epilogue-warps}; do
   if command -v git >/dev/null 2>&1 && git apply --check "$here/$name.patch" 2>/dev/null; then
     git apply "$here/$name.patch"
   else
@@ -31,9 +30,5 @@ PROFILE_SHAPES="${PROFILE_SHAPES:-conf3 swiglu|--act swiglu
 conf3 silu|--act silu
 conf4 swiglu|--T 32768 --d 2048 --h 8192 --E 16 --k 4 --act swiglu
 conf7 swiglu|--T 8192 --d 2048 --h 8192 --E 8 --k 4 --act swiglu
-qwen3 swiglu|--T 16384 --d 2048 --h 768 --E 128 --k 8 --act swiglu
-mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu}" \
+qwen3 swiglu|--T 16384 --d 2048 --h 768 --E 128 --k 8 --act swiglu}" \
   OUT="$out" AB_DIR=.ab bash dev/cuda/run_library_ab.sh
-echo "== token reduction (ms per call, profiler), before -> after, from profile.log:"
-awk '/^=== /{shape=$0} /token_reduce/{print shape ": " $0}' "$out/profile.log" |
-  sed -E 's/ +/ /g' | cut -c1-160
