@@ -531,6 +531,13 @@ TEST_SUITE("cuda") {
       // d > 2048 (more than 32 k-steps a tile): the Hopper F1's long-K form (4 stages, epilogue in
       // the consumers); every other case here takes its short-K form (epilogue warps).
       if (dtype != MOEBLAZE_DTYPE_F32) cases.push_back({dtype, 2112, 64, 3, 2, 40});
+      // 1024 < d <= 2048 (17-32 k-steps): the Hopper B1's epilogue-warp form; the other cases
+      // take its 4-stage form. Odd h: a partial last column group; skewed: ragged row tiles.
+      if (dtype != MOEBLAZE_DTYPE_F32) {
+        cases.push_back({dtype, 1088, 200, 4, 2, 300});
+        cases.push_back({dtype, 2048, 136, 5, 3, 261, MOEBLAZE_ACTIVATION_SILU,
+                         MOEBLAZE_CHECKPOINT_SAVE_ALL, "skewed"});
+      }
       if (!quick()) {
         cases.push_back({dtype, 256, 384, 8, 2, 700});                  // several 128x128 tiles
         cases.push_back({dtype, 136, 200, 3, 1, 515, 5, 2, "skewed"});  // ReLU, recompute

@@ -40,10 +40,11 @@ enum RowsKind : int { kF2 = 0, kB4 = 1, kB1 = 2 };
 
 constexpr int kBM = 128;              // routed rows per tile
 constexpr int kBN = kSm90B1TileCols;  // output columns per tile (256)
-constexpr int kStages = 4;
-// B1's consumers gather their A half this many k-steps ahead, issued between a k-step's wgmma
-// commit and its wait<1> (the slot of k-step it - 2 is free then).
-constexpr int kGatherLead = kStages - 2;
+// Pipeline stages: 4, or 3 in B1's epilogue-warp form (EPI_WARPS, below), whose 64 KB hand-off
+// takes the fourth stage's shared memory.
+constexpr int stages_for(bool epi_warps) {
+  return epi_warps ? 3 : 4;
+}
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
@@ -55,7 +56,6 @@ constexpr int kBMnBoxBytes = 64 * kBK * 2;         // 8 KB: one 64-column box of
 constexpr int kBKBoxRows = 128;                    // K-major B: two boxes of 128 rows of n
 constexpr int kBKBoxBytes = kBKBoxRows * kBK * 2;  // 16 KB
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
-constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
 // B1's epilogue staging: per consumer warp three 8-row x 64-column buffers (a -> da, b -> db,
 // u -> g*u), common.cuh's swizzled layout.
 constexpr int kB1StageRows = 8;
@@ -63,13 +63,40 @@ constexpr int kB1StageWords = kB1StageRows * kStageCols / 2;  // 256 words = 1 K
 constexpr int kB1StageWarpBytes = 3 * kB1StageWords * 4;
 
 constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
-constexpr int kBarrierBytes = 4 * kStages * 8;  // full, empty, a_full of each consumer warpgroup
 
-constexpr size_t smem_bytes(int E) {
-  return 1024 /* alignment slack */ + kPipeBytes + kEpiBytes + kBarrierBytes +
+// B1's epilogue-warp form (EPI_WARPS; tiles of kB1EpiWarpsMinKTiles..kB1EpiWarpsMaxKTiles
+// k-steps, 1024 < d <= 2048): the consumers round v = dy . w_down into a 64 KB hand-off (4
+// sub-tiles of 128 rows x 64 columns, 16-byte chunk c of row r at r * 128 + ((c ^ (r & 7)) << 4),
+// F1's layout) and go on to the next tile's main loop, while warps 1-3 of the producer warpgroup
+// run the activation backward from it (a, b in; da, db, g*u out; dg partials). In the 4-stage form
+// the consumers run it after each tile's main loop (~3.2 of conf3's 7.5 ms).
+// Measured (session 8, same process, 4-stage -> EPI_WARPS): B1 conf4 10.76 -> 9.16 ms, conf7
+// 1.28 -> 1.17, qwen3 1.01 -> 0.94 (32 k-steps); conf3 6.96 -> 7.04, SiLU 6.11 -> 6.20 (16
+// k-steps: the tile's epilogue, 327 KB of traffic, outlasts a main loop half as long, and 96
+// threads move it more slowly than the consumers' 256). Hence the lower bound.
+constexpr int kB1EpiWarpsMinKTiles = 17;
+constexpr int kB1EpiWarpsMaxKTiles = 32;
+constexpr int kB1EpiWarps = 3;
+constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB
+constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
+constexpr int kHandoffBytes = 4 * kHandoffSubBytes;  // 64 KB
+
+// full, empty, a_full of each consumer warpgroup; EPI_WARPS: + handoff_full, handoff_empty.
+constexpr size_t smem_bytes(int E, bool epi_warps) {
+  return 1024 /* alignment slack */ + size_t(stages_for(epi_warps)) * kStageBytes +
+         (epi_warps ? kHandoffBytes : kEpiBytes) + (4 * stages_for(epi_warps) + 2) * 8 +
          sizeof(int) * size_t(E + 1);
 }
-constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts);
+constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts, false) > smem_bytes(kMaxExperts, true)
+                                     ? smem_bytes(kMaxExperts, false)
+                                     : smem_bytes(kMaxExperts, true);
+static_assert(kMaxSmemBytes <= 232448, "227 KB of shared memory per block on the H100 / H200");
+
+// setmaxnreg counts (multiples of 8; the three warpgroups' sum at most 3 x 168).
+constexpr int kRegsWg0 = 40, kRegsConsumer = 232;
+constexpr int kRegsWg0Epi = 104, kRegsConsumerEpi = 200;  // EPI_WARPS: the epilogue warps' math
+static_assert(kRegsWg0 + 2 * kRegsConsumer <= 3 * 168, "register split");
+static_assert(kRegsWg0Epi + 2 * kRegsConsumerEpi <= 3 * 168, "register split (epilogue warps)");
 
 struct RowsParams {
   const void* a_src;           // B1: dy [T, lda] (gathered rows)
@@ -287,10 +314,110 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
   }
 }
 
+// B1's epilogue in the epilogue-warp form, run by warps 1-3 of the producer warpgroup (ew = 0..2)
+// for one tile whose v the consumers left in the hand-off `hb`, rounded to T. Item idx = 32 ew +
+// lane + 96 i of the tile's 128 rows x 8 chunks: row idx >> 3 and 16-byte chunk idx & 7 of each
+// of the tile's four 64-column groups, so a warp instruction covers 4 rows x 128 contiguous bytes
+// of every operand (and reads 4 whole 128-byte rows of the hand-off, conflict-free), and the 8
+// lanes of a row are consecutive: three shuffles give its dg partial (its columns in ascending
+// order within a lane, then a fixed tree: deterministic). Per element the arithmetic of
+// b1_epilogue (b1_element), with du = g * v for v as handed off: rounded once to T, as the
+// PyTorch dataflow's grouped GEMM output is (b1_epilogue uses the fp32 accumulator). Plain loads:
+// a, b may live where da, db go (RECOMPUTE, CONSUME_SAVED); each lane reads its chunks before it
+// writes the same chunks.
+template <typename T, int ACT>
+__device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const TileCoord& c, int ew,
+                                                  int lane, const uint32_t* hb) {
+  const int h = p.n_out;
+  const bool have_u = p.u != nullptr;
+  const T* a_src = static_cast<const T*>(p.a);
+  const T* b_src = static_cast<const T*>(p.b);
+  const T* u_src = static_cast<const T*>(p.u);
+  T* dadb = static_cast<T*>(p.dadb);
+  T* gu = static_cast<T*>(p.gu);
+  constexpr int kItems = kBM * 8;
+  constexpr int kLanes = 32 * kB1EpiWarps;
+  // Bytes in flight: 96 threads cannot reach the DRAM rate with one column group's loads at a time
+  // (~3 KB per SM against the ~24 KB that 3 TB/s at ~1 us needs; session 8 call 1: B1 1.5-2x
+  // slower). So each item loads all four groups' a, b before its first store (the stores may alias
+  // the loads under CONSUME_SAVED, so the compiler would not hoist them itself), and the item two
+  // iterations ahead is prefetched into L2 (no registers held).
+  const auto prefetch_item = [&](int idx) {
+    const int row = idx >> 3, ch = idx & 7;
+    if (idx >= kItems || row >= c.rows) return;
+    const int64_t ab_row = (int64_t(c.row0) + row) * p.ab_ld;
+#pragma unroll
+    for (int group = 0; group < 4; ++group) {
+      const int col = c.n0 + group * 64 + ch * 8;
+      if (col >= h) break;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a_src + ab_row + col));
+      if (p.gated) asm volatile("prefetch.global.L2 [%0];" ::"l"(b_src + ab_row + col));
+    }
+  };
+  prefetch_item(32 * ew + lane + kLanes);
+#pragma unroll 1
+  for (int base = 32 * ew; base < kItems; base += kLanes) {  // warp-uniform: kItems % 32 == 0
+    const int idx = base + lane;
+    prefetch_item(idx + 2 * kLanes);
+    const int row = idx >> 3, ch = idx & 7;
+    const bool row_ok = row < c.rows;
+    const int64_t grow = int64_t(c.row0) + row;
+    uint4 av[4], bv[4];
+#pragma unroll
+    for (int group = 0; group < 4; ++group) {
+      const int col = c.n0 + group * 64 + ch * 8;
+      const bool in = row_ok && col < h;  // h % 8 == 0: a chunk is all in or all out
+      const int64_t ab = grow * p.ab_ld + col;
+      av[group] = in ? *reinterpret_cast<const uint4*>(a_src + ab) : make_uint4(0, 0, 0, 0);
+      bv[group] =
+          in && p.gated ? *reinterpret_cast<const uint4*>(b_src + ab) : make_uint4(0, 0, 0, 0);
+    }
+    const float gval = row_ok ? __ldg(p.g + __ldg(p.row_pair + grow)) : 0.f;
+    float dot = 0.f;
+#pragma unroll
+    for (int group = 0; group < 4; ++group) {
+      const int col = c.n0 + group * 64 + ch * 8;
+      if (!row_ok || col >= h) continue;
+      const uint4 vv = *reinterpret_cast<const uint4*>(hb + group * kHandoffSubWords + row * 32 +
+                                                       ((ch ^ (row & 7)) << 2));
+      const uint4 uv = have_u ? *reinterpret_cast<const uint4*>(u_src + grow * p.u_ld + col)
+                              : make_uint4(0, 0, 0, 0);
+      const uint32_t vw[4] = {vv.x, vv.y, vv.z, vv.w};
+      const uint32_t aw[4] = {av[group].x, av[group].y, av[group].z, av[group].w};
+      const uint32_t bw[4] = {bv[group].x, bv[group].y, bv[group].z, bv[group].w};
+      const uint32_t uw[4] = {uv.x, uv.y, uv.z, uv.w};
+      uint32_t daw[4], dbw[4], guw[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 vf = unpack2<T>(vw[i]), af = unpack2<T>(aw[i]);
+        const float2 bf = unpack2<T>(bw[i]), uf = unpack2<T>(uw[i]);
+        float u0, u1, da0, db0, da1, db1;
+        b1_element<T, ACT>(af.x, bf.x, gval * vf.x, have_u, uf.x, u0, da0, db0);
+        b1_element<T, ACT>(af.y, bf.y, gval * vf.y, have_u, uf.y, u1, da1, db1);
+        dot += vf.x * u0;
+        dot += vf.y * u1;
+        daw[i] = pack2<T>(da0, da1);
+        dbw[i] = pack2<T>(db0, db1);
+        guw[i] = pack2<T>(gval * u0, gval * u1);
+      }
+      T* drow = dadb + grow * p.dadb_ld + col;
+      *reinterpret_cast<uint4*>(drow) = make_uint4(daw[0], daw[1], daw[2], daw[3]);
+      if (p.gated)
+        *reinterpret_cast<uint4*>(drow + p.db_offset) = make_uint4(dbw[0], dbw[1], dbw[2], dbw[3]);
+      *reinterpret_cast<uint4*>(gu + grow * h + col) = make_uint4(guw[0], guw[1], guw[2], guw[3]);
+    }
+    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+    dot += __shfl_xor_sync(0xffffffffu, dot, 4);
+    if (row_ok && ch == 0) p.dg_part[int64_t(c.n0 / kBN) * p.N + grow] = dot;
+  }
+}
+
 #endif  // MB_SM90_DEVICE
 
 // ACT: the activation (Activation cast to int) for B1's epilogue; 0 for F2 and B4.
-template <typename T, int KIND, int ACT>
+// EPI_WARPS (B1 only): the epilogue-warp form (see kB1EpiWarpsMaxKTiles).
+template <typename T, int KIND, int ACT, bool EPI_WARPS>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_rows_kernel(const __grid_constant__ CUtensorMap tmap_a,
                      const __grid_constant__ CUtensorMap tmap_b0,
@@ -298,13 +425,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if MB_SM90_DEVICE
   constexpr bool kGather = KIND == kB1;
   constexpr bool kBMn = KIND != kF2;
+  static_assert(!EPI_WARPS || KIND == kB1, "the epilogue-warp form is B1's");
+  constexpr int kStages = stages_for(EPI_WARPS);
+  // B1's consumers gather their A half this many k-steps ahead. With 4 stages the gather of k-step
+  // it + 2 is issued between k-step it's commit and its wait<1>, into the slot of k-step it - 2;
+  // the 3-stage form issues it after the wait, into the slot wgmma(it - 1) released (as F1's
+  // short-K form does; a lead of 1 would leave the rows one k-step to land).
+  constexpr bool kGatherBeforeWait = kStages >= 4;
+  constexpr int kGatherLead = kGatherBeforeWait ? kStages - 2 : kStages - 1;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  uint8_t* epi = smem + kPipeBytes;
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + kEpiBytes);
+  uint8_t* epi = smem + kStages * kStageBytes;  // B1's staging buffers, or EPI_WARPS' hand-off
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + (EPI_WARPS ? kHandoffBytes : kEpiBytes));
   uint64_t* empty_bar = full_bar + kStages;
   uint64_t* a_full_bar = empty_bar + kStages;  // B1: [2][kStages], consumer warpgroup wg's A half
-  int* tile_start = reinterpret_cast<int*>(a_full_bar + 2 * kStages);  // [E + 1]
+  uint64_t* handoff_full = a_full_bar + 2 * kStages;  // EPI_WARPS only
+  uint64_t* handoff_empty = handoff_full + 1;
+  int* tile_start = reinterpret_cast<int*>(handoff_empty + 1);  // [E + 1]
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
@@ -316,6 +453,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(smem_u32(a_full_bar + s), 128);  // B1: one cp.async arrival per consumer thread
       mbar_init(smem_u32(a_full_bar + kStages + s), 128);
     }
+    // One arrival per thread on both (each releases its own shared-memory accesses; F1's
+    // hand-off, where one arrival per warp made racecheck report hazards).
+    mbar_init(smem_u32(handoff_full), 32 * kConsumerWarps);
+    mbar_init(smem_u32(handoff_empty), 32 * kB1EpiWarps);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
   for (int e = tid; e < p.E; e += kThreads) {
@@ -330,7 +471,24 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warp < 4) {
     // ================= producer warpgroup =================
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(EPI_WARPS ? kRegsWg0Epi : kRegsWg0)
+                 : "memory");
+    if constexpr (EPI_WARPS) {
+      if (warp >= 1) {
+        // ================= epilogue warps 1-3 =================
+        // Per tile (the same sequence of tile ids as every role): wait for the consumers'
+        // hand-off, run the tile's epilogue from it, then every lane releases the buffer.
+        const uint32_t* hb = reinterpret_cast<const uint32_t*>(epi);
+        uint32_t n = 0;  // this CTA's tiles so far: hand-off phase n
+        for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
+          const TileCoord c = decode_tile(t, tile_start, p);
+          mbar_wait(smem_u32(handoff_full), n & 1);
+          b1_epilogue_warps<T, ACT>(p, c, warp - 1, lane, hb);
+          mbar_arrive(smem_u32(handoff_empty));  // every lane, after its own reads
+        }
+        return;
+      }
+    }
     if (tid != 0) return;  // one thread issues every TMA (B1: the consumers gather A)
     uint32_t it = 0;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
@@ -361,7 +519,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
   } else {
     // ================= consumer warpgroups =================
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+    asm volatile(
+        "setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(EPI_WARPS ? kRegsConsumerEpi : kRegsConsumer)
+        : "memory");
     const int wg = (warp >> 2) - 1;   // rows [64 wg, 64 wg + 64) of the tile
     const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of those
     const int g = lane >> 2, t4 = lane & 3;
@@ -382,7 +542,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
     }
     uint32_t it = 0;
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+    uint32_t n = 0;  // EPI_WARPS: this CTA's tiles so far, the hand-off's phase
+    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
       const TileCoord c = decode_tile(t, tile_start, p);
       int prev_s = 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
@@ -408,7 +569,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                                (kt > 0 || kk > 0) ? 1 : 0);
         }
         wgmma_commit();
-        if constexpr (kGather) {
+        if constexpr (kGather && kGatherBeforeWait) {
           // While wgmma(it - 1) and wgmma(it) run: our A of k-step it + kGatherLead into the slot
           // of k-step it - 2, whose wgmma completed before the previous k-step's wait<1>.
           const int refill = int((it + kGatherLead) % kStages);
@@ -418,6 +579,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_wait<1>();
         fence_accumulators(acc);
         if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+        if constexpr (kGather && !kGatherBeforeWait) {  // the slot of k-step it - 1, released now
+          const int refill = int((it + kGatherLead) % kStages);
+          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
+                       row_range);
+        }
         prev_s = s;
       }
       wgmma_wait<0>();
@@ -425,7 +591,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
 
       const int tile_row = wg * 64 + warp_in_wg * 16;
-      if constexpr (KIND == kB1) {
+      if constexpr (EPI_WARPS) {
+        // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
+        // (for n = 0, parity 1 of a fresh barrier returns at once), round v into it and go on to
+        // the next tile. Register 4j + q of lane (g, t4): row g + 8 (q >> 1) of the warp's 16,
+        // column 8j + 2 t4 + (q & 1): sub-tile j >> 3, chunk j & 7, word t4; a warp instruction
+        // (fixed j, rr) writes 8 rows (row & 7 == g) at chunks (j & 7) ^ g: all 32 banks once.
+        mbar_wait(smem_u32(handoff_empty), (n & 1) ^ 1);
+        uint32_t* hb = reinterpret_cast<uint32_t*>(epi);
+#pragma unroll
+        for (int j = 0; j < 32; ++j) {
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const int row = tile_row + g + 8 * rr;
+            hb[(j >> 3) * kHandoffSubWords + row * 32 + (((j & 7) ^ g) << 2) + t4] =
+                pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+          }
+        }
+        mbar_arrive(smem_u32(handoff_full));  // every lane, after its own writes
+      } else if constexpr (KIND == kB1) {
         uint32_t* stg = reinterpret_cast<uint32_t*>(epi + (warp - 4) * kB1StageWarpBytes);
         b1_epilogue<T, ACT>(p, c, tile_row, lane, stg, acc);
       } else {
@@ -455,30 +639,31 @@ __global__ void __launch_bounds__(kThreads, 1)
 using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap,
                           const RowsParams);
 
-template <typename T>
+template <typename T, bool EPI_WARPS>
 KernelFn b1_kernel_for(Activation act) {
   switch (act) {
-    case Activation::SwiGLU: return sm90_rows_kernel<T, kB1, int(Activation::SwiGLU)>;
-    case Activation::GeGLU: return sm90_rows_kernel<T, kB1, int(Activation::GeGLU)>;
-    case Activation::ReGLU: return sm90_rows_kernel<T, kB1, int(Activation::ReGLU)>;
-    case Activation::SiLU: return sm90_rows_kernel<T, kB1, int(Activation::SiLU)>;
-    case Activation::GELU: return sm90_rows_kernel<T, kB1, int(Activation::GELU)>;
-    case Activation::ReLU: return sm90_rows_kernel<T, kB1, int(Activation::ReLU)>;
-    case Activation::ReLU2: return sm90_rows_kernel<T, kB1, int(Activation::ReLU2)>;
+    case Activation::SwiGLU: return sm90_rows_kernel<T, kB1, int(Activation::SwiGLU), EPI_WARPS>;
+    case Activation::GeGLU: return sm90_rows_kernel<T, kB1, int(Activation::GeGLU), EPI_WARPS>;
+    case Activation::ReGLU: return sm90_rows_kernel<T, kB1, int(Activation::ReGLU), EPI_WARPS>;
+    case Activation::SiLU: return sm90_rows_kernel<T, kB1, int(Activation::SiLU), EPI_WARPS>;
+    case Activation::GELU: return sm90_rows_kernel<T, kB1, int(Activation::GELU), EPI_WARPS>;
+    case Activation::ReLU: return sm90_rows_kernel<T, kB1, int(Activation::ReLU), EPI_WARPS>;
+    case Activation::ReLU2: return sm90_rows_kernel<T, kB1, int(Activation::ReLU2), EPI_WARPS>;
   }
   return nullptr;
 }
 
 template <typename T>
-KernelFn kernel_for_type(int kind, Activation act) {
-  if (kind == kF2) return sm90_rows_kernel<T, kF2, 0>;
-  if (kind == kB4) return sm90_rows_kernel<T, kB4, 0>;
-  return b1_kernel_for<T>(act);
+KernelFn kernel_for_type(int kind, Activation act, bool epi_warps) {
+  if (kind == kF2) return sm90_rows_kernel<T, kF2, 0, false>;
+  if (kind == kB4) return sm90_rows_kernel<T, kB4, 0, false>;
+  return epi_warps ? b1_kernel_for<T, true>(act) : b1_kernel_for<T, false>(act);
 }
 
-KernelFn kernel_for(Dtype dtype, int kind, Activation act) {
-  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(kind, act);
-  if (dtype == Dtype::F16) return kernel_for_type<__half>(kind, act);
+// epi_warps: B1's epilogue-warp form (kind == kB1 only).
+KernelFn kernel_for(Dtype dtype, int kind, Activation act, bool epi_warps) {
+  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(kind, act, epi_warps);
+  if (dtype == Dtype::F16) return kernel_for_type<__half>(kind, act, epi_warps);
   return nullptr;
 }
 
@@ -543,9 +728,16 @@ void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtenso
   // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E).
   const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
   const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
-  const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation);
+  // B1 with tiles of 17-32 k-steps (1024 < d <= 2048): the epilogue-warp form, whose epilogue
+  // overlaps the next tile's main loop. With more k-steps the epilogue is a small share and the
+  // fourth stage is worth more (F1's measurement, round 12); with fewer, the epilogue outlasts the
+  // main loop it hides behind (kB1EpiWarpsMinKTiles).
+  const int k_tiles = p.halves * p.kt_half;
+  const bool epi_warps =
+      kind == kB1 && k_tiles >= kB1EpiWarpsMinKTiles && k_tiles <= kB1EpiWarpsMaxKTiles;
+  const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation, epi_warps);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
-  kernel<<<grid, kThreads, smem_bytes(p.E), stream>>>(a, b0, b1, p);
+  kernel<<<grid, kThreads, smem_bytes(p.E, epi_warps), stream>>>(a, b0, b1, p);
   check_launch(what);
 }
 
@@ -560,7 +752,10 @@ bool sm90_rows_prepare_kernels() {
     for (int kind : {kF2, kB4, kB1}) {
       for (Activation act : kAllActivations) {
         if (kind != kB1 && act != Activation::SwiGLU) continue;  // one kernel, any activation
-        if (!prepare_kernel(kernel_for(dtype, kind, act), kMaxSmemBytes)) return false;
+        for (bool epi_warps : {false, true}) {
+          if (epi_warps && kind != kB1) continue;
+          if (!prepare_kernel(kernel_for(dtype, kind, act, epi_warps), kMaxSmemBytes)) return false;
+        }
       }
     }
   }

@@ -8,7 +8,7 @@
 #    tile exactly once, each warp runs a warp-uniform number of iterations (the dg shuffles need
 #    all 32 lanes), and the 8 lanes of a row are consecutive and 8-aligned in one warp (so the
 #    xor-1/2/4 shuffles sum exactly that row's chunks).
-#   /usr/bin/python3 dev/cuda/patches/b1_epilogue_warps_model.py
+#   /usr/bin/python3 dev/cuda/b1_epilogue_warps_model.py
 import sys
 
 K_BM, K_EPI_WARPS, SUB_WORDS = 128, 3, 128 * 64 * 2 // 4
