@@ -50,7 +50,7 @@ while IFS='|' read -r name args; do
       >>"$out/profile.log" 2>&1
   done
 done <<<"$shapes"
-echo "== per-kernel CUDA time (ms), before -> after"
+echo "== per-kernel CUDA time (ms a step, every call), before -> after"
 python3 - "$out/profile.log" <<'PY'
 import re, sys
 sys.path.insert(0, "tools")
@@ -68,11 +68,13 @@ for head, body in zip(blocks[::2], blocks[1::2]):
         if tag is not None:
             cols = [c for c in re.split(r"\s{2,}", line.strip()) if c]
             # torch.profiler table: name, self cpu %, self cpu, cpu total %, cpu total,
-            # cpu time avg, self cuda, self cuda %, cuda total, cuda time avg, # calls
-            avg = [c for c in cols if re.fullmatch(r"[\d.]+(ms|us)", c)]
-            if len(avg) >= 5:
-                v = avg[-1]
-                k[tag] = float(v[:-2]) / (1000.0 if v.endswith("us") else 1.0)
+            # cpu time avg, self cuda, self cuda %, cuda total, cuda time avg, # calls. Self CUDA
+            # is the step's total over every call (B1/B2 run once per column chunk of h), summed
+            # over the kernel's instances with the same tag.
+            times = [c for c in cols if re.fullmatch(r"[\d.]+(ms|us)", c)]
+            if len(times) >= 6:
+                v = times[-3]
+                k[tag] = k.get(tag, 0.0) + float(v[:-2]) / (1000.0 if v.endswith("us") else 1.0)
     res.setdefault(name, {})[which] = k
 tags = ["F1", "F2", "B1", "B4", "B2", "B3", "fwd+bwd"]
 print("%-16s %s" % ("shape", " ".join("%17s" % t for t in tags)))

@@ -71,7 +71,7 @@ constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 // run the activation backward from it (a, b in; da, db, g*u out; dg partials). In the 4-stage form
 // the consumers run it after each tile's main loop (~3.2 of conf3's 7.5 ms).
 // Measured (session 8, same process, 4-stage -> EPI_WARPS): B1 conf4 10.76 -> 9.16 ms, conf7
-// 1.28 -> 1.17, qwen3 1.01 -> 0.94 (32 k-steps); conf3 6.96 -> 7.04, SiLU 6.11 -> 6.20 (16
+// 2.56 -> 2.34, qwen3 1.01 -> 0.94 (32 k-steps); conf3 6.96 -> 7.04, SiLU 6.11 -> 6.20 (16
 // k-steps: the tile's epilogue, 327 KB of traffic, outlasts a main loop half as long, and 96
 // threads move it more slowly than the consumers' 256). Hence the lower bound.
 constexpr int kB1EpiWarpsMinKTiles = 17;
