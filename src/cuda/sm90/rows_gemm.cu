@@ -22,6 +22,9 @@
 // consumer warp's 2 KB staging buffer (common.cuh): a, b (and u under SAVE_ALL) in by coalesced
 // 16-byte loads, then da, db, g*u (rounded once) out by coalesced 16-byte stores, and the row's dg
 // partial for this 256-column tile (the quad's lanes hold the row's columns: two shuffles).
+// B1 with 17-32 k-steps a tile (1024 < d <= 2048) takes the epilogue-warp form instead (EPI_WARPS,
+// kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16 and
+// warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on.
 #include "cuda/sm90/rows_gemm.hpp"
 
 #include "common/activation_math.hpp"
