@@ -2,6 +2,7 @@
 
 Usage: MOEBLAZE_LIBRARY=build/src/libmoeblaze.so python3 tests/cuda/profile_kernels.py \
            [--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act swiglu --policy save_preact]
+           [--routing random|blocked] [--host [--trace FILE]]
 Needs a GPU, PyTorch and the Python bindings (bindings/python, found relative to this file).
 """
 import argparse
@@ -29,6 +30,11 @@ def main():
                    help="also time the host side: enqueue time per step, GPU idle time, the CPU "
                         "calls that take longest, and a Chrome trace (--trace)")
     p.add_argument("--trace", default=None, help="with --host: write a Chrome trace here")
+    p.add_argument("--routing", choices=("random", "blocked"), default="random",
+                   help="random: softmax top-k of N(0, 1) logits (the benchmark's). blocked: token "
+                        "t's experts are (t * E // T + j) % E, so each expert's gathered rows are "
+                        "runs of consecutive tokens and every expert gets k*T/E of them: the "
+                        "gathered kernels with and without scattered rows")
     a = p.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -37,6 +43,9 @@ def main():
     logits = torch.randn(a.T, a.E, device=dev)
     top, ids = torch.topk(torch.softmax(logits, -1), a.k, dim=-1)
     g = (top / top.sum(-1, keepdim=True)).requires_grad_(True)
+    if a.routing == "blocked":
+        t = torch.arange(a.T, device=dev)
+        ids = ((t * a.E // a.T).unsqueeze(1) + torch.arange(a.k, device=dev)) % a.E
     ids = ids.to(torch.int32).contiguous()
     wg = (torch.randn(a.E, a.h, a.d, device=dev) / a.d ** 0.5).to(dt).requires_grad_(True)
     wu = (torch.randn(a.E, a.h, a.d, device=dev) / a.d ** 0.5).to(dt).requires_grad_(True) if gated else None
@@ -63,7 +72,7 @@ def main():
     ms = start.elapsed_time(end) / 5
     flops = (18 if gated else 12) * a.T * a.k * a.d * a.h
     print(f"fwd+bwd {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s "
-          f"(T={a.T} d={a.d} h={a.h} E={a.E} k={a.k} {a.act} {a.policy})")
+          f"(T={a.T} d={a.d} h={a.h} E={a.E} k={a.k} {a.act} {a.policy} {a.routing})")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
