@@ -9,7 +9,9 @@
 # b1-epilogue-pipelined (src/cuda/sm90/rows_gemm.cu) is judged by B1's time per shape and the
 # CUDA suite's da/db/dg checks; k1-direct-rows (experts.cu, gemm.cuh, rows_gemm.cu/.hpp, ...) by
 # the new "k = 1 direct rows" test case, the EP suite (its expert side runs with k = 1) and conf1's
-# F2, B4 and token_reduce times. They apply together in either order. The patches stay applied in
+# F2, B4 and token_reduce times; gather-lean (wgrad_gemm.cu, primitives.cuh) by B2's and B3's
+# times (F1's and B1's gather change by a few instructions) and every gathered GEMM's checks. They
+# apply together in any order. The patches stay applied in
 # the device's copy of the tree; land each here (git apply) only if its checks passed.
 #   PATCHES="k1-direct-rows" bash dev/cuda/patches/run_patches.sh    (a subset)
 set -u -o pipefail
@@ -20,7 +22,7 @@ here=dev/cuda/patches
 python3 dev/cuda/b1_epilogue_warps_model.py || exit 1
 # BEFORE: the tree as it is (every CUDA source the patches touch: all of src/cuda).
 rm -rf .ab && mkdir -p .ab/src && cp -r src/cuda .ab/src/
-for name in ${PATCHES:-b1-epilogue-pipelined k1-direct-rows}; do
+for name in ${PATCHES:-b1-epilogue-pipelined k1-direct-rows gather-lean}; do
   if command -v git >/dev/null 2>&1 && git apply --check "$here/$name.patch" 2>/dev/null; then
     git apply "$here/$name.patch"
   else
