@@ -65,6 +65,30 @@ bool prepare_kernel(Kernel kernel, size_t smem_bytes) {
                               int(smem_bytes)) == cudaSuccess;
 }
 
+// ---- the persistent warp-specialised kernels (f1_gemm.cu, rows_gemm.cu, wgrad_gemm.cu): 384
+// threads, one CTA per SM.
+
+// Experts the device-side tile schedule holds in shared memory (a prefix of E + 1 ints).
+constexpr int kMaxExperts = 1024;
+// Dynamic shared memory a block may have on the H100 / H200 (227 KB).
+constexpr size_t kSmemPerBlock = 232448;
+
+// Dynamic shared memory of F1 and the rows kernels (the forms with epilogue warps): 1 KB of
+// alignment slack, the pipeline stages, the epilogue's buffer (the consumers' staging, or the
+// epilogue warps' hand-off), the mbarriers (full, empty and each consumer warpgroup's a_full per
+// stage, + handoff_full and handoff_empty) and the E + 1 tile starts.
+constexpr size_t pipeline_smem_bytes(int stages, size_t stage_bytes, size_t epilogue_bytes, int E) {
+  return 1024 + size_t(stages) * stage_bytes + epilogue_bytes + size_t(4 * stages + 2) * 8 +
+         sizeof(int) * size_t(E + 1);
+}
+
+// setmaxnreg counts (per thread, multiples of 8): the producer warpgroup's and the two consumer
+// warpgroups' counts may sum to at most 3 x 168 (ptxas's entry count for 384 threads), or a
+// consumer's .inc waits forever.
+constexpr bool register_split_fits(int producer, int consumer) {
+  return producer + 2 * consumer <= 3 * 168;
+}
+
 inline bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }

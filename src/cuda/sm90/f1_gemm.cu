@@ -32,6 +32,8 @@
 // the image the runtime picked for the current device is sm_90 or newer.
 #include "cuda/sm90/f1_gemm.hpp"
 
+#include <algorithm>
+
 #include "common/activation_math.hpp"
 #include "common/status.hpp"
 #include "cuda/cuda_util.cuh"
@@ -52,7 +54,6 @@ constexpr int kEpiWarps = 2;  // EPI_WARPS: warps 2 and 3
 // The form per call: epilogue warps when a tile has at most this many k-steps (see the top).
 constexpr int kEpiWarpsMaxKTiles = 32;
 constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
-constexpr int kMaxExperts = 1024;
 
 constexpr int kATileBytes = kBM * kBK * 2;       // 16 KB
 constexpr int kBBoxBytes = kBBoxRows * kBK * 2;  // 16 KB, two per stage
@@ -71,21 +72,20 @@ constexpr int stages_for(bool epi_warps) {
 }
 // full, empty, a_full of each consumer warpgroup; EPI_WARPS: + handoff_full, handoff_empty.
 constexpr size_t smem_bytes(int E, bool epi_warps) {
-  return 1024 /* alignment slack */ + size_t(stages_for(epi_warps)) * kStageBytes +
-         (epi_warps ? kHandoffBytes : kEpiBytes) + (4 * stages_for(epi_warps) + 2) * 8 +
-         sizeof(int) * size_t(E + 1);
+  return pipeline_smem_bytes(stages_for(epi_warps), kStageBytes,
+                             epi_warps ? kHandoffBytes : kEpiBytes, E);
 }
-constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts, false) > smem_bytes(kMaxExperts, true)
-                                     ? smem_bytes(kMaxExperts, false)
-                                     : smem_bytes(kMaxExperts, true);
-static_assert(kMaxSmemBytes <= 232448, "227 KB of shared memory per block on the H100 / H200");
+constexpr size_t kMaxSmemBytes =
+    std::max(smem_bytes(kMaxExperts, false), smem_bytes(kMaxExperts, true));
+static_assert(kMaxSmemBytes <= kSmemPerBlock,
+              "227 KB of shared memory per block on the H100 / H200");
 
-// setmaxnreg counts (per thread, multiples of 8): the three warpgroups' counts may sum to at most
-// 3 x 168 (ptxas's entry count for 384 threads), or a consumer's .inc waits forever.
+// setmaxnreg counts (register_split_fits).
 constexpr int kRegsWg0 = 40, kRegsConsumer = 232;
 constexpr int kRegsWg0Epi = 72, kRegsConsumerEpi = 216;  // EPI_WARPS: the epilogue warps' math
-static_assert(kRegsWg0 + 2 * kRegsConsumer <= 3 * 168, "register split");
-static_assert(kRegsWg0Epi + 2 * kRegsConsumerEpi <= 3 * 168, "register split (epilogue warps)");
+static_assert(register_split_fits(kRegsWg0, kRegsConsumer), "register split");
+static_assert(register_split_fits(kRegsWg0Epi, kRegsConsumerEpi),
+              "register split (epilogue warps)");
 
 // Columns of h one tile covers.
 constexpr int tile_cols(bool gated) {

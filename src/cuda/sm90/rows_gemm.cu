@@ -27,6 +27,8 @@
 // warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on.
 #include "cuda/sm90/rows_gemm.hpp"
 
+#include <algorithm>
+
 #include "common/activation_math.hpp"
 #include "common/status.hpp"
 #include "cuda/cuda_util.cuh"
@@ -51,7 +53,6 @@ constexpr int stages_for(bool epi_warps) {
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
-constexpr int kMaxExperts = 1024;
 
 constexpr int kATileBytes = kBM * kBK * 2;         // 16 KB
 constexpr int kBTileBytes = kBN * kBK * 2;         // 32 KB
@@ -86,20 +87,20 @@ constexpr int kHandoffBytes = 4 * kHandoffSubBytes;  // 64 KB
 
 // full, empty, a_full of each consumer warpgroup; EPI_WARPS: + handoff_full, handoff_empty.
 constexpr size_t smem_bytes(int E, bool epi_warps) {
-  return 1024 /* alignment slack */ + size_t(stages_for(epi_warps)) * kStageBytes +
-         (epi_warps ? kHandoffBytes : kEpiBytes) + (4 * stages_for(epi_warps) + 2) * 8 +
-         sizeof(int) * size_t(E + 1);
+  return pipeline_smem_bytes(stages_for(epi_warps), kStageBytes,
+                             epi_warps ? kHandoffBytes : kEpiBytes, E);
 }
-constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts, false) > smem_bytes(kMaxExperts, true)
-                                     ? smem_bytes(kMaxExperts, false)
-                                     : smem_bytes(kMaxExperts, true);
-static_assert(kMaxSmemBytes <= 232448, "227 KB of shared memory per block on the H100 / H200");
+constexpr size_t kMaxSmemBytes =
+    std::max(smem_bytes(kMaxExperts, false), smem_bytes(kMaxExperts, true));
+static_assert(kMaxSmemBytes <= kSmemPerBlock,
+              "227 KB of shared memory per block on the H100 / H200");
 
-// setmaxnreg counts (multiples of 8; the three warpgroups' sum at most 3 x 168).
+// setmaxnreg counts (register_split_fits).
 constexpr int kRegsWg0 = 40, kRegsConsumer = 232;
 constexpr int kRegsWg0Epi = 104, kRegsConsumerEpi = 200;  // EPI_WARPS: the epilogue warps' math
-static_assert(kRegsWg0 + 2 * kRegsConsumer <= 3 * 168, "register split");
-static_assert(kRegsWg0Epi + 2 * kRegsConsumerEpi <= 3 * 168, "register split (epilogue warps)");
+static_assert(register_split_fits(kRegsWg0, kRegsConsumer), "register split");
+static_assert(register_split_fits(kRegsWg0Epi, kRegsConsumerEpi),
+              "register split (epilogue warps)");
 
 struct RowsParams {
   const void* a_src;           // B1: dy [T, lda] (gathered rows)

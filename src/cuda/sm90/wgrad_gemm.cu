@@ -69,7 +69,6 @@ constexpr int kStages = 4;
 // commit and its wait<1>: the target slot (k-step it - 2) is then free, so the lead is kStages - 2.
 constexpr int kGatherLead = kStages - 2;
 constexpr int kThreads = 384;  // warpgroup 0: producer; 1, 2: consumers
-constexpr int kMaxExperts = 1024;
 
 constexpr int kBoxBytes = 64 * kBK * 2;              // 8 KB: 64 k-rows x 128 bytes
 constexpr int kATileBytes = (kBM / 64) * kBoxBytes;  // 16 KB: 2 boxes
@@ -92,7 +91,8 @@ constexpr size_t smem_bytes(int E) {
          size_t(8 /* consumer warps */) * kEpilogueWarpBytes;
 }
 constexpr size_t kMaxSmemBytes = smem_bytes(kMaxExperts);
-static_assert(kMaxSmemBytes <= 232448, "227 KB of shared memory per block on the H100 / H200");
+static_assert(kMaxSmemBytes <= kSmemPerBlock,
+              "227 KB of shared memory per block on the H100 / H200");
 
 struct WgradParams {
   const void* gsrc;            // gathered operand rows [T, gld] (B2: dy; B3: x)
