@@ -328,10 +328,11 @@ class HalfTileGather {
  public:
   // src [*, ld]: the rows gathered by token id; k_len: valid k (columns past it read as zeros);
   // k_tiles: k-steps per tile; wg: 0 or 1, the consumer warpgroup (rows [64 wg, 64 wg + 64)).
+  // ld < 2^31 (the kernels' int-range checks).
   __device__ __forceinline__ HalfTileGather(const T* src, int64_t ld, int k_len, int k_tiles,
                                             const int32_t* token_index, int total_tiles, int wg)
       : src_(src),
-        ld_(ld),
+        ld_(uint32_t(ld)),
         k_len_(k_len),
         k_tiles_(k_tiles),
         token_index_(token_index),
@@ -357,12 +358,16 @@ class HalfTileGather {
     const int k = kt_ * kBK + chunk * 8;
     const bool k_ok = k < k_len_;
     const uint32_t half = a_tile + uint32_t(wg_) * (64u * 128u);
+    const T* src_k = src_ + k;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = row + 16 * i;  // row of the half; r & 7 is the tile row's too (64 % 8 == 0)
+      // Row 0 stands in for a zero-filled chunk (nothing is read); an unsigned 32 x 32 -> 64-bit
+      // product (one IMAD.WIDE.U32) instead of a signed 64-bit one and a pointer select.
       const bool ok = k_ok && ids_[i] >= 0;
-      const T* p = ok ? src_ + int64_t(ids_[i]) * ld_ + k : src_;
-      cp_async16_zfill(half + uint32_t(r) * 128u + uint32_t((chunk ^ (r & 7)) << 4), p, ok);
+      const uint32_t id = ok ? uint32_t(ids_[i]) : 0u;
+      cp_async16_zfill(half + uint32_t(r) * 128u + uint32_t((chunk ^ (r & 7)) << 4),
+                       src_k + uint64_t(id) * ld_, ok);
     }
     cp_async_mbar_arrive_noinc(bar);
     if (++kt_ == k_tiles_) {
@@ -388,7 +393,7 @@ class HalfTileGather {
   }
 
   const T* src_;
-  int64_t ld_;
+  uint32_t ld_;
   int k_len_, k_tiles_;
   const int32_t* token_index_;
   int total_tiles_, wg_;

@@ -228,68 +228,82 @@ class KRowGather {
   __device__ __forceinline__ void start() {
     tile_ = int(blockIdx.x);
     kt_ = 0;
+    const int w = int(threadIdx.x) & 127;
+    const int chunk = w & 7, row = w >> 3;
+    // Rows row + 16 i share row & 7, so their swizzled chunks are i * 2 KB apart.
+    smem_off_ =
+        uint32_t(wg_) * kBoxBytes + uint32_t(row) * 128u + uint32_t((chunk ^ (row & 7)) << 4);
     locate();
     fetch_ids();
   }
 
   // Issues the cursor's k-step into this warpgroup's box of the A tile at shared address a_tile,
-  // completing on `bar`, and advances the cursor. Past the last k-step: nothing.
+  // completing on `bar`, and advances the cursor. Past the last k-step: nothing. The per-tile
+  // column pointer and the per-thread shared offset are kept, not recomputed each k-step (B2's
+  // SASS: ~130 of the consumers' ~230 instructions a k-step were this and fetch_ids).
   __device__ __forceinline__ void issue(uint32_t a_tile, uint32_t bar) {
     if (tile_ >= total_tiles_) return;
-    const int w = int(threadIdx.x) & 127;
-    const int chunk = w & 7, row = w >> 3;
-    const int col = m0_ + 64 * wg_ + 8 * chunk;
-    const bool col_ok = col < p_.M;
-    const T* src = static_cast<const T*>(p_.gsrc);
-    const uint32_t box = a_tile + uint32_t(wg_) * kBoxBytes;
+    const uint32_t dst = a_tile + smem_off_;
+    const uint32_t ld = uint32_t(p_.gld);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int r = row + 16 * i;
-      const bool ok = col_ok && ids_[i] >= 0;
-      const T* ptr = ok ? src + size_t(ids_[i]) * p_.gld + col : src;
-      cp_async16_zfill(box + uint32_t(r) * 128u + uint32_t((chunk ^ (r & 7)) << 4), ptr, ok);
+      // Row 0 stands in for a zero-filled chunk (nothing is read); unsigned 32 x 32 -> 64-bit
+      // offsets: one IMAD.WIDE.U32 a row instead of a signed 64-bit product and a pointer select.
+      const bool ok = col_ok_ && ids_[i] >= 0;
+      const uint32_t id = ok ? uint32_t(ids_[i]) : 0u;
+      cp_async16_zfill(dst + uint32_t(i) * 2048u, col_src_ + uint64_t(id) * ld, ok);
     }
     cp_async_mbar_arrive_noinc(bar);
     if (++kt_ == k_tiles_) {
       kt_ = 0;
       tile_ += int(gridDim.x);
       locate();
+    } else {
+      ids_src_ += kBK;
+      rem_ -= kBK;
     }
     fetch_ids();
   }
 
  private:
-  // The expert, m0 and k-steps of tile_, moved forward past tiles of empty experts.
+  // The expert, column pointer and k-steps of tile_, moved forward past tiles of empty experts.
   __device__ __forceinline__ void locate() {
     const int tiles_per_expert = p_.m_tiles * p_.n_tiles;
     for (; tile_ < total_tiles_; tile_ += int(gridDim.x)) {
       const int e = tile_ / tiles_per_expert;
-      count_ = cnt_s_[e];
-      if (count_ == 0) continue;
-      int n0;
-      tile_origin(p_, tile_ - e * tiles_per_expert, m0_, n0);
-      off_ = __ldg(p_.offsets + e);
-      k_tiles_ = (count_ + kBK - 1) / kBK;
+      const int count = cnt_s_[e];
+      if (count == 0) continue;
+      int m0, n0;
+      tile_origin(p_, tile_ - e * tiles_per_expert, m0, n0);
+      const int w = int(threadIdx.x) & 127;
+      const int col = m0 + 64 * wg_ + 8 * (w & 7);
+      col_ok_ = col < p_.M;
+      col_src_ = static_cast<const T*>(p_.gsrc) + col;
+      const int row = w >> 3;
+      ids_src_ = p_.token_index + __ldg(p_.offsets + e) + row;
+      rem_ = count - row;
+      k_tiles_ = (count + kBK - 1) / kBK;
       return;
     }
   }
 
+  // The token ids of the cursor's k-step: rows row + 16 i of it, -1 past the expert's rows
+  // (rem_ = rows of the expert left from this thread's first row on).
   __device__ __forceinline__ void fetch_ids() {
     if (tile_ >= total_tiles_) return;
-    const int valid = min(kBK, count_ - kBK * kt_);
-    const int row = (int(threadIdx.x) & 127) >> 3;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = row + 16 * i;
-      ids_[i] = r < valid ? __ldg(p_.token_index + off_ + kBK * kt_ + r) : -1;
-    }
+    for (int i = 0; i < 4; ++i) ids_[i] = 16 * i < rem_ ? __ldg(ids_src_ + 16 * i) : -1;
   }
 
   const WgradParams& p_;
   const int* cnt_s_;
   int total_tiles_, wg_;
   int tile_ = 0, kt_ = 0, k_tiles_ = 0;
-  int m0_ = 0, off_ = 0, count_ = 0;
+  uint32_t smem_off_ = 0;
+  bool col_ok_ = false;
+  const T* col_src_ = nullptr;
+  const int32_t* ids_src_ = nullptr;
+  int rem_ = 0;
   int ids_[4] = {-1, -1, -1, -1};
 };
 
