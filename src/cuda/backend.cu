@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -172,6 +173,9 @@ class CudaBackend final : public Backend {
     // Test/tuning switch: B1/B2's column chunks of h (experts.cu), 0 or unset = its policy.
     const char* gu_chunks = std::getenv("MOEBLAZE_CUDA_GU_CHUNKS");
     experts_set_gu_chunks(gu_chunks ? std::atoi(gu_chunks) : 0);
+    // Test switch: k = 1's direct rows (experts.cu); "0" routes them through the reduction.
+    const char* direct_rows = std::getenv("MOEBLAZE_CUDA_DIRECT_ROWS");
+    experts_set_direct_rows(!(direct_rows && std::strcmp(direct_rows, "0") == 0));
   }
   ~CudaBackend() override {
     if (lt_) {

@@ -98,6 +98,13 @@ __device__ __forceinline__ float round_to(float v) {
   return to_f32<T>(from_f32<T>(v));
 }
 
+// A token's output from its only routed row (k = 1, or an expert-parallel expert rank's rows):
+// token_reduce_kernel's sum of one term, so the same bits: 0 + w * v, each operation rounded
+// (w = 1 for B4's dx: the product is then exact and 0 + v turns -0 into +0 as the sum does).
+__device__ __forceinline__ float one_term_sum(float w, float v) {
+  return __fadd_rn(0.f, __fmul_rn(w, v));
+}
+
 // Calls f.template operator()<T>() with T the storage type of `dtype` (F64 never reaches CUDA).
 #define MB_CUDA_DISPATCH_DTYPE(dtype, ...)                                                     \
   switch (dtype) {                                                                             \

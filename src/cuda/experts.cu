@@ -93,6 +93,17 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
+// Direct rows (k = 1): a token whose pair was dropped (an id out of range, which CUDA cannot
+// refuse without a host sync) has no routed row, so F2 / B4 never write its output row; it gets
+// the zeros the reduction would give. One warp per token.
+template <typename T>
+__global__ void zero_dropped_kernel(int64_t num_tokens, int64_t d, const int32_t* token_index_map,
+                                    T* out) {
+  const int64_t t = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  if (t >= num_tokens || token_index_map[t] >= 0) return;
+  for (int64_t c = threadIdx.x & 31; c < d; c += 32) out[t * d + c] = from_f32<T>(0.f);
+}
+
 // dg[p] = sum over n-tiles of B1's partial dot products, in n-tile order.
 __global__ void dg_reduce_kernel(int64_t N, int tiles, const int32_t* token_index_map,
                                  const float* part, float* dg) {
@@ -142,6 +153,34 @@ void token_reduce_any(int64_t T_, const LayerDesc& desc, const int32_t* tim, con
   if (T_ == 0) return;
   MB_CUDA_DISPATCH_DTYPE(desc.dtype,
                          token_reduce<scalar_t>(T_, desc, tim, weights, rows, out, stream));
+}
+
+bool g_direct_rows = true;
+
+// k = 1: a token's output is its one routed row (times g), rounded once, so F2 and B4 write y and
+// dx themselves (one_term_sum: the reduction's bits) and neither the fp32 rows ([N, d]: 128 MiB
+// of workspace on conf1, the forward's peak there) nor the reduction pass exist. The expert side
+// of the expert-parallel layer runs with k = 1 too. Decided from the descriptor alone, so the
+// size query and the run carve the same regions; every F2 / B4 path (sm90, mma.sync, SIMT)
+// supports it.
+bool direct_rows(const LayerDesc& desc) {
+  return desc.k == 1 && g_direct_rows;
+}
+
+// After F2 / B4: the per-token reduction of the fp32 rows, or (direct rows) the dropped tokens'
+// zero rows.
+void finish_rows(bool direct, int64_t T_, const LayerDesc& desc, const int32_t* tim,
+                 const float* weights, const float* rows, void* out, cudaStream_t stream) {
+  if (!direct) {
+    token_reduce_any(T_, desc, tim, weights, rows, out, stream);
+    return;
+  }
+  if (T_ == 0) return;
+  constexpr int kThreads = 256;  // 8 tokens a block
+  const unsigned blocks = unsigned((T_ * 32 + kThreads - 1) / kThreads);
+  MB_CUDA_DISPATCH_DTYPE(desc.dtype, zero_dropped_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
+                                         T_, desc.d, tim, static_cast<scalar_t*>(out)));
+  check_launch("zero_dropped_kernel");
 }
 
 // MOEBLAZE_CUDA_GU_CHUNKS (read at backend creation): 0 = the policy of gu_chunk_cols, n > 0 =
@@ -227,7 +266,8 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   int32_t* ws_tim = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
   int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
   void* ws_u = ws.carve(es * size_t(N) * size_t(h));
-  float* y2 = ws.carve<float>(sizeof(float) * size_t(N) * size_t(d));
+  const bool direct = direct_rows(desc);
+  float* y2 = ws.carve<float>(direct ? 0 : sizeof(float) * size_t(N) * size_t(d));
   cudaStream_t stream = as_stream(call.stream);
   const bool saved = run && call.has_saved;
   int32_t* offsets = saved ? call.saved.expert_offsets : ws_offsets;
@@ -262,9 +302,12 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
     launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), stream);
   }
 
-  if (sm90_rows_supported(desc, T, {u, call.w_down, y2})) {
-    sm90_f2_launch(desc, T, u, offsets, call.w_down, y2, stream);
-    token_reduce_any(T, desc, tim, static_cast<const float*>(call.g), y2, call.y, stream);
+  const float* g = static_cast<const float*>(call.g);
+  if (sm90_rows_supported(desc, T, {u, call.w_down, direct ? call.y : y2})) {
+    Sm90DirectRows to_y;
+    if (direct) to_y = {call.y, eti, g};
+    sm90_f2_launch(desc, T, u, offsets, call.w_down, y2, to_y, stream);
+    finish_rows(direct, T, desc, tim, g, y2, call.y, stream);
     return;
   }
   GemmParams f2;
@@ -282,15 +325,23 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   f2.ep.d = d;
   f2.ep.h = h;
   f2.ep.out_rows_f32 = y2;
+  if (direct) {
+    f2.ep.direct_out = call.y;
+    f2.ep.direct_token = eti;
+    f2.ep.direct_w = g;
+  }
   launch_gemm(desc.dtype, Epi::F2, mma, f2, int(N), stream);
-
-  token_reduce_any(T, desc, tim, static_cast<const float*>(call.g), y2, call.y, stream);
+  finish_rows(direct, T, desc, tim, g, y2, call.y, stream);
 }
 
 // ---- backward -----------------------------------------------------------------------------------
 
 void experts_set_gu_chunks(int chunks) {
   g_gu_chunks_override = chunks > 0 ? chunks : 0;
+}
+
+void experts_set_direct_rows(bool enabled) {
+  g_direct_rows = enabled;
 }
 
 void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Carver& ws,
@@ -309,7 +360,8 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   // g*u for one column chunk of h at a time (gu_chunk_cols; all of h when that is one chunk).
   const int64_t gu_cols = gu_chunk_cols(desc, N);
   const size_t gu_bytes = es * size_t(N) * size_t(gu_cols);
-  const size_t dxr_bytes = sizeof(float) * size_t(N) * size_t(d);
+  const bool direct = direct_rows(desc);  // B4 writes dx itself: no fp32 rows
+  const size_t dxr_bytes = direct ? 0 : sizeof(float) * size_t(N) * size_t(d);
   // B4's fp32 rows reuse g*u's region when they fit: g*u is written by B1 and last read by B2, and
   // all kernels run in order on one stream. (RECOMPUTE's a, b need no region: see below.)
   const bool dxr_in_gu = dxr_bytes <= gu_bytes;
@@ -491,9 +543,11 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   // B4: dx rows = [da|db]_r . [w_gate; w_up][e] (K = 2h), then the per-token reduction.
   if (call.dx) {
     float* dxr = dxr_in_gu ? static_cast<float*>(gu) : dxr_own;
-    if (sm90_rows_supported(desc, T, {dadb, call.w_gate, call.w_up, dxr})) {
-      sm90_b4_launch(desc, T, dadb, sv.expert_offsets, call.w_gate, call.w_up, dxr, stream);
-      token_reduce_any(T, desc, sv.token_index_map, nullptr, dxr, call.dx, stream);
+    if (sm90_rows_supported(desc, T, {dadb, call.w_gate, call.w_up, direct ? call.dx : dxr})) {
+      Sm90DirectRows to_dx;
+      if (direct) to_dx = {call.dx, sv.expert_token_indices, nullptr};
+      sm90_b4_launch(desc, T, dadb, sv.expert_offsets, call.w_gate, call.w_up, dxr, to_dx, stream);
+      finish_rows(direct, T, desc, sv.token_index_map, nullptr, dxr, call.dx, stream);
       return;
     }
     GemmParams b4;
@@ -513,8 +567,12 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
     b4.ep.d = d;
     b4.ep.h = h;
     b4.ep.out_rows_f32 = dxr;
+    if (direct) {
+      b4.ep.direct_out = call.dx;
+      b4.ep.direct_token = sv.expert_token_indices;
+    }
     launch_gemm(desc.dtype, Epi::B4, mma, b4, int(N), stream);
-    token_reduce_any(T, desc, sv.token_index_map, nullptr, dxr, call.dx, stream);
+    finish_rows(direct, T, desc, sv.token_index_map, nullptr, dxr, call.dx, stream);
   }
 }
 

@@ -14,6 +14,9 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
 // test switch: set once at backend creation (MOEBLAZE_CUDA_GU_CHUNKS), never between a workspace
 // query and the call it sizes.
 void experts_set_gu_chunks(int chunks);
+// k = 1: F2 / B4 write y and dx directly (default), or through fp32 rows and the per-token
+// reduction (false; the same bits). Read at backend creation from MOEBLAZE_CUDA_DIRECT_ROWS.
+void experts_set_direct_rows(bool enabled);
 
 }  // namespace cuda
 }  // namespace moeblaze

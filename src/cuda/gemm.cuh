@@ -63,6 +63,12 @@ struct EpilogueArgs {
   void* out_u = nullptr;
   // F2 / B4: fp32 [N, d] transient
   float* out_rows_f32 = nullptr;
+  // F2 / B4 with direct rows (k = 1, experts.cu): instead of out_rows_f32, routed row r goes
+  // straight to direct_out[direct_token[r]] ([T, d], storage dtype) as one_term_sum(w, v), w =
+  // direct_w[direct_token[r]] (F2's g) or 1 (B4, direct_w == nullptr).
+  void* direct_out = nullptr;
+  const int32_t* direct_token = nullptr;
+  const float* direct_w = nullptr;
   // B1
   const void* a_src = nullptr;
   const void* b_src = nullptr;
@@ -250,10 +256,24 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
     } else if constexpr (EPI == Epi::F2 || EPI == Epi::B4) {
       const int64_t grow = int64_t(ti.off_e) + m;
       const bool vec = (ep.d & 1) == 0;
-      for (int c = 2 * lane; c < logical_bn; c += 64) {
-        const int64_t n = n0 + c;
-        if (n >= ep.d) break;
-        store2(ep.out_rows_f32 + grow * ep.d + n, n + 1 < ep.d, vec, crow[c], crow[c + 1]);
+      if (ep.direct_out) {
+        const int64_t tok = ep.direct_token[grow];
+        const float w = ep.direct_w ? ep.direct_w[tok] : 1.f;
+        T* orow = static_cast<T*>(ep.direct_out) + tok * ep.d;
+        const bool vec_out =
+            vec && reinterpret_cast<uintptr_t>(ep.direct_out) % (2 * sizeof(T)) == 0;
+        for (int c = 2 * lane; c < logical_bn; c += 64) {
+          const int64_t n = n0 + c;
+          if (n >= ep.d) break;
+          store2(orow + n, n + 1 < ep.d, vec_out, one_term_sum(w, crow[c]),
+                 one_term_sum(w, crow[c + 1]));
+        }
+      } else {
+        for (int c = 2 * lane; c < logical_bn; c += 64) {
+          const int64_t n = n0 + c;
+          if (n >= ep.d) break;
+          store2(ep.out_rows_f32 + grow * ep.d + n, n + 1 < ep.d, vec, crow[c], crow[c + 1]);
+        }
       }
     } else if constexpr (EPI == Epi::B1) {
       const int64_t grow = int64_t(ti.off_e) + m;

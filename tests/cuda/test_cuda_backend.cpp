@@ -529,10 +529,11 @@ TEST_SUITE("cuda") {
       cases.push_back({dtype, 32, 48, 4, 2, 1});                           // T = 1
       cases.push_back({dtype, 32, 48, 4, 2, 0});                           // T = 0
       // d > 2048 (more than 32 k-steps a tile): the Hopper F1's long-K form (4 stages, epilogue in
-      // the consumers); every other case here takes its short-K form (epilogue warps).
+      // the consumers); every other case here takes its short-K form (epilogue warps). B1 takes
+      // its epilogue-warp form here (33 k-steps; 17-64 do).
       if (dtype != MOEBLAZE_DTYPE_F32) cases.push_back({dtype, 2112, 64, 3, 2, 40});
-      // 1024 < d <= 2048 (17-32 k-steps): the Hopper B1's epilogue-warp form; the other cases
-      // take its 4-stage form. Odd h: a partial last column group; skewed: ragged row tiles.
+      // 1024 < d <= 2048 (17-32 k-steps): the Hopper B1's epilogue-warp form; the cases with
+      // d <= 1024 take its 4-stage form. Odd h: a partial last column group; skewed: ragged rows.
       if (dtype != MOEBLAZE_DTYPE_F32) {
         cases.push_back({dtype, 1088, 200, 4, 2, 300});
         cases.push_back({dtype, 2048, 136, 5, 3, 261, MOEBLAZE_ACTIVATION_SILU,
@@ -662,6 +663,98 @@ TEST_SUITE("cuda") {
     }
     unsetenv("MOEBLAZE_CUDA_GU_CHUNKS");
     Gpu reset;  // the next backend created reads the default policy again
+#endif
+  }
+
+  TEST_CASE("cuda: k = 1 direct rows give the reduction's bits; dropped tokens get zero rows") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    // With k = 1, F2 and B4 write y and dx themselves (experts.cu, direct_rows);
+    // MOEBLAZE_CUDA_DIRECT_ROWS = 0 sends them through the fp32 rows and the per-token reduction.
+    // Both must give the same bits for every output, match the CPU, and (ids out of range, which
+    // CUDA drops without a host sync) leave a dropped token's y and dx rows exactly zero. BF16/F16
+    // take the Hopper kernels where present, F32 the portable ones.
+    Rng rng(test_seed(9909));
+    struct Shape {
+      int64_t d, h, E, T;
+    };
+    std::vector<Shape> shapes = {{64, 96, 4, 150}, {40, 72, 3, 61}};
+    if (!quick()) shapes.push_back({256, 384, 8, 700});
+    for (int32_t dtype : {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F16, MOEBLAZE_DTYPE_F32}) {
+      for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_SILU}) {
+        for (const Shape& sh : shapes) {
+          for (bool drop : {false, true}) {
+            moeblaze_layer_config_t cfg = make_config(dtype, sh.d, sh.h, sh.E, 1);
+            cfg.activation = act;
+            CAPTURE(describe(cfg));
+            CAPTURE(sh.T);
+            CAPTURE(drop);
+            Context cpu;
+            Layer lc(cpu, cfg);
+            LayerRun rc(lc, sh.T);
+            rc.init_random(rng);
+            rc.clear_outputs();
+            LayerRun want = rc;  // inputs; the CPU's outputs land in rc
+            std::vector<int64_t> dropped;
+            if (drop) {
+              for (int64_t t = 0; t < sh.T; t += 7) {
+                want.ids[size_t(t)] = int32_t(t % 14 == 0 ? sh.E : -1);
+                dropped.push_back(t);
+              }
+            } else {
+              MB_CHECK(rc.experts_forward());
+              MB_CHECK(rc.experts_backward());
+            }
+            std::vector<LayerRun> got;
+            for (const char* direct : {"0", "1"}) {
+              CAPTURE(direct);
+              setenv("MOEBLAZE_CUDA_DIRECT_ROWS", direct, 1);
+              Context gpu{MOEBLAZE_BACKEND_CUDA, 0};
+              Layer lg(gpu, cfg);
+              LayerRun rg(lg, sh.T);
+              copy_inputs(want, rg);
+              rg.y.fill(7.0);  // not zero: the dropped rows must be written
+              rg.dx.fill(7.0);
+              DeviceRun dev(rg);
+              dev.upload_all();
+              dev.prepare(MOEBLAZE_PASS_EXPERTS_FORWARD, true, 0);
+              MB_CHECK(dev.enqueue_forward(nullptr));
+              MB_CHECK(dev.enqueue_backward(nullptr, BackwardOutputs(), 0));
+              dev.sync_download();
+              if (!drop) {
+                check_close("y", rg.y, rc.y, dtype, sh.h * 2);
+                check_close("dx", rg.dx, rc.dx, dtype, 2 * sh.h * 2);
+                check_close("dg", rg.dg, rc.dg, dtype, sh.h + sh.d);
+                check_close("dw_down", rg.dw_down, rc.dw_down, dtype, sh.T);
+                check_close("dw_gate", rg.dw_gate, rc.dw_gate, dtype, sh.T);
+              }
+              for (int64_t t : dropped) {
+                for (int64_t c = 0; c < sh.d; ++c) {
+                  const double yv = rg.y.get(t * sh.d + c), dxv = rg.dx.get(t * sh.d + c);
+                  if (yv != 0.0 || dxv != 0.0 || std::signbit(yv) || std::signbit(dxv)) {
+                    FAIL_CHECK("dropped token " << t << " column " << c << ": y " << yv << ", dx "
+                                                << dxv << " (want +0)");
+                    break;
+                  }
+                }
+              }
+              if (!got.empty()) {
+                const LayerRun& reduced = got.front();
+                CHECK(rg.y.bitwise_equal(reduced.y));
+                CHECK(rg.dx.bitwise_equal(reduced.dx));
+                CHECK(rg.dg.bitwise_equal(reduced.dg));
+                CHECK(rg.dw_gate.bitwise_equal(reduced.dw_gate));
+                if (rg.gated) CHECK(rg.dw_up.bitwise_equal(reduced.dw_up));
+                CHECK(rg.dw_down.bitwise_equal(reduced.dw_down));
+              }
+              got.push_back(rg);
+            }
+          }
+        }
+      }
+    }
+    unsetenv("MOEBLAZE_CUDA_DIRECT_ROWS");
+    Gpu reset;  // the next backend created reads the default again
 #endif
   }
 

@@ -22,7 +22,7 @@
 // consumer warp's 2 KB staging buffer (common.cuh): a, b (and u under SAVE_ALL) in by coalesced
 // 16-byte loads, then da, db, g*u (rounded once) out by coalesced 16-byte stores, and the row's dg
 // partial for this 256-column tile (the quad's lanes hold the row's columns: two shuffles).
-// B1 with 17-32 k-steps a tile (1024 < d <= 2048) takes the epilogue-warp form instead (EPI_WARPS,
+// B1 with 17-64 k-steps a tile (1024 < d <= 4096) takes the epilogue-warp form instead (EPI_WARPS,
 // kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16 and
 // warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on.
 #include "cuda/sm90/rows_gemm.hpp"
@@ -69,7 +69,7 @@ constexpr int kB1StageWarpBytes = 3 * kB1StageWords * 4;
 constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 
 // B1's epilogue-warp form (EPI_WARPS; tiles of kB1EpiWarpsMinKTiles..kB1EpiWarpsMaxKTiles
-// k-steps, 1024 < d <= 2048): the consumers round v = dy . w_down into a 64 KB hand-off (4
+// k-steps, 1024 < d <= 4096): the consumers round v = dy . w_down into a 64 KB hand-off (4
 // sub-tiles of 128 rows x 64 columns, 16-byte chunk c of row r at r * 128 + ((c ^ (r & 7)) << 4),
 // F1's layout) and go on to the next tile's main loop, while warps 1-3 of the producer warpgroup
 // run the activation backward from it (a, b in; da, db, g*u out; dg partials). In the 4-stage form
@@ -78,8 +78,12 @@ constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 // 2.56 -> 2.34, qwen3 1.01 -> 0.94 (32 k-steps); conf3 6.96 -> 7.04, SiLU 6.11 -> 6.20 (16
 // k-steps: the tile's epilogue, 327 KB of traffic, outlasts a main loop half as long, and 96
 // threads move it more slowly than the consumers' 256). Hence the lower bound.
+// Session 9 (same process, 32 -> 64 as the upper bound): mixtral (64 k-steps) B1 6.76 -> 6.36 ms,
+// SiLU 6.38 -> 6.06. A software-pipelined variant of the epilogue warps (next item's loads issued
+// during this one) measured no better there (6.37) and worse at 32 k-steps (conf4 9.62 -> 9.95),
+// so it was dropped. Beyond 64 k-steps (d > 4096) is unmeasured and keeps the 4-stage form.
 constexpr int kB1EpiWarpsMinKTiles = 17;
-constexpr int kB1EpiWarpsMaxKTiles = 32;
+constexpr int kB1EpiWarpsMaxKTiles = 64;
 constexpr int kB1EpiWarps = 3;
 constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB
 constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
@@ -107,10 +111,15 @@ struct RowsParams {
   const int32_t* offsets;      // [E + 1]
   const int32_t* token_index;  // [N] (B1)
   float* out;                  // F2 / B4: [N, n_out] fp32 rows
-  int n_out;                   // output columns
-  int k_half;                  // K of one half (K = halves * k_half)
-  int halves;                  // 2 for gated B4, else 1
-  int lda;                     // B1: elements per dy row
+  // F2 / B4 with direct rows (k = 1): row r to direct_out[direct_token[r]] ([T, n_out], storage
+  // dtype) as one_term_sum(w, v), w = direct_w[token] or 1; `out` unused.
+  void* direct_out;
+  const int32_t* direct_token;
+  const float* direct_w;
+  int n_out;   // output columns
+  int k_half;  // K of one half (K = halves * k_half)
+  int halves;  // 2 for gated B4, else 1
+  int lda;     // B1: elements per dy row
   int E;
   int n_tiles;  // ceil(n_out / kBN)
   int kt_half;  // ceil(k_half / kBK)
@@ -616,6 +625,23 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else if constexpr (KIND == kB1) {
         uint32_t* stg = reinterpret_cast<uint32_t*>(epi + (warp - 4) * kB1StageWarpBytes);
         b1_epilogue<T, ACT>(p, c, tile_row, lane, stg, acc);
+      } else if (p.direct_out != nullptr) {
+        // Direct rows: each lane stores its column pairs of the row's token as one 4-byte word.
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int row = tile_row + g + 8 * rr;
+          if (row < c.rows) {
+            const int64_t tok = p.direct_token[c.row0 + row];
+            const float w = p.direct_w != nullptr ? p.direct_w[tok] : 1.f;
+            T* orow = static_cast<T*>(p.direct_out) + tok * p.n_out + c.n0 + 2 * t4;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+              if (c.n0 + 8 * j < p.n_out)
+                *reinterpret_cast<uint32_t*>(orow + 8 * j) = pack2<T>(
+                    one_term_sum(w, acc[4 * j + 2 * rr]), one_term_sum(w, acc[4 * j + 2 * rr + 1]));
+            }
+          }
+        }
       } else {
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
@@ -732,10 +758,10 @@ void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtenso
   // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E).
   const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
   const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
-  // B1 with tiles of 17-32 k-steps (1024 < d <= 2048): the epilogue-warp form, whose epilogue
-  // overlaps the next tile's main loop. With more k-steps the epilogue is a small share and the
-  // fourth stage is worth more (F1's measurement, round 12); with fewer, the epilogue outlasts the
-  // main loop it hides behind (kB1EpiWarpsMinKTiles).
+  // B1 with tiles of 17-64 k-steps (1024 < d <= 4096): the epilogue-warp form, whose epilogue
+  // overlaps the next tile's main loop. With fewer k-steps the epilogue outlasts the main loop it
+  // hides behind (kB1EpiWarpsMinKTiles); unlike F1 (round 12), B1 still gains at 64 k-steps, where
+  // its epilogue (a, b in; da, db, g*u out) is a larger share than F1's.
   const int k_tiles = p.halves * p.kt_half;
   const bool epi_warps =
       kind == kB1 && k_tiles >= kB1EpiWarpsMinKTiles && k_tiles <= kB1EpiWarpsMaxKTiles;
@@ -783,11 +809,15 @@ bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
 }
 
 void sm90_f2_launch(const LayerDesc& desc, int64_t T, const void* u, const int32_t* expert_offsets,
-                    const void* w_down, float* rows_out, cudaStream_t stream) {
+                    const void* w_down, float* rows_out, const Sm90DirectRows& direct,
+                    cudaStream_t stream) {
   const int64_t N = T * desc.k;
   if (N == 0) return;
   RowsParams p = base_params(desc, expert_offsets, int(desc.d), desc.h, 1, T);
   p.out = rows_out;
+  p.direct_out = direct.out;
+  p.direct_token = direct.token;
+  p.direct_w = direct.weights;
   const CUtensorMap a = rows_map(desc.dtype, u, N, desc.h, 1, "F2");
   // w_down [E, d, h]: the GEMM's n runs over d (rows), k over h (contiguous): K-major.
   const CUtensorMap b = weight_map(desc.dtype, w_down, desc.E, desc.d, desc.h, false, "F2");
@@ -796,12 +826,15 @@ void sm90_f2_launch(const LayerDesc& desc, int64_t T, const void* u, const int32
 
 void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
                     const int32_t* expert_offsets, const void* w_gate, const void* w_up,
-                    float* rows_out, cudaStream_t stream) {
+                    float* rows_out, const Sm90DirectRows& direct, cudaStream_t stream) {
   const int64_t N = T * desc.k;
   if (N == 0) return;
   const int halves = desc.gated() ? 2 : 1;
   RowsParams p = base_params(desc, expert_offsets, int(desc.d), desc.h, halves, T);
   p.out = rows_out;
+  p.direct_out = direct.out;
+  p.direct_token = direct.token;
+  p.direct_w = direct.weights;
   const CUtensorMap a = rows_map(desc.dtype, dadb, N, desc.h, halves, "B4");
   // w_gate / w_up [E, h, d]: k runs over h (rows), n over d (contiguous): MN-major.
   const CUtensorMap b0 = weight_map(desc.dtype, w_gate, desc.E, desc.h, desc.d, true, "B4");

@@ -46,15 +46,26 @@ bool sm90_rows_prepare_kernels();
 bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
                          std::initializer_list<const void*> tensors);
 
-// F2: rows_out [N, d] fp32 (N = T*k). Precondition: sm90_rows_supported.
+// Direct rows (k = 1): F2 / B4 write routed row r straight to out[token[r]] ([T, d], storage
+// dtype) as the per-token reduction of one term rounds it, times weights[token[r]] (nullptr: 1),
+// instead of fp32 rows. out == nullptr: the fp32 rows. out must be in the sm90_rows_supported
+// check's tensors.
+struct Sm90DirectRows {
+  void* out = nullptr;
+  const int32_t* token = nullptr;  // [N] expert_token_indices
+  const float* weights = nullptr;  // [T] (k = 1: a token's g)
+};
+
+// F2: rows_out [N, d] fp32 (N = T*k), or direct rows. Precondition: sm90_rows_supported.
 void sm90_f2_launch(const LayerDesc& desc, int64_t T, const void* u, const int32_t* expert_offsets,
-                    const void* w_down, float* rows_out, cudaStream_t stream);
+                    const void* w_down, float* rows_out, const Sm90DirectRows& direct,
+                    cudaStream_t stream);
 
 // B4: dadb [N, 2h] (da at [0, h), db at [h, 2h)) or [N, h] for non-gated activations;
-// rows_out [N, d] fp32. w_up is ignored for non-gated activations.
+// rows_out [N, d] fp32, or direct rows. w_up is ignored for non-gated activations.
 void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
                     const int32_t* expert_offsets, const void* w_gate, const void* w_up,
-                    float* rows_out, cudaStream_t stream);
+                    float* rows_out, const Sm90DirectRows& direct, cudaStream_t stream);
 
 // B1's epilogue operands (as gemm.cuh's EpilogueArgs for Epi::B1).
 // B1 covers columns [col0, col0 + cols) of h (cols = 0: all of h). The activation pointers below
