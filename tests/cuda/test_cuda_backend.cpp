@@ -238,6 +238,16 @@ void check_close(const char* name, const HostTensor& got, const HostTensor& want
   compare(name, got, ref, tol);
 }
 
+// Every expert output of `got` (y, dx, dg, the weight gradients) is bitwise that of `want`.
+void check_experts_bitwise(const LayerRun& got, const LayerRun& want) {
+  CHECK(got.y.bitwise_equal(want.y));
+  CHECK(got.dx.bitwise_equal(want.dx));
+  CHECK(got.dg.bitwise_equal(want.dg));
+  CHECK(got.dw_gate.bitwise_equal(want.dw_gate));
+  if (got.gated) CHECK(got.dw_up.bitwise_equal(want.dw_up));
+  CHECK(got.dw_down.bitwise_equal(want.dw_down));
+}
+
 struct Case {
   int32_t dtype;
   int64_t d, h, E, k, T;
@@ -645,15 +655,7 @@ TEST_SUITE("cuda") {
                 check_close("dw_gate", rg.dw_gate, rc.dw_gate, dtype, 150);
                 check_close("dx", rg.dx, rc.dx, dtype, 2 * 1000 * 2);
                 check_close("dg", rg.dg, rc.dg, dtype, 1000 + d);
-                if (!got.empty()) {
-                  const LayerRun& one = got.front();
-                  CHECK(rg.y.bitwise_equal(one.y));
-                  CHECK(rg.dx.bitwise_equal(one.dx));
-                  CHECK(rg.dg.bitwise_equal(one.dg));
-                  CHECK(rg.dw_gate.bitwise_equal(one.dw_gate));
-                  if (rg.gated) CHECK(rg.dw_up.bitwise_equal(one.dw_up));
-                  CHECK(rg.dw_down.bitwise_equal(one.dw_down));
-                }
+                if (!got.empty()) check_experts_bitwise(rg, got.front());
                 got.push_back(rg);
               }
             }
@@ -738,15 +740,7 @@ TEST_SUITE("cuda") {
                   }
                 }
               }
-              if (!got.empty()) {
-                const LayerRun& reduced = got.front();
-                CHECK(rg.y.bitwise_equal(reduced.y));
-                CHECK(rg.dx.bitwise_equal(reduced.dx));
-                CHECK(rg.dg.bitwise_equal(reduced.dg));
-                CHECK(rg.dw_gate.bitwise_equal(reduced.dw_gate));
-                if (rg.gated) CHECK(rg.dw_up.bitwise_equal(reduced.dw_up));
-                CHECK(rg.dw_down.bitwise_equal(reduced.dw_down));
-              }
+              if (!got.empty()) check_experts_bitwise(rg, got.front());  // the reduction's bits
               got.push_back(rg);
             }
           }
