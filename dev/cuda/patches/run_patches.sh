@@ -6,7 +6,7 @@
 # sources (.ab) on the shapes below. The summary and table come last.
 #   bash dev/cuda/patches/run_patches.sh            (carry .deps; ~8-9 minutes)
 #   CHECK=0 bash dev/cuda/patches/run_patches.sh    (times only, no suites or sanitizers; ~4 min)
-#   PATCHES="warp-uniform" bash dev/cuda/patches/run_patches.sh    (a subset)
+#   PATCHES="warp-uniform" bash dev/cuda/patches/run_patches.sh    (one of the two)
 # The patches stay applied in the device's copy of the tree; land each here (git apply) only if
 # its checks passed.
 set -u -o pipefail
@@ -16,7 +16,7 @@ export MOEBLAZE_CUDA_ARCHS="${MOEBLAZE_CUDA_ARCHS:-90a}"
 here=dev/cuda/patches
 # BEFORE: the tree as it is (every CUDA source the patches touch: all of src/cuda).
 rm -rf .ab && mkdir -p .ab/src && cp -r src/cuda .ab/src/
-for name in ${PATCHES:-warp-uniform}; do
+for name in ${PATCHES:-warp-uniform epilogue-lean}; do
   if command -v git >/dev/null 2>&1 && git apply --check "$here/$name.patch" 2>/dev/null; then
     git apply "$here/$name.patch"
   else
