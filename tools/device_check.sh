@@ -188,6 +188,8 @@ if [ "$BUILD_OK" = 1 ] && [ "$RUN_SASS" = 1 ]; then
     echo "sm_90a HGMMA instructions: $(cuobjdump --dump-sass -arch sm_90a "$LIB" 2>/dev/null | grep -c HGMMA)"
     echo "sm_90a local-memory instructions (LDL/STL; spills): $(cuobjdump --dump-sass -arch sm_90a "$LIB" 2>/dev/null | grep -cE '\b(LDL|STL)\b')"
     echo "mma_gemm_kernel functions: $(cuobjdump --dump-sass "$LIB" 2>/dev/null | grep -c 'Function : .*mma_gemm_kernel')"
+    section "SASS: the Hopper kernels' k-step loops and epilogue loops (bf16; tools/sass_loops.py)"
+    python3 "$ROOT/tools/sass_loops.py" "$LIB" --filter bfloat16 || echo "sass_loops failed"
     section "ptxas resource usage (gemm.cu, sm_90a)"
     nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
       -I"$ROOT/include" -I"$ROOT/src" -Xptxas -v -c "$ROOT/src/cuda/gemm.cu" -o /tmp/gemm_check.o 2>&1 |

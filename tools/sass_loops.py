@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Instruction counts of the Hopper kernels' hot loops, from SASS.
+
+The method behind v14 and the session-9 patches (docs/performance.md): the gathered main loops and
+the activation epilogues answer to instruction count, so a change to them is predicted from the
+SASS before it is timed. For every kernel with HGMMA instructions this prints
+
+  loop    the instructions of the loop around the first HGMMA (its backward branch);
+  steady  the k-step a warp runs when the tile does not end: the loop minus the block that the
+          gather's cursor runs once a tile (from the first forward branch after the gather's
+          ARRIVES.LDGSTSBAR to its target); loops without a gather: the whole loop;
+  epi     the smallest loop holding >= 8 MUFU instructions (an activation epilogue), if any;
+  spills  LDL/STL instructions inside `loop` (spills in the main loop) and in the whole kernel.
+
+Usage:
+  tools/sass_loops.py FILE.sass [--filter SUBSTRING]     cuobjdump -sass output
+  tools/sass_loops.py LIB_OR_CUBIN [--filter S] [--arch sm_90a] [--cuobjdump PATH]
+  tools/sass_loops.py --compile src/cuda/sm90/wgrad_gemm.cu [--filter S] [--include DIR ...]
+  tools/sass_loops.py --self-test
+
+cuobjdump comes with the CUDA toolkit; on a machine without one, the PyPI wheel works:
+  python3 -m venv /tmp/sass && /tmp/sass/bin/pip install nvidia-cuda-cuobjdump
+  (the binary is then under /tmp/sass/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump)
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+INSTR = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+BRANCH = re.compile(r"BRA(?:\.U)?(?:\.ANY)? (0x[0-9a-f]+)")
+COND_FORWARD = re.compile(r"^@!?U?P\d BRA (0x[0-9a-f]+)")
+
+
+def functions(sass):
+    """(name, [(address, instruction text)]) for each function, NOPs left out."""
+    for chunk in re.split(r"\n\s+Function : ", sass)[1:]:
+        name = chunk.split("\n", 1)[0].strip()
+        ins = [(int(m.group(1), 16), m.group(2).strip()) for m in INSTR.finditer(chunk)]
+        yield name, [(a, t) for a, t in ins if not t.startswith("NOP")]
+
+
+def short_name(name):
+    # _ZN...<len><identifier>I<template args>EEv...: the identifier ending in "kernel" whose decimal
+    # length prefix matches, then the template arguments.
+    end = name.find("kernelI")
+    if end < 0:
+        return name[:70]
+    end += len("kernel")
+    args = re.match(r"I(.*?)EEv", name[end:])
+    for start in range(end - 1, 0, -1):
+        for width in (1, 2, 3):
+            digits = name[start - width : start]
+            if start - width >= 0 and digits.isdigit() and int(digits) == end - start:
+                return f"{name[start:end]}<{args.group(1) if args else ''}>"
+    return name[:70]
+
+
+def backward_loops(ins):
+    """(head, branch address) of every backward branch."""
+    loops = []
+    for a, t in ins:
+        m = BRANCH.search(t)
+        if m and int(m.group(1), 16) < a:
+            loops.append((int(m.group(1), 16), a))
+    return loops
+
+
+def is_spill(t):
+    op = t.split()[1] if t.startswith("@") else t.split()[0]
+    return op.startswith("LDL") or op.startswith("STL")
+
+
+def analyse(name, ins):
+    hgmma = [a for a, t in ins if "HGMMA" in t]
+    if not hgmma:
+        return None
+    first = hgmma[0]
+    # The loop around the first HGMMA: the backward branch after it whose target is at or before it,
+    # the outermost such (k-step loops hold their HGMMAs; the tile loop of a form that unrolls the
+    # k-steps does too).
+    around = [(h, b) for h, b in backward_loops(ins) if h <= first < b]
+    if not around:
+        return None
+    # The k-step loop: the innermost loop around the first HGMMA that also holds the gather's
+    # arrive when the kernel gathers (the consumer issues its gather inside the k-step loop), else
+    # the innermost loop around it.
+    gathers = [(h, b) for h, b in around
+               if any("ARRIVES.LDGSTSBAR" in t for a, t in ins if h <= a <= b)]
+    head, back = min(gathers or around, key=lambda hb: hb[1] - hb[0])
+    body = [(a, t) for a, t in ins if head <= a <= back]
+    steady = body
+    arrive = [i for i, (a, t) in enumerate(body) if "ARRIVES.LDGSTSBAR" in t]
+    if arrive:
+        for i in range(arrive[0] + 1, len(body)):
+            m = COND_FORWARD.match(body[i][1])
+            if m and int(m.group(1), 16) > body[i][0]:
+                target = int(m.group(1), 16)
+                steady = body[: i + 1] + [(a, t) for a, t in body if a >= target]
+                break
+    epi = None
+    for h, b in backward_loops(ins):
+        loop = [t for a, t in ins if h <= a <= b]
+        mufu = sum("MUFU" in t for t in loop)
+        if mufu >= 8 and (epi is None or len(loop) < epi[0]):
+            epi = (len(loop), mufu)
+    return {
+        "kernel": short_name(name),
+        "loop": len(body),
+        "steady": len(steady),
+        "hgmma": sum("HGMMA" in t for a, t in body),
+        "epi": epi,
+        "loop_spills": sum(is_spill(t) for a, t in body),
+        "spills": sum(is_spill(t) for a, t in ins),
+    }
+
+
+def report(sass, needle=""):
+    rows = []
+    for name, ins in functions(sass):
+        if needle and needle not in name:
+            continue
+        r = analyse(name, ins)
+        if r:
+            rows.append(r)
+    print(f"{'kernel':52s} {'loop':>5s} {'steady':>6s} {'HGMMA':>5s} {'epi loop (MUFU)':>16s} "
+          f"{'spills loop/all':>15s}")
+    for r in rows:
+        epi = f"{r['epi'][0]} ({r['epi'][1]})" if r["epi"] else "-"
+        print(f"{r['kernel']:52s} {r['loop']:5d} {r['steady']:6d} {r['hgmma']:5d} {epi:>16s} "
+              f"{r['loop_spills']:7d}/{r['spills']:d}")
+    return rows
+
+
+def find_cuobjdump(explicit):
+    for c in (explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump")):
+        if c and os.path.exists(c):
+            return c
+    sys.exit("sass_loops: no cuobjdump (pass --cuobjdump, set CUOBJDUMP, or see --help)")
+
+
+def self_test():
+    """A synthetic k-step loop: 2 waits, HGMMA, a gather with a once-a-tile block, a spill."""
+    lines = []
+    addr = [0x100]
+
+    def emit(t):
+        lines.append(f"        /*{addr[0]:04x}*/                   {t} ;")
+        addr[0] += 0x10
+
+    emit("S2R R0, SR_TID.X")
+    head = addr[0]
+    emit("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR4], R2")
+    emit("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24")
+    emit("LDGSTS.E.BYPASS.128 [R7], desc[UR16][R162.64], P1")
+    emit("ARRIVES.LDGSTSBAR.64.ARVCNT [UR6]")
+    skip_at = addr[0]
+    emit("@P0 BRA 0x%x" % (skip_at + 0x40))  # skips 3 instructions
+    emit("IMAD R1, R1, R2, RZ")
+    emit("STL [R1], R2")
+    emit("IADD3 R1, R1, 0x1, RZ")
+    emit("WARPGROUP.DEPBAR.LE gsb0, 0x1")
+    emit("@!P0 BRA 0x%x" % head)
+    emit("EXIT")
+    sass = "\n\tFunction : _ZN8moeblaze4cuda16sm90_test_kernelI13__nv_bfloat16EEvv\n" + "\n".join(lines)
+    (r,) = [analyse(n, i) for n, i in functions(sass)]
+    expect = {"loop": 10, "steady": 7, "hgmma": 1, "loop_spills": 1, "spills": 1, "epi": None}
+    bad = {k: (r[k], v) for k, v in expect.items() if r[k] != v}
+    if bad:
+        print("sass_loops self-test FAILED:", bad)
+        return 1
+    # A mutation must be seen: without the arrive there is no once-a-tile block to skip.
+    sass2 = sass.replace("ARRIVES.LDGSTSBAR.64.ARVCNT [UR6]", "NOP")
+    (r2,) = [analyse(n, i) for n, i in functions(sass2)]
+    if r2["steady"] != r2["loop"]:
+        print("sass_loops self-test FAILED: a loop without a gather must count whole")
+        return 1
+    print("sass_loops self-test: PASS")
+    return 0
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("input", nargs="?", help="cuobjdump -sass text, a cubin or a shared library")
+    ap.add_argument("--filter", default="", help="only kernels whose mangled name contains this")
+    ap.add_argument("--arch", default="sm_90a")
+    ap.add_argument("--cuobjdump", default=None)
+    ap.add_argument("--compile", metavar="CU", help="compile this .cu for sm_90a first (nvcc)")
+    ap.add_argument("--include", action="append", default=[], help="extra include directories")
+    ap.add_argument("--self-test", action="store_true")
+    a = ap.parse_args()
+    if a.self_test:
+        return self_test()
+    if a.compile:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        tmp = tempfile.mkdtemp(prefix="sass_loops_")
+        cubin = os.path.join(tmp, "k.cubin")
+        incs = [os.path.join(root, "include"), os.path.join(root, "src")] + a.include
+        cmd = ["nvcc", "-O3", "-std=c++17", "--expt-relaxed-constexpr", "-cubin",
+               "-gencode=arch=compute_90a,code=sm_90a", "-o", cubin, a.compile]
+        cmd[1:1] = [f"-I{d}" for d in incs]
+        subprocess.run(cmd, check=True)
+        a.input = cubin
+    if not a.input:
+        ap.error("an input file, --compile or --self-test")
+    with open(a.input, "rb") as f:
+        head = f.read(4)
+    if head == b"\x7fELF":
+        tool = find_cuobjdump(a.cuobjdump)
+        args = [tool, "-sass", a.input] if a.input.endswith(".cubin") else [tool, "--dump-sass", "-arch", a.arch, a.input]
+        sass = subprocess.run(args, check=True, capture_output=True, text=True).stdout
+    else:
+        sass = open(a.input, encoding="utf-8", errors="replace").read()
+    report(sass, a.filter)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
