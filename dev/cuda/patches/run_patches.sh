@@ -7,7 +7,8 @@
 #   bash dev/cuda/patches/run_patches.sh            (carry .deps; ~8-9 minutes)
 #   CHECK=0 bash dev/cuda/patches/run_patches.sh    (times only, no suites or sanitizers; ~4 min)
 #   PATCHES="warp-uniform" bash dev/cuda/patches/run_patches.sh    (one of the two)
-#   STAGE=b1-epi-min bash dev/cuda/patches/run_patches.sh   (a second, short call; ~4 min)
+#   STAGE=b1-epi-min bash dev/cuda/patches/run_patches.sh   (a second, short call; ~4 min;
+#     once the patches have landed: PATCHES= STAGE=b1-epi-min ..., an empty list applies none)
 # STAGE=b1-epi-min: with the patches applied to both sides, B1's epilogue-warp form from
 # MIN_KTILES k-steps (kB1EpiWarpsMinKTiles 17 -> MIN_KTILES, default 1) against today's bound,
 # times only, on the d <= 1024 shapes: 16 k-steps (conf2, conf3, conf6) and 8 (conf5). The README
@@ -21,7 +22,7 @@ export MOEBLAZE_CUDA_ARCHS="${MOEBLAZE_CUDA_ARCHS:-90a}"
 here=dev/cuda/patches
 # BEFORE: the tree as it is (every CUDA source the patches touch: all of src/cuda).
 rm -rf .ab && mkdir -p .ab/src && cp -r src/cuda .ab/src/
-for name in ${PATCHES:-warp-uniform epilogue-lean}; do
+for name in ${PATCHES-warp-uniform epilogue-lean}; do
   if command -v git >/dev/null 2>&1 && git apply --check "$here/$name.patch" 2>/dev/null; then
     git apply "$here/$name.patch"
   else
