@@ -3,6 +3,8 @@
 // it): tensor maps with the library's error reporting, kernel preparation, alignment checks.
 #pragma once
 
+#include <algorithm>
+
 #include <cstring>
 
 #include "common/status.hpp"
@@ -80,6 +82,25 @@ constexpr size_t kSmemPerBlock = 232448;
 constexpr size_t pipeline_smem_bytes(int stages, size_t stage_bytes, size_t epilogue_bytes, int E) {
   return 1024 + size_t(stages) * stage_bytes + epilogue_bytes + size_t(4 * stages + 2) * 8 +
          sizeof(int) * size_t(E + 1);
+}
+
+// F1 and the rows kernels each have two forms: 4 pipeline stages with the epilogue in the
+// consumers (a staging buffer of staging_bytes), or 3 stages with epilogue warps, whose hand-off
+// (handoff_bytes) takes the fourth stage's shared memory.
+constexpr int stages_for(bool epi_warps) {
+  return epi_warps ? 3 : 4;
+}
+constexpr size_t two_form_smem_bytes(int E, bool epi_warps, size_t stage_bytes,
+                                     size_t staging_bytes, size_t handoff_bytes) {
+  return pipeline_smem_bytes(stages_for(epi_warps), stage_bytes,
+                             epi_warps ? handoff_bytes : staging_bytes, E);
+}
+// The larger form at kMaxExperts: what such a kernel opts in to (and must fit kSmemPerBlock).
+constexpr size_t two_form_max_smem_bytes(size_t stage_bytes, size_t staging_bytes,
+                                         size_t handoff_bytes) {
+  return std::max(
+      two_form_smem_bytes(kMaxExperts, false, stage_bytes, staging_bytes, handoff_bytes),
+      two_form_smem_bytes(kMaxExperts, true, stage_bytes, staging_bytes, handoff_bytes));
 }
 
 // setmaxnreg counts (per thread, multiples of 8): the producer warpgroup's and the two consumer

@@ -67,16 +67,11 @@ constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB
 constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 constexpr int kHandoffBytes = 4 * kHandoffSubBytes;  // 64 KB
 
-constexpr int stages_for(bool epi_warps) {
-  return epi_warps ? 3 : 4;
-}
 // full, empty, a_full of each consumer warpgroup; EPI_WARPS: + handoff_full, handoff_empty.
 constexpr size_t smem_bytes(int E, bool epi_warps) {
-  return pipeline_smem_bytes(stages_for(epi_warps), kStageBytes,
-                             epi_warps ? kHandoffBytes : kEpiBytes, E);
+  return two_form_smem_bytes(E, epi_warps, kStageBytes, kEpiBytes, kHandoffBytes);
 }
-constexpr size_t kMaxSmemBytes =
-    std::max(smem_bytes(kMaxExperts, false), smem_bytes(kMaxExperts, true));
+constexpr size_t kMaxSmemBytes = two_form_max_smem_bytes(kStageBytes, kEpiBytes, kHandoffBytes);
 static_assert(kMaxSmemBytes <= kSmemPerBlock,
               "227 KB of shared memory per block on the H100 / H200");
 

@@ -45,11 +45,7 @@ enum RowsKind : int { kF2 = 0, kB4 = 1, kB1 = 2 };
 
 constexpr int kBM = 128;              // routed rows per tile
 constexpr int kBN = kSm90B1TileCols;  // output columns per tile (256)
-// Pipeline stages: 4, or 3 in B1's epilogue-warp form (EPI_WARPS, below), whose 64 KB hand-off
-// takes the fourth stage's shared memory.
-constexpr int stages_for(bool epi_warps) {
-  return epi_warps ? 3 : 4;
-}
+// Pipeline stages: stages_for (common.cuh): 4, or 3 in B1's epilogue-warp form (EPI_WARPS, below).
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
@@ -91,11 +87,9 @@ constexpr int kHandoffBytes = 4 * kHandoffSubBytes;  // 64 KB
 
 // full, empty, a_full of each consumer warpgroup; EPI_WARPS: + handoff_full, handoff_empty.
 constexpr size_t smem_bytes(int E, bool epi_warps) {
-  return pipeline_smem_bytes(stages_for(epi_warps), kStageBytes,
-                             epi_warps ? kHandoffBytes : kEpiBytes, E);
+  return two_form_smem_bytes(E, epi_warps, kStageBytes, kEpiBytes, kHandoffBytes);
 }
-constexpr size_t kMaxSmemBytes =
-    std::max(smem_bytes(kMaxExperts, false), smem_bytes(kMaxExperts, true));
+constexpr size_t kMaxSmemBytes = two_form_max_smem_bytes(kStageBytes, kEpiBytes, kHandoffBytes);
 static_assert(kMaxSmemBytes <= kSmemPerBlock,
               "227 KB of shared memory per block on the H100 / H200");
 
