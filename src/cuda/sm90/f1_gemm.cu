@@ -164,7 +164,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* tile_start = reinterpret_cast<int*>(handoff_empty + 1);  // [E + 1]
 
   const int tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31;
+  // Broadcast from lane 0: the compiler then knows the warp index is warp-uniform (uniform
+  // registers for the barrier and descriptor addresses derived from it).
+  const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
 
   // ---- prologue: barriers and the tile prefix (from the device-side offsets; no host sync)
   if (tid == 0) {

@@ -91,6 +91,16 @@ __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
 }
 
+// base + row * row_bytes as one IMAD.WIDE.U32 with a 64-bit addend. (Written as a 64-bit product
+// in C++ it also added a zero register to the high word; as one mad.wide.u32 it became a product
+// and a separate 64-bit add.)
+__device__ __forceinline__ const void* gathered_row(const void* base, uint32_t row,
+                                                    uint32_t row_bytes) {
+  uint64_t offset;
+  asm("mul.wide.u32 %0, %1, %2;\n" : "=l"(offset) : "r"(row), "r"(row_bytes));
+  return static_cast<const char*>(base) + offset;
+}
+
 __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, bool valid) {
   const int bytes = valid ? 16 : 0;  // 0: the 16 bytes are zero-filled and src is not read
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(bytes)
@@ -332,7 +342,7 @@ class HalfTileGather {
   __device__ __forceinline__ HalfTileGather(const T* src, int64_t ld, int k_len, int k_tiles,
                                             const int32_t* token_index, int total_tiles, int wg)
       : src_(src),
-        ld_(uint32_t(ld)),
+        row_bytes_(uint32_t(ld) * uint32_t(sizeof(T))),
         k_len_(k_len),
         k_tiles_(k_tiles),
         token_index_(token_index),
@@ -344,6 +354,12 @@ class HalfTileGather {
   __device__ __forceinline__ void start(RowRange&& row_range) {
     tile_ = int(blockIdx.x);
     kt_ = 0;
+    const int w = int(threadIdx.x) & 127;
+    const int chunk = w & 7, row = w >> 3;
+    // Rows row + 16 i share row & 7 (64 % 8 == 0), so their swizzled chunks are i * 2 KB apart.
+    smem_off_ =
+        uint32_t(wg_) * (64u * 128u) + uint32_t(row) * 128u + uint32_t((chunk ^ (row & 7)) << 4);
+    col_ = chunk * 8;
     fetch_ids(ids_, tile_, row_range);
     fetch_ids(next_ids_, tile_ + int(gridDim.x), row_range);
   }
@@ -353,21 +369,17 @@ class HalfTileGather {
   template <class RowRange>
   __device__ __forceinline__ void issue(uint32_t a_tile, uint32_t bar, RowRange&& row_range) {
     if (tile_ >= total_tiles_) return;
-    const int w = int(threadIdx.x) & 127;
-    const int chunk = w & 7, row = w >> 3;
-    const int k = kt_ * kBK + chunk * 8;
+    // The thread's shared offset and column are kept from start(), not recomputed each k-step.
+    const int k = kt_ * kBK + col_;
     const bool k_ok = k < k_len_;
-    const uint32_t half = a_tile + uint32_t(wg_) * (64u * 128u);
+    const uint32_t dst = a_tile + smem_off_;
     const T* src_k = src_ + k;
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const int r = row + 16 * i;  // row of the half; r & 7 is the tile row's too (64 % 8 == 0)
-      // Row 0 stands in for a zero-filled chunk (nothing is read); an unsigned 32 x 32 -> 64-bit
-      // product (one IMAD.WIDE.U32) instead of a signed 64-bit one and a pointer select.
+      // Row 0 stands in for a zero-filled chunk (nothing is read).
       const bool ok = k_ok && ids_[i] >= 0;
       const uint32_t id = ok ? uint32_t(ids_[i]) : 0u;
-      cp_async16_zfill(half + uint32_t(r) * 128u + uint32_t((chunk ^ (r & 7)) << 4),
-                       src_k + uint64_t(id) * ld_, ok);
+      cp_async16_zfill(dst + uint32_t(i) * 2048u, gathered_row(src_k, id, row_bytes_), ok);
     }
     cp_async_mbar_arrive_noinc(bar);
     if (++kt_ == k_tiles_) {
@@ -392,12 +404,15 @@ class HalfTileGather {
     }
   }
 
+  static_assert(sizeof(T) == 2, "row_bytes_ < 2^32 needs ld < 2^31 and 2-byte elements");
   const T* src_;
-  uint32_t ld_;
+  uint32_t row_bytes_;  // bytes between gathered rows
   int k_len_, k_tiles_;
   const int32_t* token_index_;
   int total_tiles_, wg_;
   int tile_ = 0, kt_ = 0;
+  uint32_t smem_off_ = 0;  // the thread's chunk of row 0 in the warpgroup's half
+  int col_ = 0;            // the thread's first column within a k-step
   int ids_[4] = {-1, -1, -1, -1};
   int next_ids_[4] = {-1, -1, -1, -1};
 };

@@ -228,6 +228,7 @@ class KRowGather {
   __device__ __forceinline__ void start() {
     tile_ = int(blockIdx.x);
     kt_ = 0;
+    row_bytes_ = uint32_t(p_.gld) * uint32_t(sizeof(T));
     const int w = int(threadIdx.x) & 127;
     const int chunk = w & 7, row = w >> 3;
     // Rows row + 16 i share row & 7, so their swizzled chunks are i * 2 KB apart.
@@ -244,14 +245,12 @@ class KRowGather {
   __device__ __forceinline__ void issue(uint32_t a_tile, uint32_t bar) {
     if (tile_ >= total_tiles_) return;
     const uint32_t dst = a_tile + smem_off_;
-    const uint32_t ld = uint32_t(p_.gld);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      // Row 0 stands in for a zero-filled chunk (nothing is read); unsigned 32 x 32 -> 64-bit
-      // offsets: one IMAD.WIDE.U32 a row instead of a signed 64-bit product and a pointer select.
+      // Row 0 stands in for a zero-filled chunk (nothing is read).
       const bool ok = col_ok_ && ids_[i] >= 0;
       const uint32_t id = ok ? uint32_t(ids_[i]) : 0u;
-      cp_async16_zfill(dst + uint32_t(i) * 2048u, col_src_ + uint64_t(id) * ld, ok);
+      cp_async16_zfill(dst + uint32_t(i) * 2048u, gathered_row(col_src_, id, row_bytes_), ok);
     }
     cp_async_mbar_arrive_noinc(bar);
     if (++kt_ == k_tiles_) {
@@ -278,7 +277,7 @@ class KRowGather {
       const int w = int(threadIdx.x) & 127;
       const int col = m0 + 64 * wg_ + 8 * (w & 7);
       col_ok_ = col < p_.M;
-      col_src_ = static_cast<const T*>(p_.gsrc) + col;
+      col_src_ = reinterpret_cast<const char*>(static_cast<const T*>(p_.gsrc) + col);
       const int row = w >> 3;
       ids_src_ = p_.token_index + __ldg(p_.offsets + e) + row;
       rem_ = count - row;
@@ -295,13 +294,15 @@ class KRowGather {
     for (int i = 0; i < 4; ++i) ids_[i] = 16 * i < rem_ ? __ldg(ids_src_ + 16 * i) : -1;
   }
 
+  static_assert(sizeof(T) == 2, "row_bytes_ < 2^32 needs gld < 2^31 and 2-byte elements");
   const WgradParams& p_;
   const int* cnt_s_;
   int total_tiles_, wg_;
   int tile_ = 0, kt_ = 0, k_tiles_ = 0;
   uint32_t smem_off_ = 0;
   bool col_ok_ = false;
-  const T* col_src_ = nullptr;
+  const char* col_src_ = nullptr;  // the thread's column of row 0, in bytes
+  uint32_t row_bytes_ = 0;         // bytes between gathered rows
   const int32_t* ids_src_ = nullptr;
   int rem_ = 0;
   int ids_[4] = {-1, -1, -1, -1};
@@ -324,7 +325,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   int* cnt_s = reinterpret_cast<int*>(a_full_bar + 2 * kStages);  // [E] rows per expert
 
   const int tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31;
+  // Broadcast from lane 0: the compiler then knows the warp index is warp-uniform (uniform
+  // registers for the barrier and descriptor addresses derived from it).
+  const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
 
   if (tid == 0) {
     for (int s = 0; s < kStages; ++s) {
