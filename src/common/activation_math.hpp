@@ -29,11 +29,24 @@ namespace act_math {
 // in the fused GEMM epilogues (measured on the H200, conf3 F1: 2.2 of 12.6 ms). Every CUDA engine
 // calls this one function, so they still agree bitwise with each other; the CPU reference keeps the
 // accurate form. For a < -87 the denominator passes 2^126 and the division returns 0, the limit.
+#if defined(__CUDA_ARCH__)
+// 2^x by MUFU.EX2 with subnormal inputs and results flushed to zero. Against __expf's form (which
+// is ex2.approx without .ftz) this drops a range test and two rescaling multiplies. In sigmoid the
+// result only meets 1 + 2^x, where a subnormal 2^x (x < -126) rounds away and a subnormal x gives
+// 2^x = 1 either way: the same bits as __expf(-a), for every a.
+__device__ __forceinline__ float ex2_approx_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#endif
+
 template <typename T>
 MB_HOST_DEVICE T sigmoid(T a) {
 #if defined(__CUDA_ARCH__)
   if constexpr (std::is_same<T, float>::value) {
-    return __fdividef(1.f, 1.f + __expf(-a));
+    // exp(-a) = 2^(-a log2 e), the multiply __expf does (log2 e rounded to float, 0x3FB8AA3B).
+    return __fdividef(1.f, 1.f + ex2_approx_ftz(-a * 1.44269502162933349609375f));
   } else {
     using std::exp;
     return T(1) / (T(1) + exp(-a));

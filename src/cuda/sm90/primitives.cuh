@@ -242,7 +242,9 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t bits) {
   if constexpr (std::is_same<T, __nv_bfloat16>::value) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
+    // A bf16 is the top half of its float: one shift and one mask (__bfloat1622float2 compiled to
+    // a shift, a byte permute and a second shift).
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
   } else {
     return __half22float2(*reinterpret_cast<const __half2*>(&bits));
   }
