@@ -540,11 +540,14 @@ TEST_SUITE("cuda") {
       cases.push_back({dtype, 32, 48, 4, 2, 0});                           // T = 0
       // d > 2048 (more than 32 k-steps a tile): the Hopper F1's long-K form (4 stages, epilogue in
       // the consumers); every other case here takes its short-K form (epilogue warps). B1 takes
-      // its epilogue-warp form here (33 k-steps; 17-64 do).
+      // its epilogue-warp form here (33 k-steps; 9-64 do).
       if (dtype != MOEBLAZE_DTYPE_F32) cases.push_back({dtype, 2112, 64, 3, 2, 40});
-      // 1024 < d <= 2048 (17-32 k-steps): the Hopper B1's epilogue-warp form; the cases with
-      // d <= 1024 take its 4-stage form. Odd h: a partial last column group; skewed: ragged rows.
+      // 512 < d <= 2048 (9-32 k-steps): the Hopper B1's epilogue-warp form (d = 576: its lower
+      // bound); the cases with d <= 512 take its 4-stage form. Odd h: a partial last column group;
+      // skewed: ragged rows.
       if (dtype != MOEBLAZE_DTYPE_F32) {
+        cases.push_back({dtype, 576, 200, 4, 2, 300, MOEBLAZE_ACTIVATION_SWIGLU,
+                         MOEBLAZE_CHECKPOINT_SAVE_PREACT, "skewed"});
         cases.push_back({dtype, 1088, 200, 4, 2, 300});
         cases.push_back({dtype, 2048, 136, 5, 3, 261, MOEBLAZE_ACTIVATION_SILU,
                          MOEBLAZE_CHECKPOINT_SAVE_ALL, "skewed"});

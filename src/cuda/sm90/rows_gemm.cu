@@ -22,7 +22,7 @@
 // consumer warp's 2 KB staging buffer (common.cuh): a, b (and u under SAVE_ALL) in by coalesced
 // 16-byte loads, then da, db, g*u (rounded once) out by coalesced 16-byte stores, and the row's dg
 // partial for this 256-column tile (the quad's lanes hold the row's columns: two shuffles).
-// B1 with 17-64 k-steps a tile (1024 < d <= 4096) takes the epilogue-warp form instead (EPI_WARPS,
+// B1 with 9-64 k-steps a tile (512 < d <= 4096) takes the epilogue-warp form instead (EPI_WARPS,
 // kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16 and
 // warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on.
 #include "cuda/sm90/rows_gemm.hpp"
@@ -65,7 +65,7 @@ constexpr int kB1StageWarpBytes = 3 * kB1StageWords * 4;
 constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 
 // B1's epilogue-warp form (EPI_WARPS; tiles of kB1EpiWarpsMinKTiles..kB1EpiWarpsMaxKTiles
-// k-steps, 1024 < d <= 4096): the consumers round v = dy . w_down into a 64 KB hand-off (4
+// k-steps, 512 < d <= 4096): the consumers round v = dy . w_down into a 64 KB hand-off (4
 // sub-tiles of 128 rows x 64 columns, 16-byte chunk c of row r at r * 128 + ((c ^ (r & 7)) << 4),
 // F1's layout) and go on to the next tile's main loop, while warps 1-3 of the producer warpgroup
 // run the activation backward from it (a, b in; da, db, g*u out; dg partials). In the 4-stage form
@@ -78,7 +78,11 @@ constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 // SiLU 6.38 -> 6.06. A software-pipelined variant of the epilogue warps (next item's loads issued
 // during this one) measured no better there (6.37) and worse at 32 k-steps (conf4 9.62 -> 9.95),
 // so it was dropped. Beyond 64 k-steps (d > 4096) is unmeasured and keeps the 4-stage form.
-constexpr int kB1EpiWarpsMinKTiles = 17;
+// Session 10, after warp-uniform and epilogue-lean (fewer instructions in both the main loop and
+// the epilogue), same process, 4-stage -> EPI_WARPS: 16 k-steps now gain (B1 conf3 6.74 -> 6.38
+// ms, conf2 3.38 -> 3.14, conf6 1.78 -> 1.67; SiLU conf3 5.91 -> 5.88) and 8 are flat (conf5 1.40
+// -> 1.40), so the lower bound is 9; 9-15 k-steps lie between the two measured classes.
+constexpr int kB1EpiWarpsMinKTiles = 9;
 constexpr int kB1EpiWarpsMaxKTiles = 64;
 constexpr int kB1EpiWarps = 3;
 constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB
@@ -754,7 +758,7 @@ void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtenso
   // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E).
   const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
   const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
-  // B1 with tiles of 17-64 k-steps (1024 < d <= 4096): the epilogue-warp form, whose epilogue
+  // B1 with tiles of 9-64 k-steps (512 < d <= 4096): the epilogue-warp form, whose epilogue
   // overlaps the next tile's main loop. With fewer k-steps the epilogue outlasts the main loop it
   // hides behind (kB1EpiWarpsMinKTiles); unlike F1 (round 12), B1 still gains at 64 k-steps, where
   // its epilogue (a, b in; da, db, g*u out) is a larger share than F1's.
