@@ -333,11 +333,12 @@ MOEBLAZE_API moeblaze_status_t moeblaze_layer_get_config(moeblaze_layer_t layer,
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_workspace_size(moeblaze_layer_t layer, int32_t pass,
                                                              int64_t num_tokens, size_t* bytes);
 
-/*! \brief As moeblaze_layer_workspace_size(), for a backward call made with `flags` (the
- *  `MOEBLAZE_BACKWARD_*` bits of ::moeblaze_backward_args_t::flags). With
- *  ::MOEBLAZE_BACKWARD_CONSUME_SAVED the experts and layer backward need less; every other pass and
- *  flag gives the same size as moeblaze_layer_workspace_size(). A pure function of (layer, pass,
- *  num_tokens, flags).
+/*! \brief As moeblaze_layer_workspace_size(), for a call made with `flags`: for a backward pass
+ *  the `MOEBLAZE_BACKWARD_*` bits of ::moeblaze_backward_args_t::flags, for a forward pass
+ *  ::MOEBLAZE_FORWARD_WITH_SAVED. With ::MOEBLAZE_BACKWARD_CONSUME_SAVED the experts and layer
+ *  backward need less; with ::MOEBLAZE_FORWARD_WITH_SAVED the experts and layer forward do. A flag
+ *  that does not apply to `pass` is ignored, so every other pass and flag gives the same size as
+ *  moeblaze_layer_workspace_size(). A pure function of (layer, pass, num_tokens, flags).
  *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (unknown pass or flag bits, num_tokens
  *          out of range, `bytes` NULL); ::MOEBLAZE_ERR_INVALID_HANDLE. */
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_workspace_size_with_flags(
@@ -463,9 +464,22 @@ typedef struct moeblaze_forward_args {
   void* saved;            /*!< moeblaze_layer_saved_size() bytes, out; NULL for inference (then no
                                backward is possible) */
   size_t saved_bytes;     /*!< size of `saved` */
-  void* workspace;        /*!< moeblaze_layer_workspace_size() bytes of scratch */
+  void* workspace;        /*!< moeblaze_layer_workspace_size() bytes of scratch; with `saved`,
+                               moeblaze_layer_workspace_size_with_flags(::MOEBLAZE_FORWARD_WITH_SAVED)
+                               bytes suffice */
   size_t workspace_bytes; /*!< size of `workspace` */
 } moeblaze_forward_args_t;
+
+/*! Flag for moeblaze_layer_workspace_size_with_flags() with ::MOEBLAZE_PASS_EXPERTS_FORWARD or
+ *  ::MOEBLAZE_PASS_LAYER_FORWARD: the size for a forward call that is given a `saved` buffer
+ *  (training). Such a call writes the routing indices, the router outputs (layer forward) and,
+ *  under ::MOEBLAZE_CHECKPOINT_SAVE_ALL, the activation `u` straight into `saved`, so its workspace
+ *  holds none of them: it is smaller by `2*N + E + 1` int32 (N = T*k), by `T*E + 2*T*k` routing
+ *  elements for the layer forward, and by `N*h` elements under SAVE_ALL. A forward with `saved`
+ *  accepts this size or the larger one of moeblaze_layer_workspace_size(); a forward without
+ *  `saved` (inference) needs the larger one. Only a size-query flag: ::moeblaze_forward_args_t's
+ *  `flags` stay 0, since the call itself knows whether it has `saved`. */
+#define MOEBLAZE_FORWARD_WITH_SAVED 4u
 
 /*! Flag for ::moeblaze_backward_args_t: add weight gradients to `dw_*` instead of overwriting. */
 #define MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD 1u

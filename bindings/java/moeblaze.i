@@ -33,6 +33,7 @@ static void moeblaze_jni_throw(JNIEnv* jenv, moeblaze_status_t status) {
 /* "1u" is not a Java literal: fetch the unsigned flags through JNI. */
 %javaconst(0) MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD;
 %javaconst(0) MOEBLAZE_BACKWARD_CONSUME_SAVED;
+%javaconst(0) MOEBLAZE_FORWARD_WITH_SAVED;
 %typemap(javafinalize) SWIGTYPE ""
 
 /* NativeLoader: -Dmoeblaze.jni.library, else java.library.path, else the natives in the jar. */

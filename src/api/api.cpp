@@ -265,16 +265,21 @@ static Pass require_pass(int32_t pass, bool forward_only, const char* argument) 
 
 namespace {
 
-// Both workspace queries: `flags` (MOEBLAZE_BACKWARD_*) matter only for the backward passes.
+// Both workspace queries: the MOEBLAZE_BACKWARD_* flags matter only for the backward passes,
+// MOEBLAZE_FORWARD_WITH_SAVED only for the forward ones; the rest are ignored.
 void query_workspace_size(moeblaze_layer_t layer, int32_t pass, int64_t num_tokens, uint32_t flags,
                           size_t* bytes) {
   require_handle(layer, kLayerHandle, "layer");
   MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
   const Pass p = require_pass(pass, false, "pass");
   require_num_tokens(layer->desc, num_tokens, "num_tokens");
-  require_backward_flags(flags, "flags");
+  require_workspace_flags(flags, "flags");
   const bool backward = p == Pass::ExpertsBackward || p == Pass::LayerBackward;
-  *bytes = workspace_size_for(*layer, p, num_tokens, backward ? flags : 0);
+  const bool forward = p == Pass::ExpertsForward || p == Pass::LayerForward;
+  const uint32_t applies = backward  ? flags & ~MOEBLAZE_FORWARD_WITH_SAVED
+                           : forward ? flags & MOEBLAZE_FORWARD_WITH_SAVED
+                                     : 0u;
+  *bytes = workspace_size_for(*layer, p, num_tokens, applies);
 }
 
 }  // namespace

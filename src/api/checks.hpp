@@ -47,6 +47,17 @@ inline void require_backward_flags(uint32_t flags, const char* argument) {
                  argument, flags);
 }
 
+// The flags of moeblaze_layer_workspace_size_with_flags(): the backward flags and the forward's
+// MOEBLAZE_FORWARD_WITH_SAVED (each applies to its own passes and is ignored by the others).
+inline void require_workspace_flags(uint32_t flags, const char* argument) {
+  constexpr uint32_t known = MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD | MOEBLAZE_BACKWARD_CONSUME_SAVED |
+                             MOEBLAZE_FORWARD_WITH_SAVED;
+  MB_REQUIRE_ARG((flags & ~known) == 0,
+                 "%s = %u has unknown bits (only MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD = 1, "
+                 "MOEBLAZE_BACKWARD_CONSUME_SAVED = 2 and MOEBLAZE_FORWARD_WITH_SAVED = 4)",
+                 argument, flags);
+}
+
 // A caller-owned scratch or saved buffer of at least `needed` bytes.
 inline void require_buffer(const Backend& backend, const void* ptr, size_t bytes, size_t needed,
                            const char* argument, const char* bytes_argument, const char* query) {

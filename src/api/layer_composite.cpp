@@ -14,7 +14,8 @@ namespace {
 
 // Scratch the whole-layer calls carve for themselves before the largest sub-call's workspace.
 struct LayerForwardScratch {
-  void* logits = nullptr;  // [T,E] rtype (used when there is no saved buffer: inference)
+  // Inference only (no saved buffer); a training forward writes them into `saved` and carves none.
+  void* logits = nullptr;  // [T,E] rtype
   int32_t* ids = nullptr;  // [T,k]
   void* g = nullptr;       // [T,k] rtype
   Buffer sub;              // workspace for the sub-calls, one at a time
@@ -35,14 +36,19 @@ size_t max_sub_workspace(const Backend& backend, const LayerDesc& desc, int64_t 
   return largest;
 }
 
+// with_saved: the layout of a training forward (MOEBLAZE_FORWARD_WITH_SAVED), which the size
+// query and the call both derive from it.
 LayerForwardScratch carve_layer_forward(Carver& c, const Backend& backend, const LayerDesc& desc,
-                                        int64_t T) {
+                                        int64_t T, bool with_saved) {
   LayerForwardScratch s;
-  s.logits = c.carve(desc.relem_size() * size_t(T * desc.E));
-  s.ids = c.carve<int32_t>(sizeof(int32_t) * size_t(T * desc.k));
-  s.g = c.carve(desc.relem_size() * size_t(T * desc.k));
-  const size_t sub = max_sub_workspace(
-      backend, desc, T, 0, {Pass::RouterProjectForward, Pass::RouterForward, Pass::ExpertsForward});
+  if (!with_saved) {
+    s.logits = c.carve(desc.relem_size() * size_t(T * desc.E));
+    s.ids = c.carve<int32_t>(sizeof(int32_t) * size_t(T * desc.k));
+    s.g = c.carve(desc.relem_size() * size_t(T * desc.k));
+  }
+  const size_t sub =
+      max_sub_workspace(backend, desc, T, with_saved ? MOEBLAZE_FORWARD_WITH_SAVED : 0u,
+                        {Pass::RouterProjectForward, Pass::RouterForward, Pass::ExpertsForward});
   s.sub = {c.carve(sub), sub};
   return s;
 }
@@ -61,14 +67,20 @@ LayerBackwardScratch carve_layer_backward(Carver& c, const Backend& backend, con
 
 const char* query_name(Pass pass, uint32_t flags = 0) {
   const bool consume = (flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
+  const bool with_saved = (flags & MOEBLAZE_FORWARD_WITH_SAVED) != 0;
   switch (pass) {
     case Pass::ExpertsForward:
-      return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_FORWARD)";
+      return with_saved ? "moeblaze_layer_workspace_size_with_flags(MOEBLAZE_PASS_EXPERTS_FORWARD, "
+                          "MOEBLAZE_FORWARD_WITH_SAVED)"
+                        : "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_FORWARD)";
     case Pass::ExpertsBackward:
       return consume ? "moeblaze_layer_workspace_size_with_flags(MOEBLAZE_PASS_EXPERTS_BACKWARD, "
                        "flags)"
                      : "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_BACKWARD)";
-    case Pass::LayerForward: return "moeblaze_layer_workspace_size(MOEBLAZE_PASS_LAYER_FORWARD)";
+    case Pass::LayerForward:
+      return with_saved ? "moeblaze_layer_workspace_size_with_flags(MOEBLAZE_PASS_LAYER_FORWARD, "
+                          "MOEBLAZE_FORWARD_WITH_SAVED)"
+                        : "moeblaze_layer_workspace_size(MOEBLAZE_PASS_LAYER_FORWARD)";
     case Pass::LayerBackward:
       return consume ? "moeblaze_layer_workspace_size_with_flags(MOEBLAZE_PASS_LAYER_BACKWARD, "
                        "flags)"
@@ -83,7 +95,10 @@ size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T, u
   const Backend& backend = *layer.context->backend;
   Carver measure;
   switch (pass) {
-    case Pass::LayerForward: carve_layer_forward(measure, backend, layer.desc, T); break;
+    case Pass::LayerForward:
+      carve_layer_forward(measure, backend, layer.desc, T,
+                          (flags & MOEBLAZE_FORWARD_WITH_SAVED) != 0);
+      break;
     case Pass::LayerBackward: carve_layer_backward(measure, backend, layer.desc, T, flags); break;
     default: return backend.workspace_size(layer.desc, pass, T, flags);
   }
@@ -125,9 +140,12 @@ void run_forward(moeblaze_layer_s& layer, const moeblaze_forward_args_t& a, Pass
                    whole_layer ? "moeblaze_layer_saved_size(MOEBLAZE_PASS_LAYER_FORWARD)"
                                : "moeblaze_layer_saved_size(MOEBLAZE_PASS_EXPERTS_FORWARD)");
   }
-  const size_t ws_needed = workspace_size_for(layer, pass, T, 0);
+  // A training forward writes its routing, router outputs and (SAVE_ALL) u into `saved`, so it
+  // needs only the MOEBLAZE_FORWARD_WITH_SAVED size; the plain size is larger and also accepted.
+  const uint32_t ws_flags = training ? MOEBLAZE_FORWARD_WITH_SAVED : 0u;
+  const size_t ws_needed = workspace_size_for(layer, pass, T, ws_flags);
   require_buffer(backend, a.workspace, a.workspace_bytes, ws_needed, "args->workspace",
-                 "args->workspace_bytes", query_name(pass));
+                 "args->workspace_bytes", query_name(pass, ws_flags));
 
   ExpertsForwardCall experts;
   experts.T = T;
@@ -157,7 +175,7 @@ void run_forward(moeblaze_layer_s& layer, const moeblaze_forward_args_t& a, Pass
   // Whole layer: logits, ids and g go to the saved buffer when training (backward needs them), to
   // the workspace otherwise.
   Carver ws_carver(a.workspace);
-  LayerForwardScratch scratch = carve_layer_forward(ws_carver, backend, desc, T);
+  LayerForwardScratch scratch = carve_layer_forward(ws_carver, backend, desc, T, training);
   void* logits = training ? experts.saved.logits : scratch.logits;
   int32_t* ids = training ? experts.saved.ids : scratch.ids;
   void* g = training ? experts.saved.g : scratch.g;

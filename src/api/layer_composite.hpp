@@ -8,7 +8,8 @@
 namespace moeblaze {
 namespace api {
 
-// `flags`: the MOEBLAZE_BACKWARD_* flags the call will be made with (0 for forward passes).
+// `flags`: for a backward pass the MOEBLAZE_BACKWARD_* flags the call will be made with, for a
+// forward pass MOEBLAZE_FORWARD_WITH_SAVED if it will be given a saved buffer (else 0).
 size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T, uint32_t flags);
 
 // pass: Pass::ExpertsForward or Pass::LayerForward.

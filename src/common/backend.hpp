@@ -133,10 +133,12 @@ class Backend {
   virtual void check_supported(const LayerDesc& desc) const = 0;
 
   // Scratch bytes for one call of `pass` (any Pass except LayerForward/LayerBackward, which the API
-  // layer composes from the others). `backward_flags` (MOEBLAZE_BACKWARD_*) matter for
-  // Pass::ExpertsBackward only: CONSUME_SAVED may need less.
+  // layer composes from the others). `flags` matter for two passes: Pass::ExpertsBackward reads
+  // MOEBLAZE_BACKWARD_CONSUME_SAVED, Pass::ExpertsForward MOEBLAZE_FORWARD_WITH_SAVED (the call
+  // will have call.has_saved set); either may need less. The execute call must carve the same
+  // layout from its own call fields.
   virtual size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T,
-                                uint32_t backward_flags) const = 0;
+                                uint32_t flags) const = 0;
 
   virtual void router_forward(const LayerDesc& desc, const RouterForwardCall& call) = 0;
   virtual void router_backward(const LayerDesc& desc, const RouterBackwardCall& call) = 0;

@@ -27,16 +27,20 @@ class CpuBackend final : public Backend {
                "CPU backend: top_k = %lld exceeds %d", (long long)desc.k, MOEBLAZE_MAX_TOP_K);
   }
 
-  // The CPU backend ignores MOEBLAZE_BACKWARD_CONSUME_SAVED: its backward is a reference, not a
-  // memory-bound path.
+  // The CPU backend ignores MOEBLAZE_BACKWARD_CONSUME_SAVED (its backward is a reference, not a
+  // memory-bound path) but honours MOEBLAZE_FORWARD_WITH_SAVED, so the API's sizes can be tested
+  // anywhere.
   size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T,
-                        uint32_t /*backward_flags*/) const override {
+                        uint32_t flags) const override {
     Carver measure;
     switch (pass) {
       case Pass::RouterForward: cpu::carve_router_forward_scratch(measure, desc, T); break;
       case Pass::RouterBackward: cpu::carve_router_backward_scratch(measure, desc, T); break;
       case Pass::RoutingBuild: cpu::carve_routing_scratch(measure, desc, T); break;
-      case Pass::ExpertsForward: cpu::carve_experts_forward_scratch(measure, desc, T); break;
+      case Pass::ExpertsForward:
+        cpu::carve_experts_forward_scratch(measure, desc, T,
+                                           (flags & MOEBLAZE_FORWARD_WITH_SAVED) != 0);
+        break;
       case Pass::ExpertsBackward: cpu::carve_experts_backward_scratch(measure, desc, T); break;
       case Pass::RouterProjectForward:
       case Pass::RouterProjectBackward: break;  // stack tiles only

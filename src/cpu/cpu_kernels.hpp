@@ -152,8 +152,9 @@ struct ExpertsForwardScratch {
   RoutingScratch routing;
   void* u = nullptr;  // [N, h] dtype, used unless u goes to the saved buffer
 };
+// with_saved: the layout of a forward given a saved buffer (MOEBLAZE_FORWARD_WITH_SAVED).
 ExpertsForwardScratch carve_experts_forward_scratch(Carver& carver, const LayerDesc& desc,
-                                                    int64_t T);
+                                                    int64_t T, bool with_saved);
 
 struct ExpertsBackwardScratch {
   void* a = nullptr;      // [N, h] dtype, RECOMPUTE only

@@ -17,14 +17,19 @@ namespace moeblaze {
 namespace cpu {
 
 ExpertsForwardScratch carve_experts_forward_scratch(Carver& carver, const LayerDesc& desc,
-                                                    int64_t T) {
+                                                    int64_t T, bool with_saved) {
   const int64_t N = T * desc.k;
   ExpertsForwardScratch scratch;
-  scratch.expert_offsets = carver.carve<int32_t>(sizeof(int32_t) * size_t(desc.E + 1));
-  scratch.expert_token_indices = carver.carve<int32_t>(sizeof(int32_t) * size_t(N));
-  scratch.token_index_map = carver.carve<int32_t>(sizeof(int32_t) * size_t(N));
+  // With a saved buffer the indices (and, under SAVE_ALL, u) are written there instead.
+  if (!with_saved) {
+    scratch.expert_offsets = carver.carve<int32_t>(sizeof(int32_t) * size_t(desc.E + 1));
+    scratch.expert_token_indices = carver.carve<int32_t>(sizeof(int32_t) * size_t(N));
+    scratch.token_index_map = carver.carve<int32_t>(sizeof(int32_t) * size_t(N));
+  }
   scratch.routing = carve_routing_scratch(carver, desc, T);
-  scratch.u = carver.carve(desc.elem_size() * size_t(N) * size_t(desc.h));
+  if (!(with_saved && desc.checkpoint == Checkpoint::SaveAll)) {
+    scratch.u = carver.carve(desc.elem_size() * size_t(N) * size_t(desc.h));
+  }
   return scratch;
 }
 
@@ -106,7 +111,8 @@ void experts_forward_typed(const LayerDesc& desc, const ExpertsForwardCall& call
   S* y = static_cast<S*>(call.y);                        // [T, d]
 
   Carver carver(call.workspace.ptr);
-  const ExpertsForwardScratch scratch = carve_experts_forward_scratch(carver, desc, T);
+  const ExpertsForwardScratch scratch =
+      carve_experts_forward_scratch(carver, desc, T, call.has_saved);
   const SavedView& saved = call.saved;
   int32_t* offsets = call.has_saved ? saved.expert_offsets : scratch.expert_offsets;
   int32_t* token_indices =

@@ -197,7 +197,7 @@ class CudaBackend final : public Backend {
   }
 
   size_t workspace_size(const LayerDesc& desc, Pass pass, int64_t T,
-                        uint32_t backward_flags) const override {
+                        uint32_t flags) const override {
     Carver measure;
     switch (pass) {
       case Pass::RouterForward:
@@ -217,13 +217,14 @@ class CudaBackend final : public Backend {
       case Pass::ExpertsForward: {
         ExpertsForwardCall call;
         call.T = T;
+        call.has_saved = (flags & MOEBLAZE_FORWARD_WITH_SAVED) != 0;
         cuda::experts_forward(desc, call, measure, false);
         break;
       }
       case Pass::ExpertsBackward: {
         ExpertsBackwardCall call;
         call.T = T;
-        call.consume_saved = (backward_flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
+        call.consume_saved = (flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
         cuda::experts_backward(desc, call, measure, false);
         break;
       }
@@ -233,7 +234,7 @@ class CudaBackend final : public Backend {
         size_t largest = 0;
         for (Pass p : {Pass::RouterForward, Pass::RouterBackward, Pass::RouterProjectForward,
                        Pass::RouterProjectBackward, Pass::ExpertsForward, Pass::ExpertsBackward}) {
-          const size_t s = workspace_size(desc, p, T, backward_flags);
+          const size_t s = workspace_size(desc, p, T, flags);
           largest = s > largest ? s : largest;
         }
         return largest;

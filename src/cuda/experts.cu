@@ -260,16 +260,19 @@ GemmParams f1_params(const LayerDesc& desc, const int32_t* offsets, int32_t* mti
 void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carver& ws, bool run) {
   const int64_t T = call.T, N = T * desc.k, h = desc.h, d = desc.d, E = desc.E;
   const size_t es = desc.elem_size();
-  // Carved unconditionally so the size query needs no knowledge of `saved`.
-  int32_t* ws_offsets = ws.carve<int32_t>(sizeof(int32_t) * size_t(E + 1));
-  int32_t* ws_eti = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
-  int32_t* ws_tim = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
+  // With a saved buffer (training; the size query's MOEBLAZE_FORWARD_WITH_SAVED) the routing
+  // indices, and under SAVE_ALL u, go straight into it, so the workspace carves them only without
+  // one. call.has_saved decides the layout in the size query and in the run alike.
+  const bool saved = call.has_saved;
+  const bool save_all = saved && desc.checkpoint == Checkpoint::SaveAll;
+  int32_t* ws_offsets = ws.carve<int32_t>(saved ? 0 : sizeof(int32_t) * size_t(E + 1));
+  int32_t* ws_eti = ws.carve<int32_t>(saved ? 0 : sizeof(int32_t) * size_t(N));
+  int32_t* ws_tim = ws.carve<int32_t>(saved ? 0 : sizeof(int32_t) * size_t(N));
   int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
-  void* ws_u = ws.carve(es * size_t(N) * size_t(h));
+  void* ws_u = ws.carve(save_all ? 0 : es * size_t(N) * size_t(h));
   const bool direct = direct_rows(desc);
   float* y2 = ws.carve<float>(direct ? 0 : sizeof(float) * size_t(N) * size_t(d));
   cudaStream_t stream = as_stream(call.stream);
-  const bool saved = run && call.has_saved;
   int32_t* offsets = saved ? call.saved.expert_offsets : ws_offsets;
   int32_t* eti = saved ? call.saved.expert_token_indices : ws_eti;
   int32_t* tim = saved ? call.saved.token_index_map : ws_tim;
@@ -283,7 +286,6 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
     check_launch("write_header_kernel");
   }
 
-  const bool save_all = saved && desc.checkpoint == Checkpoint::SaveAll;
   const bool save_preact = saved && desc.checkpoint != Checkpoint::Recompute;
   void* u = save_all ? call.saved.u : ws_u;
   const bool mma = can_use_mma(desc, {call.x, call.w_gate, call.w_up, call.w_down, call.saved.a,

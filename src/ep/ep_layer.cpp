@@ -98,7 +98,9 @@ FinishScratch carve_finish(Carver& c, const Backend& backend, const LayerDesc& r
   s.y_rows = c.carve(rd.elem_size() * size_t(R * rd.d));
   s.global_counts = c.carve<int32_t>(sizeof(int32_t) * size_t(rd.E));
   s.loss_scratch = c.carve(rd.relem_size() * size_t(kLossShareScratchRows * rd.E));
-  s.sub = carve_sub(c, backend.workspace_size(local, Pass::ExpertsForward, R, 0));
+  // The local experts' forward always writes the EXPERT saved buffer.
+  s.sub = carve_sub(
+      c, backend.workspace_size(local, Pass::ExpertsForward, R, MOEBLAZE_FORWARD_WITH_SAVED));
   return s;
 }
 

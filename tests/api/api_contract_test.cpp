@@ -581,9 +581,10 @@ TEST_SUITE("api") {
   TEST_CASE("experts forward and backward reject bad input") {
     CpuLayer L;
     Buffers b(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_EXPERTS_BACKWARD);
+    // `good` trains (it has a saved buffer), so the MOEBLAZE_FORWARD_WITH_SAVED size is exact.
     size_t fwd_ws = 0;
-    MB_CHECK(
-        moeblaze_layer_workspace_size(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, Buffers::T, &fwd_ws));
+    MB_CHECK(moeblaze_layer_workspace_size_with_flags(
+        L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, Buffers::T, MOEBLAZE_FORWARD_WITH_SAVED, &fwd_ws));
 
     moeblaze_forward_args_t good = b.forward_args();
     good.workspace_bytes = fwd_ws;
@@ -645,10 +646,21 @@ TEST_SUITE("api") {
                              MOEBLAZE_ERR_INVALID_ARGUMENT, "ids");
     b.ids[7] = 0;
 
-    // Inference: no saved buffer.
+    // Inference: no saved buffer, so the routing indices and u need the plain (larger) workspace;
+    // the training size is refused with the query to ask.
     moeblaze_forward_args_t inference = good;
     inference.saved = nullptr;
     inference.saved_bytes = 0;
+    size_t inference_ws = 0;
+    MB_CHECK(moeblaze_layer_workspace_size(L.get(), MOEBLAZE_PASS_EXPERTS_FORWARD, Buffers::T,
+                                           &inference_ws));
+    CHECK(inference_ws > fwd_ws);
+    MB_CHECK_STATUS_MENTIONS(moeblaze_experts_forward(L.get(), &inference, nullptr),
+                             MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
+                             "moeblaze_layer_workspace_size(MOEBLAZE_PASS_EXPERTS_FORWARD)");
+    AlignedBytes inference_workspace(inference_ws);
+    inference.workspace = inference_workspace.data();
+    inference.workspace_bytes = inference_ws;
     MB_CHECK_OK(moeblaze_experts_forward(L.get(), &inference, nullptr));
 
     // Backward.

@@ -225,16 +225,108 @@ TEST_SUITE("cpu") {
     moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_F32, 8, 12, 4, 2);
     Layer layer(context, cfg);
     size_t bytes = 7;
-    CHECK(moeblaze_layer_workspace_size_with_flags(layer.get(), MOEBLAZE_PASS_LAYER_BACKWARD, 4, 4u,
+    CHECK(moeblaze_layer_workspace_size_with_flags(layer.get(), MOEBLAZE_PASS_LAYER_BACKWARD, 4, 8u,
                                                    &bytes) == MOEBLAZE_ERR_INVALID_ARGUMENT);
     CHECK(bytes == 0);
-    CHECK(std::string(moeblaze_last_error()).find("flags = 4") != std::string::npos);
+    CHECK(std::string(moeblaze_last_error()).find("flags = 8") != std::string::npos);
     CHECK(moeblaze_layer_workspace_size_with_flags(layer.get(), 9, 4, 0u, &bytes) ==
           MOEBLAZE_ERR_INVALID_ARGUMENT);
     CHECK(moeblaze_layer_workspace_size_with_flags(layer.get(), MOEBLAZE_PASS_LAYER_BACKWARD, 4, 0u,
                                                    nullptr) == MOEBLAZE_ERR_INVALID_ARGUMENT);
     CHECK(moeblaze_layer_workspace_size_with_flags(nullptr, MOEBLAZE_PASS_LAYER_BACKWARD, 4, 0u,
                                                    &bytes) == MOEBLAZE_ERR_INVALID_HANDLE);
+  }
+
+  TEST_CASE("edge: FORWARD_WITH_SAVED sizes a training forward's workspace; same bits either way") {
+    // A forward given a saved buffer writes its routing indices, the router outputs (layer
+    // forward) and, under SAVE_ALL, u into it, so MOEBLAZE_FORWARD_WITH_SAVED asks for a smaller
+    // workspace. The training forward must run in exactly that size (LayerRun's default) and in the
+    // plain one with the same bits, an inference forward must refuse it, and the flag must not
+    // change any other pass's size.
+    Context context;
+    Rng rng(test_seed(767));
+    const int64_t T = 23, k = 2, h = 28;
+    for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_SAVE_PREACT,
+                         MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+      for (int32_t pass : {MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_LAYER_FORWARD}) {
+        CAPTURE(ckpt);
+        CAPTURE(pass);
+        moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_BF16, 20, h, 5, k);
+        cfg.checkpoint = ckpt;
+        Layer layer(context, cfg);
+        const size_t plain = layer.workspace_size(pass, T);
+        const size_t lean = layer.workspace_size(pass, T, MOEBLAZE_FORWARD_WITH_SAVED);
+        // At least the two index arrays of N int32 (each carve is 256-byte aligned).
+        CHECK(lean + 2 * sizeof(int32_t) * size_t(T * k) <= plain);
+        if (ckpt == MOEBLAZE_CHECKPOINT_SAVE_ALL) CHECK(lean + size_t(T * k * h) * 2 <= plain);
+        // A backward flag is ignored by a forward pass, the forward flag by every other pass.
+        CHECK(layer.workspace_size(
+                  pass, T, MOEBLAZE_FORWARD_WITH_SAVED | MOEBLAZE_BACKWARD_CONSUME_SAVED) == lean);
+        for (int32_t other : {MOEBLAZE_PASS_ROUTER_FORWARD, MOEBLAZE_PASS_ROUTING_BUILD,
+                              MOEBLAZE_PASS_EXPERTS_BACKWARD, MOEBLAZE_PASS_LAYER_BACKWARD}) {
+          CAPTURE(other);
+          CHECK(layer.workspace_size(other, T, MOEBLAZE_FORWARD_WITH_SAVED) ==
+                layer.workspace_size(other, T));
+        }
+
+        const bool whole = pass == MOEBLAZE_PASS_LAYER_FORWARD;
+        LayerRun run(layer, T);
+        run.init_random(rng);
+        run.clear_outputs();
+        MB_CHECK(whole ? run.layer_forward() : run.experts_forward());  // the lean size
+        CHECK(run.workspace.size() == lean);
+        const auto saved_bytes = [&run] {
+          const auto* p = static_cast<const unsigned char*>(run.saved.data());
+          return std::vector<unsigned char>(p, p + run.saved.size());
+        };
+        const std::vector<unsigned char> lean_saved = saved_bytes();
+        MB_CHECK(whole ? run.layer_backward() : run.experts_backward());
+        const LayerRun with_lean = run;
+        run.clear_outputs();
+        run.lean_training_workspace = false;
+        MB_CHECK(whole ? run.layer_forward() : run.experts_forward());  // the plain size
+        CHECK(run.workspace.size() == plain);
+        CHECK(saved_bytes() == lean_saved);
+        MB_CHECK(whole ? run.layer_backward() : run.experts_backward());
+        for (const auto& pair :
+             {std::make_pair(&run.y, &with_lean.y), std::make_pair(&run.dx, &with_lean.dx),
+              std::make_pair(&run.dw_gate, &with_lean.dw_gate),
+              std::make_pair(&run.dw_up, &with_lean.dw_up),
+              std::make_pair(&run.dw_down, &with_lean.dw_down),
+              std::make_pair(&run.dw_router, &with_lean.dw_router),
+              std::make_pair(&run.dg, &with_lean.dg)}) {
+          CHECK(pair.first->bitwise_equal(*pair.second));
+        }
+
+        // Inference (no saved buffer) in the lean size: refused, naming the plain query.
+        run.prepare(pass, false);
+        run.workspace.resize(lean);
+        moeblaze_forward_args_t a = run.forward_args(false);
+        if (whole) {
+          a.ids = nullptr;
+          a.g = nullptr;
+        }
+        CHECK((whole ? moeblaze_layer_forward(layer.get(), &a, nullptr)
+                     : moeblaze_experts_forward(layer.get(), &a, nullptr)) ==
+              MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE);
+        const std::string inference_error = moeblaze_last_error();
+        CHECK(inference_error.find("moeblaze_layer_workspace_size(MOEBLAZE_PASS_") !=
+              std::string::npos);
+        // Training one byte short of the lean size: refused, naming the flagged query.
+        run.prepare(pass, true);
+        run.workspace.resize(lean - 1);
+        a = run.forward_args(true);
+        if (whole) {
+          a.ids = nullptr;
+          a.g = nullptr;
+        }
+        CHECK((whole ? moeblaze_layer_forward(layer.get(), &a, nullptr)
+                     : moeblaze_experts_forward(layer.get(), &a, nullptr)) ==
+              MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE);
+        CHECK(std::string(moeblaze_last_error()).find("MOEBLAZE_FORWARD_WITH_SAVED") !=
+              std::string::npos);
+      }
+    }
   }
 
   TEST_CASE("edge: NULL optional outputs are skipped, and the others do not change") {

@@ -86,6 +86,8 @@ struct DeviceRun {
   DevBuf ids_out, counts, saved, ws_fwd, ws_bwd;
   int32_t forward_pass = MOEBLAZE_PASS_EXPERTS_FORWARD;
   bool with_saved = true;
+  // A training forward gets exactly the MOEBLAZE_FORWARD_WITH_SAVED workspace unless this is false.
+  bool lean_training_workspace = true;
 
   explicit DeviceRun(LayerRun& run) : r(run) {}
 
@@ -132,7 +134,8 @@ struct DeviceRun {
   }
 
   // Allocates workspaces (filled with garbage) and the saved buffer for these passes; the backward
-  // workspace is sized for a backward called with `bwd_flags`.
+  // workspace is sized for a backward called with `bwd_flags`, a training forward's for
+  // MOEBLAZE_FORWARD_WITH_SAVED (see lean_training_workspace).
   void prepare(int32_t fwd_pass, bool saved_buffer, uint32_t bwd_flags = 0) {
     forward_pass = fwd_pass;
     with_saved = saved_buffer;
@@ -142,7 +145,8 @@ struct DeviceRun {
     size_t bwd_bytes = 0;
     MB_CHECK(moeblaze_layer_workspace_size_with_flags(r.layer.get(), bwd_pass, r.T, bwd_flags,
                                                       &bwd_bytes));
-    ws_fwd.alloc(r.layer.workspace_size(fwd_pass, r.T));
+    const bool lean = saved_buffer && lean_training_workspace;
+    ws_fwd.alloc(r.layer.workspace_size(fwd_pass, r.T, lean ? MOEBLAZE_FORWARD_WITH_SAVED : 0u));
     ws_bwd.alloc(bwd_bytes);
     if (ws_fwd.size()) CUDA_OK(cudaMemset(ws_fwd.get(), 0xff, ws_fwd.size()));
     if (ws_bwd.size()) CUDA_OK(cudaMemset(ws_bwd.get(), 0xff, ws_bwd.size()));
@@ -873,6 +877,68 @@ TEST_SUITE("cuda") {
       MB_CHECK(dev.enqueue_forward(nullptr));
       dev.sync_download();
       CHECK(rg.y.bitwise_equal(trained));
+    }
+#endif
+  }
+
+  TEST_CASE("cuda: a training forward runs in the FORWARD_WITH_SAVED workspace, same bits") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    // With a saved buffer the forward writes its routing indices (and under SAVE_ALL u, and for
+    // the whole layer the router outputs) there, so its workspace is smaller (experts.cu). Every
+    // other case here already runs training forwards in exactly that size (DeviceRun); this one
+    // checks the plain size gives the same bits and that an inference forward refuses the lean
+    // size. bf16 takes the Hopper kernels where present; d = 1088 also B1's epilogue warps.
+    Gpu ctx;
+    Rng rng(test_seed(9616));
+    struct Shape {
+      int64_t d, h, E, k, T;
+    };
+    for (const Shape& sh : {Shape{64, 128, 4, 2, 200}, Shape{1088, 200, 4, 2, 300}}) {
+      for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_SAVE_PREACT}) {
+        for (int32_t pass : {MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_LAYER_FORWARD}) {
+          moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_BF16, sh.d, sh.h, sh.E, sh.k);
+          cfg.checkpoint = ckpt;
+          CAPTURE(describe(cfg));
+          CAPTURE(pass);
+          Layer lg(ctx.gpu, cfg);
+          const size_t plain = lg.workspace_size(pass, sh.T);
+          const size_t lean = lg.workspace_size(pass, sh.T, MOEBLAZE_FORWARD_WITH_SAVED);
+          CHECK(lean + 2 * sizeof(int32_t) * size_t(sh.T * sh.k) <= plain);
+          if (ckpt == MOEBLAZE_CHECKPOINT_SAVE_ALL) {
+            CHECK(lean + 2 * size_t(sh.T * sh.k * sh.h) <= plain);
+          }
+          LayerRun rg(lg, sh.T);
+          rg.init_random(rng);
+          std::vector<LayerRun> got;
+          for (bool lean_workspace : {true, false}) {
+            rg.clear_outputs();
+            DeviceRun dev(rg);
+            dev.lean_training_workspace = lean_workspace;
+            dev.upload_all();
+            dev.prepare(pass, true);
+            CHECK(dev.ws_fwd.size() == (lean_workspace ? lean : plain));
+            MB_CHECK(dev.enqueue_forward(nullptr));
+            MB_CHECK(dev.enqueue_backward(nullptr));
+            dev.sync_download();
+            int64_t non_finite = 0;
+            for (int64_t i = 0; i < rg.y.numel(); ++i) non_finite += !std::isfinite(rg.y.get(i));
+            CHECK(non_finite == 0);
+            if (!got.empty()) {
+              check_experts_bitwise(rg, got.front());
+              CHECK(rg.ids_out == got.front().ids_out);
+              CHECK(rg.g_out.bitwise_equal(got.front().g_out));
+            }
+            got.push_back(rg);
+          }
+          // Inference in the lean size: refused before anything runs.
+          DeviceRun dev(rg);
+          dev.upload_all();
+          dev.prepare(pass, false);
+          dev.ws_fwd.alloc(lean);
+          CHECK(dev.enqueue_forward(nullptr) == MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE);
+        }
+      }
     }
 #endif
   }

@@ -494,6 +494,11 @@ class Layer {
     MB_CHECK(moeblaze_layer_workspace_size(handle_, pass, T, &bytes));
     return bytes;
   }
+  size_t workspace_size(int32_t pass, int64_t T, uint32_t flags) const {
+    size_t bytes = 0;
+    MB_CHECK(moeblaze_layer_workspace_size_with_flags(handle_, pass, T, flags, &bytes));
+    return bytes;
+  }
   size_t saved_size(int32_t pass, int64_t T) const {
     size_t bytes = 0;
     MB_CHECK(moeblaze_layer_saved_size(handle_, pass, T, &bytes));
@@ -536,6 +541,9 @@ struct LayerRun {
   std::vector<int32_t> ids_out, expert_counts;
   AlignedBytes saved, workspace;
   int32_t forward_pass = MOEBLAZE_PASS_EXPERTS_FORWARD;
+  // A forward with a saved buffer gets exactly the MOEBLAZE_FORWARD_WITH_SAVED workspace (the
+  // smallest it accepts) unless this is false (then the plain, larger size).
+  bool lean_training_workspace = true;
 
   LayerRun(const Layer& layer_, int64_t T_)
       : layer(layer_),
@@ -596,7 +604,10 @@ struct LayerRun {
   }
 
   void prepare(int32_t pass, bool with_saved) {
-    workspace.resize(layer.workspace_size(pass, T));
+    const bool forward =
+        pass == MOEBLAZE_PASS_EXPERTS_FORWARD || pass == MOEBLAZE_PASS_LAYER_FORWARD;
+    const bool lean = forward && with_saved && lean_training_workspace;
+    workspace.resize(layer.workspace_size(pass, T, lean ? MOEBLAZE_FORWARD_WITH_SAVED : 0u));
     workspace.fill_byte(0xff);  // garbage the backend must not depend on
     if (with_saved) saved.resize(layer.saved_size(pass, T));
   }

@@ -287,7 +287,8 @@ class Layer(_OwnedHandle):
 
     def workspace_size(self, pass_code: int, num_tokens: int, flags: int = 0) -> int:
         """Workspace bytes of one call of `pass_code`; `flags`: the BACKWARD_* flags a backward
-        call will be made with (BACKWARD_CONSUME_SAVED may need less)."""
+        call will be made with (BACKWARD_CONSUME_SAVED may need less), or FORWARD_WITH_SAVED for
+        a forward call that is given a saved buffer (training: needs less)."""
         size = ctypes.c_size_t()
         self._lib.moeblaze_layer_workspace_size_with_flags(self.handle, int(pass_code),
                                                            int(num_tokens), int(flags),
@@ -328,8 +329,8 @@ class Layer(_OwnedHandle):
             array = copy
         return array
 
-    def _workspace(self, pass_code: int, num_tokens: int) -> Optional[np.ndarray]:
-        size = self.workspace_size(pass_code, num_tokens)
+    def _workspace(self, pass_code: int, num_tokens: int, flags: int = 0) -> Optional[np.ndarray]:
+        size = self.workspace_size(pass_code, num_tokens, flags)
         return aligned_empty(size, np.uint8) if size else None
 
     def _num_tokens(self, x) -> int:
@@ -372,7 +373,8 @@ class Layer(_OwnedHandle):
         if training:
             saved_size = self.saved_size(_lib.PASS_LAYER_FORWARD, T)
             result.saved = aligned_empty(saved_size, np.uint8)
-        workspace = self._workspace(_lib.PASS_LAYER_FORWARD, T)
+        workspace = self._workspace(_lib.PASS_LAYER_FORWARD, T,
+                                    _lib.FORWARD_WITH_SAVED if training else 0)
         args = _lib.ForwardArgs.create()
         args.num_tokens = T
         args.x, args.w_router = _ptr(x), _ptr(w_router)
@@ -464,7 +466,8 @@ class Layer(_OwnedHandle):
                                       saved=None)
         if training:
             result.saved = aligned_empty(self.saved_size(_lib.PASS_EXPERTS_FORWARD, T), np.uint8)
-        workspace = self._workspace(_lib.PASS_EXPERTS_FORWARD, T)
+        workspace = self._workspace(_lib.PASS_EXPERTS_FORWARD, T,
+                                    _lib.FORWARD_WITH_SAVED if training else 0)
         args = _lib.ForwardArgs.create()
         args.num_tokens = T
         args.x, args.ids, args.g = _ptr(x), _ptr(ids), _ptr(g)

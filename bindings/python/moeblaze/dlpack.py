@@ -135,7 +135,9 @@ def _layer_types(layer):
 def layer_forward(layer, *, x, w_router, w_gate, w_up, w_down, y, workspace=None, saved=None,
                   logits_out=None, ids_out=None, g_out=None, expert_counts=None, losses=None,
                   stream: Optional[int] = None) -> None:
-    """moeblaze_layer_forward on DLPack tensors. `saved` None = inference."""
+    """moeblaze_layer_forward on DLPack tensors. `saved` None = inference. `workspace`: at least
+    layer.workspace_size(PASS_LAYER_FORWARD, T) bytes, or with `saved` (training) at least
+    layer.workspace_size(PASS_LAYER_FORWARD, T, FORWARD_WITH_SAVED), which is smaller."""
     storage, routing, i32, u8 = _layer_types(layer)
     bind = _Binder(layer, stream)
     T = view(x, stream, "x").shape[0]
@@ -155,7 +157,9 @@ def layer_forward(layer, *, x, w_router, w_gate, w_up, w_down, y, workspace=None
     args.losses = bind(losses, "losses", (2,), routing)
     saved_bytes = layer.saved_size(_lib.PASS_LAYER_FORWARD, T) if saved is not None else 0
     args.saved, args.saved_bytes = bind(saved, "saved", None, u8, saved_bytes), saved_bytes
-    ws_bytes = layer.workspace_size(_lib.PASS_LAYER_FORWARD, T)
+    # Training (a saved buffer) needs only the FORWARD_WITH_SAVED size; a larger buffer is fine.
+    ws_flags = _lib.FORWARD_WITH_SAVED if saved is not None else 0
+    ws_bytes = layer.workspace_size(_lib.PASS_LAYER_FORWARD, T, ws_flags)
     args.workspace = bind(workspace, "workspace", None, u8, ws_bytes)
     args.workspace_bytes = ws_bytes
     layer._lib.moeblaze_layer_forward(layer.handle, ctypes.byref(args), stream)

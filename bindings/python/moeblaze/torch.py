@@ -165,7 +165,9 @@ class _ExpertsFunction(torch.autograd.Function):
         training = any(ctx.needs_input_grad)
         saved_size = layer.saved_size(_lib.PASS_EXPERTS_FORWARD, T) if training else 0
         saved = _bytes(device, saved_size) if training else None
-        workspace_size = layer.workspace_size(_lib.PASS_EXPERTS_FORWARD, T)
+        # A training forward writes its indices (and u under save_all) into `saved`.
+        workspace_size = layer.workspace_size(_lib.PASS_EXPERTS_FORWARD, T,
+                                              _lib.FORWARD_WITH_SAVED if training else 0)
         workspace = _bytes(device, workspace_size)
         args = _lib.ForwardArgs.create()
         args.num_tokens = T
@@ -273,7 +275,8 @@ class _LayerFunction(torch.autograd.Function):
         training = any(ctx.needs_input_grad)
         saved_size = layer.saved_size(_lib.PASS_LAYER_FORWARD, T) if training else 0
         saved = _bytes(device, saved_size) if training else None
-        workspace_size = layer.workspace_size(_lib.PASS_LAYER_FORWARD, T)
+        workspace_size = layer.workspace_size(_lib.PASS_LAYER_FORWARD, T,
+                                              _lib.FORWARD_WITH_SAVED if training else 0)
         workspace = _bytes(device, workspace_size)
         args = _lib.ForwardArgs.create()
         args.num_tokens = T

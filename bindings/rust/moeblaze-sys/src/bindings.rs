@@ -9,6 +9,7 @@ pub const MOEBLAZE_VERSION: u32 = 100;
 pub const MOEBLAZE_ABI_VERSION: u32 = 0;
 pub const MOEBLAZE_MAX_EXPERTS: u32 = 1024;
 pub const MOEBLAZE_MAX_TOP_K: u32 = 32;
+pub const MOEBLAZE_FORWARD_WITH_SAVED: u32 = 4;
 pub const MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD: u32 = 1;
 pub const MOEBLAZE_BACKWARD_CONSUME_SAVED: u32 = 2;
 pub type __int32_t = ::std::os::raw::c_int;
@@ -322,11 +323,12 @@ extern "C" {
 }
 extern "C" {
     #[must_use]
-    #[doc = " \\brief As moeblaze_layer_workspace_size(), for a backward call made with `flags` (the"]
-    #[doc = "  `MOEBLAZE_BACKWARD_*` bits of ::moeblaze_backward_args_t::flags). With"]
-    #[doc = "  ::MOEBLAZE_BACKWARD_CONSUME_SAVED the experts and layer backward need less; every other pass and"]
-    #[doc = "  flag gives the same size as moeblaze_layer_workspace_size(). A pure function of (layer, pass,"]
-    #[doc = "  num_tokens, flags)."]
+    #[doc = " \\brief As moeblaze_layer_workspace_size(), for a call made with `flags`: for a backward pass"]
+    #[doc = "  the `MOEBLAZE_BACKWARD_*` bits of ::moeblaze_backward_args_t::flags, for a forward pass"]
+    #[doc = "  ::MOEBLAZE_FORWARD_WITH_SAVED. With ::MOEBLAZE_BACKWARD_CONSUME_SAVED the experts and layer"]
+    #[doc = "  backward need less; with ::MOEBLAZE_FORWARD_WITH_SAVED the experts and layer forward do. A flag"]
+    #[doc = "  that does not apply to `pass` is ignored, so every other pass and flag gives the same size as"]
+    #[doc = "  moeblaze_layer_workspace_size(). A pure function of (layer, pass, num_tokens, flags)."]
     #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (unknown pass or flag bits, num_tokens"]
     #[doc = "          out of range, `bytes` NULL); ::MOEBLAZE_ERR_INVALID_HANDLE."]
     pub fn moeblaze_layer_workspace_size_with_flags(
@@ -494,7 +496,9 @@ pub struct moeblaze_forward_args {
     pub saved: *mut ::std::os::raw::c_void,
     #[doc = "< size of `saved`"]
     pub saved_bytes: usize,
-    #[doc = "< moeblaze_layer_workspace_size() bytes of scratch"]
+    #[doc = "< moeblaze_layer_workspace_size() bytes of scratch; with `saved`,"]
+    #[doc = "moeblaze_layer_workspace_size_with_flags(::MOEBLAZE_FORWARD_WITH_SAVED)"]
+    #[doc = "bytes suffice"]
     pub workspace: *mut ::std::os::raw::c_void,
     #[doc = "< size of `workspace`"]
     pub workspace_bytes: usize,
