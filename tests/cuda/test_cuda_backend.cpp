@@ -904,9 +904,15 @@ TEST_SUITE("cuda") {
           Layer lg(ctx.gpu, cfg);
           const size_t plain = lg.workspace_size(pass, sh.T);
           const size_t lean = lg.workspace_size(pass, sh.T, MOEBLAZE_FORWARD_WITH_SAVED);
-          CHECK(lean + 2 * sizeof(int32_t) * size_t(sh.T * sh.k) <= plain);
-          if (ckpt == MOEBLAZE_CHECKPOINT_SAVE_ALL) {
-            CHECK(lean + 2 * size_t(sh.T * sh.k * sh.h) <= plain);
+          CHECK(lean < plain);
+          // The experts forward drops the index arrays and (SAVE_ALL) u; the layer forward's lean
+          // size is at least its router sub-calls' workspace (cuBLASLt's among them), so only
+          // the experts pass is held to the full difference.
+          if (pass == MOEBLAZE_PASS_EXPERTS_FORWARD) {
+            CHECK(lean + 2 * sizeof(int32_t) * size_t(sh.T * sh.k) <= plain);
+            if (ckpt == MOEBLAZE_CHECKPOINT_SAVE_ALL) {
+              CHECK(lean + 2 * size_t(sh.T * sh.k * sh.h) <= plain);
+            }
           }
           LayerRun rg(lg, sh.T);
           rg.init_random(rng);

@@ -116,6 +116,22 @@ def test_saved_size_shrinks_with_policy():
     assert sizes[0] > sizes[1] > sizes[2] > 0
 
 
+def test_training_forward_workspace_is_smaller():
+    # FORWARD_WITH_SAVED drops the routing indices (and u under save_all) from a training
+    # forward's workspace; the forward passes only, the backward ignores it.
+    for checkpoint in ("save_all", "save_preact"):
+        layer = mb.Layer(d_model=32, d_ffn=64, num_experts=4, top_k=2, checkpoint=checkpoint)
+        for pass_code in (mb._lib.PASS_EXPERTS_FORWARD, mb._lib.PASS_LAYER_FORWARD):
+            plain = layer.workspace_size(pass_code, 100)
+            lean = layer.workspace_size(pass_code, 100, mb._lib.FORWARD_WITH_SAVED)
+            assert 0 < lean < plain
+            if checkpoint == "save_all" and pass_code == mb._lib.PASS_EXPERTS_FORWARD:
+                assert plain - lean >= 100 * 2 * 64 * 4  # u: N*h float32
+        backward = layer.workspace_size(mb._lib.PASS_LAYER_BACKWARD, 100)
+        assert layer.workspace_size(mb._lib.PASS_LAYER_BACKWARD, 100,
+                                    mb._lib.FORWARD_WITH_SAVED) == backward
+
+
 @pytest.mark.parametrize("act", ["swiglu", "relu2"])
 def test_experts_forward_backward_match_reference(seed, act):
     T, d, h, E, k = 6, 8, 5, 4, 3
