@@ -644,7 +644,10 @@ int main(int argc, char** argv) {
       o.backend == MOEBLAZE_BACKEND_CUDA ? "cuda" : "cpu", o.lr, o.momentum, o.aux_coeff,
       (unsigned long)o.seed);
 
-  /* The plan answers every size before anything runs; nothing is allocated on the execute path. */
+  /* The plan answers every size before anything runs; nothing is allocated on the execute path.
+   * The student's forward also runs without a saved buffer (the held-out evaluation), so it needs
+   * the plain forward size; a program whose forwards all train could ask
+   * moeblaze_layer_workspace_size_with_flags(..., MOEBLAZE_FORWARD_WITH_SAVED, ...) for less. */
   CHECK(
       moeblaze_layer_saved_size(student, MOEBLAZE_PASS_LAYER_FORWARD, o.tokens, &buf.saved_bytes));
   CHECK(moeblaze_layer_workspace_size(student, MOEBLAZE_PASS_LAYER_FORWARD, o.tokens, &ws_forward));
