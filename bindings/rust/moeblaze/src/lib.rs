@@ -438,6 +438,29 @@ impl Layer {
         Ok(bytes)
     }
 
+    /// As [`Layer::workspace_size`], for a call made with `flags`: for a backward pass the
+    /// `sys::MOEBLAZE_BACKWARD_*` bits, for a forward pass `sys::MOEBLAZE_FORWARD_WITH_SAVED` (a
+    /// training forward, given a saved buffer, needs less). A flag that does not apply to `pass`
+    /// is ignored.
+    pub fn workspace_size_with_flags(
+        &self,
+        pass: Pass,
+        num_tokens: usize,
+        flags: u32,
+    ) -> Result<usize> {
+        let mut bytes = 0usize;
+        check(unsafe {
+            sys::moeblaze_layer_workspace_size_with_flags(
+                self.as_raw(),
+                pass.code(),
+                num_tokens as i64,
+                flags,
+                &mut bytes,
+            )
+        })?;
+        Ok(bytes)
+    }
+
     pub fn saved_size(&self, pass: Pass, num_tokens: usize) -> Result<usize> {
         let mut bytes = 0usize;
         check(unsafe {
@@ -566,6 +589,23 @@ impl Layer {
         Ok(AlignedBytes::zeroed(self.workspace_size(pass, num_tokens)?))
     }
 
+    /// A forward's workspace: the smaller training size when the call has a saved buffer.
+    fn forward_workspace(
+        &self,
+        pass: Pass,
+        num_tokens: usize,
+        training: bool,
+    ) -> Result<AlignedBytes> {
+        let flags = if training {
+            sys::MOEBLAZE_FORWARD_WITH_SAVED
+        } else {
+            0
+        };
+        Ok(AlignedBytes::zeroed(
+            self.workspace_size_with_flags(pass, num_tokens, flags)?,
+        ))
+    }
+
     fn gated_up<'a, T>(&self, w_up: Option<&'a [T]>) -> Option<&'a [T]> {
         if self.config.activation.is_gated() {
             w_up
@@ -602,7 +642,7 @@ impl Layer {
         } else {
             None
         };
-        let mut workspace = self.workspace(Pass::LayerForward, t)?;
+        let mut workspace = self.forward_workspace(Pass::LayerForward, t, training)?;
         let mut args = forward_args()?;
         args.num_tokens = t as i64;
         args.x = cptr(x);
@@ -720,7 +760,7 @@ impl Layer {
         } else {
             None
         };
-        let mut workspace = self.workspace(Pass::ExpertsForward, t)?;
+        let mut workspace = self.forward_workspace(Pass::ExpertsForward, t, training)?;
         let mut args = forward_args()?;
         args.num_tokens = t as i64;
         args.x = cptr(x);

@@ -323,6 +323,28 @@ fn experts_and_routing() {
             "token {tok}: {lhs} vs {rhs}"
         );
     }
+    // The training forward above ran in the smaller FORWARD_WITH_SAVED workspace; inference
+    // (no saved buffer) gives the same y in the plain one.
+    let lean = layer
+        .workspace_size_with_flags(
+            Pass::ExpertsForward,
+            t,
+            moeblaze::sys::MOEBLAZE_FORWARD_WITH_SAVED,
+        )
+        .unwrap();
+    assert!(lean < layer.workspace_size(Pass::ExpertsForward, t).unwrap());
+    let inference = layer
+        .experts_forward(
+            &p.x,
+            &ids,
+            &g,
+            &p.w_gate,
+            p.w_up.as_deref(),
+            &p.w_down,
+            false,
+        )
+        .unwrap();
+    assert_eq!(inference.y, out.y);
     let indices = layer.routing_build(&ids).unwrap();
     assert_eq!(indices.expert_offsets, vec![0, 4, 8, 12]);
     for (pair, &row) in indices.token_index_map.iter().enumerate() {

@@ -99,6 +99,21 @@ public final class Layer implements AutoCloseable {
     return bytes[0];
   }
 
+  /**
+   * As {@link #workspaceSize(Enums.Pass, long)}, for a call made with {@code flags}: for a backward
+   * pass the MOEBLAZE_BACKWARD_* bits, for a forward pass {@link #FORWARD_WITH_SAVED} (a training
+   * forward, given a saved buffer, needs less). A flag that does not apply to the pass is ignored.
+   */
+  public long workspaceSize(Enums.Pass pass, long numTokens, long flags) {
+    long[] bytes = new long[1];
+    moeblaze.moeblaze_layer_workspace_size_with_flags(handle(), pass.code, numTokens, flags, bytes);
+    return bytes[0];
+  }
+
+  /** MOEBLAZE_FORWARD_WITH_SAVED: the workspace-size flag of a forward call with a saved buffer. */
+  public static final long FORWARD_WITH_SAVED =
+      com.moeblaze.internal.moeblazeConstants.MOEBLAZE_FORWARD_WITH_SAVED;
+
   public long savedSize(Enums.Pass pass, long numTokens) {
     long[] bytes = new long[1];
     moeblaze.moeblaze_layer_saved_size(handle(), pass.code, numTokens, bytes);
@@ -179,7 +194,8 @@ public final class Layer implements AutoCloseable {
     result.losses = Buffers.allocate(2L * rs);
     long savedBytes = training ? savedSize(Enums.Pass.LAYER_FORWARD, t) : 0;
     result.saved = training ? Buffers.allocate(savedBytes) : null;
-    long workspaceBytes = workspaceSize(Enums.Pass.LAYER_FORWARD, t);
+    long workspaceBytes =
+        workspaceSize(Enums.Pass.LAYER_FORWARD, t, training ? FORWARD_WITH_SAVED : 0);
     ByteBuffer workspace = Buffers.allocate(workspaceBytes);
     moeblaze_forward_args_t args = new moeblaze_forward_args_t();
     try {

@@ -163,6 +163,22 @@ public class LayerTest {
   }
 
   @Test
+  public void trainingForwardNeedsLessWorkspace() {
+    try (Context context = Context.cpu(); Layer layer = new Layer(context,
+        new LayerConfig(D, H, E, K))) {
+      for (Enums.Pass pass : new Enums.Pass[] {Enums.Pass.LAYER_FORWARD,
+          Enums.Pass.EXPERTS_FORWARD}) {
+        long plain = layer.workspaceSize(pass, T);
+        long lean = layer.workspaceSize(pass, T, Layer.FORWARD_WITH_SAVED);
+        assertTrue(lean > 0 && lean < plain);
+      }
+      // The flag does not apply to a backward pass: the same size.
+      assertEquals(layer.workspaceSize(Enums.Pass.LAYER_BACKWARD, T),
+          layer.workspaceSize(Enums.Pass.LAYER_BACKWARD, T, Layer.FORWARD_WITH_SAVED));
+    }
+  }
+
+  @Test
   public void truncatedSavedBufferIsInsufficient() {
     try (Context context = Context.cpu(); Layer layer = new Layer(context,
         new LayerConfig(D, H, E, K))) {
