@@ -298,31 +298,22 @@ TEST_SUITE("cpu") {
           CHECK(pair.first->bitwise_equal(*pair.second));
         }
 
+        // A forward (with or without `saved`) in a workspace of `bytes`: its status.
+        const auto forward_in = [&](bool with_saved, size_t bytes) {
+          run.prepare(pass, with_saved);
+          run.workspace.resize(bytes);
+          moeblaze_forward_args_t a = run.forward_args(with_saved);
+          if (!whole) return moeblaze_experts_forward(layer.get(), &a, nullptr);
+          a.ids = nullptr;
+          a.g = nullptr;
+          return moeblaze_layer_forward(layer.get(), &a, nullptr);
+        };
         // Inference (no saved buffer) in the lean size: refused, naming the plain query.
-        run.prepare(pass, false);
-        run.workspace.resize(lean);
-        moeblaze_forward_args_t a = run.forward_args(false);
-        if (whole) {
-          a.ids = nullptr;
-          a.g = nullptr;
-        }
-        CHECK((whole ? moeblaze_layer_forward(layer.get(), &a, nullptr)
-                     : moeblaze_experts_forward(layer.get(), &a, nullptr)) ==
-              MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE);
-        const std::string inference_error = moeblaze_last_error();
-        CHECK(inference_error.find("moeblaze_layer_workspace_size(MOEBLAZE_PASS_") !=
-              std::string::npos);
+        CHECK(forward_in(false, lean) == MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE);
+        CHECK(std::string(moeblaze_last_error())
+                  .find("moeblaze_layer_workspace_size(MOEBLAZE_PASS_") != std::string::npos);
         // Training one byte short of the lean size: refused, naming the flagged query.
-        run.prepare(pass, true);
-        run.workspace.resize(lean - 1);
-        a = run.forward_args(true);
-        if (whole) {
-          a.ids = nullptr;
-          a.g = nullptr;
-        }
-        CHECK((whole ? moeblaze_layer_forward(layer.get(), &a, nullptr)
-                     : moeblaze_experts_forward(layer.get(), &a, nullptr)) ==
-              MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE);
+        CHECK(forward_in(true, lean - 1) == MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE);
         CHECK(std::string(moeblaze_last_error()).find("MOEBLAZE_FORWARD_WITH_SAVED") !=
               std::string::npos);
       }

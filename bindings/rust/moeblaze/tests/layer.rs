@@ -289,17 +289,20 @@ fn experts_and_routing() {
         .flat_map(|i| [(i % e) as i32, ((i + 1) % e) as i32])
         .collect();
     let g: Vec<f64> = (0..t * k).map(|i| 0.25 + 0.05 * i as f64).collect();
-    let out = layer
-        .experts_forward(
-            &p.x,
-            &ids,
-            &g,
-            &p.w_gate,
-            p.w_up.as_deref(),
-            &p.w_down,
-            true,
-        )
-        .unwrap();
+    let forward = |training: bool| {
+        layer
+            .experts_forward(
+                &p.x,
+                &ids,
+                &g,
+                &p.w_gate,
+                p.w_up.as_deref(),
+                &p.w_down,
+                training,
+            )
+            .unwrap()
+    };
+    let out = forward(true);
     assert_eq!(out.expert_counts, vec![4, 4, 4]);
     let dy = vec![1.0; t * d];
     let grads = layer
@@ -333,18 +336,7 @@ fn experts_and_routing() {
         )
         .unwrap();
     assert!(lean < layer.workspace_size(Pass::ExpertsForward, t).unwrap());
-    let inference = layer
-        .experts_forward(
-            &p.x,
-            &ids,
-            &g,
-            &p.w_gate,
-            p.w_up.as_deref(),
-            &p.w_down,
-            false,
-        )
-        .unwrap();
-    assert_eq!(inference.y, out.y);
+    assert_eq!(forward(false).y, out.y);
     let indices = layer.routing_build(&ids).unwrap();
     assert_eq!(indices.expert_offsets, vec![0, 4, 8, 12]);
     for (pair, &row) in indices.token_index_map.iter().enumerate() {
