@@ -305,15 +305,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t stage = smem_u32(smem + s * kStageBytes);
         const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
         const uint64_t desc_b = smem_desc_kmajor_sw128(stage + kATileBytes);
-        fence_accumulators(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          // +32 bytes per 16 k inside the swizzle row: +2 in the descriptor's address field.
-          wgmma_m64n256k16<T, 0, 0>(acc, desc_a + 2 * kk, desc_b + 2 * kk,
-                                    (kt > 0 || kk > 0) ? 1 : 0);
-        }
-        wgmma_commit();
+        wgmma_kstep<T, 0, 0>(acc, desc_a, desc_b, kt > 0);
         // This warpgroup's A of k-step it + kGatherLead (which may belong to the next tile: its
         // loads fly during this tile's epilogue).
         const int refill = int((it + kGatherLead) % kStages);

@@ -225,6 +225,24 @@ __device__ __forceinline__ void wgmma_m64n256k16(float (&d)[128], uint64_t desc_
 }
 #undef MB_WGMMA_M64N256K16
 
+// One k-step of a consumer warpgroup (kBK = 64: four m64n256k16) from the stage's descriptors,
+// issued and committed; the caller waits. Inside a 128-byte swizzle row a K-major operand advances
+// 32 bytes per 16 k (+2 in the descriptor's address field), an MN-major one 16 rows of 128 bytes
+// (+2048 bytes, +128). accumulate = false overwrites D (a tile's first k-step).
+template <typename T, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_kstep(float (&acc)[128], uint64_t desc_a, uint64_t desc_b,
+                                            bool accumulate) {
+  constexpr uint64_t kStepA = TRANS_A ? 128 : 2, kStepB = TRANS_B ? 128 : 2;
+  fence_accumulators(acc);
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < kBK / 16; ++kk) {
+    wgmma_m64n256k16<T, TRANS_A, TRANS_B>(acc, desc_a + kStepA * kk, desc_b + kStepB * kk,
+                                          (accumulate || kk > 0) ? 1 : 0);
+  }
+  wgmma_commit();
+}
+
 // Two values rounded to T (round-to-nearest-even), packed with lo at the lower address: the same
 // conversions as gemm.cuh's store2.
 template <typename T>

@@ -571,17 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
         const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kATileBytes)
                                      : smem_desc_kmajor_sw128(stage + kATileBytes);
-        fence_accumulators(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          // A: +32 bytes per 16 k inside the swizzle row. B K-major: the same; B MN-major: 16
-          // k-rows of 128 bytes = +2048 bytes (+128 in the descriptor's address field).
-          const uint64_t db = desc_b + (kBMn ? uint64_t(128 * kk) : uint64_t(2 * kk));
-          wgmma_m64n256k16<T, 0, kBMn ? 1 : 0>(acc, desc_a + 2 * kk, db,
-                                               (kt > 0 || kk > 0) ? 1 : 0);
-        }
-        wgmma_commit();
+        wgmma_kstep<T, 0, kBMn ? 1 : 0>(acc, desc_a, desc_b, kt > 0);
         if constexpr (kGather && kGatherBeforeWait) {
           // While wgmma(it - 1) and wgmma(it) run: our A of k-step it + kGatherLead into the slot
           // of k-step it - 2, whose wgmma completed before the previous k-step's wait<1>.

@@ -421,15 +421,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t stage = smem_u32(smem + s * kStageBytes);
         const uint64_t desc_a = smem_desc_mnmajor_sw128(stage + uint32_t(wg) * kBoxBytes);
         const uint64_t desc_b = smem_desc_mnmajor_sw128(stage + kATileBytes);
-        fence_accumulators(acc);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < kBK / 16; ++kk) {
-          // 16 k-rows of 128 bytes = 2048 bytes = +128 in the descriptor's address field
-          wgmma_m64n256k16<T, 1, 1>(acc, desc_a + uint64_t(128 * kk), desc_b + uint64_t(128 * kk),
-                                    (kt > 0 || kk > 0) ? 1 : 0);
-        }
-        wgmma_commit();
+        wgmma_kstep<T, 1, 1>(acc, desc_a, desc_b, kt > 0);
         // While wgmma(it - 1) and wgmma(it) run: this warpgroup's A of k-step it + kGatherLead
         // into the slot of k-step it - 2, whose wgmma completed before the previous k-step's
         // wait<1> returned (until v8 the gather came after the wait, with the pipe draining).
