@@ -6,7 +6,7 @@
 # sources (.ab) on the shapes below, same process per shape. The summary and table come last.
 #   bash dev/cuda/patches/run_patches.sh            (carry .deps; ~7 minutes)
 #   CHECK=0 bash dev/cuda/patches/run_patches.sh    (times only, no suites or sanitizers; ~3 min)
-#   PATCHES="b4-warp-index" bash dev/cuda/patches/run_patches.sh   (a subset; the default: all)
+#   PATCHES="rows-warp-index" bash dev/cuda/patches/run_patches.sh   (a subset; the default: all)
 # The patches stay applied in the device's copy of the tree; land each here (git apply) only if
 # its checks passed.
 set -u -o pipefail
@@ -16,7 +16,7 @@ export MOEBLAZE_CUDA_ARCHS="${MOEBLAZE_CUDA_ARCHS:-90a}"
 here=dev/cuda/patches
 # BEFORE: the tree as it is (every CUDA source the patches touch: all of src/cuda).
 rm -rf .ab && mkdir -p .ab/src && cp -r src/cuda .ab/src/
-for name in ${PATCHES-b4-warp-index}; do
+for name in ${PATCHES-rows-warp-index}; do
   if command -v git >/dev/null 2>&1 && git apply --check "$here/$name.patch" 2>/dev/null; then
     git apply "$here/$name.patch"
   else
@@ -25,8 +25,11 @@ for name in ${PATCHES-b4-warp-index}; do
   echo "applied: $name"
 done
 # B4 (K = 2h, MN-major B) on the shapes where v15 moved it (conf4, mixtral) and where it did not
-# (conf3, qwen3); F2 and the rest as controls.
-PROFILE_SHAPES="${PROFILE_SHAPES:-conf3 swiglu|--act swiglu
+# (conf3, qwen3); B1's 4-stage form (d <= 512: 8 k-steps) on conf1 and conf5; F2 and the rest as
+# controls.
+PROFILE_SHAPES="${PROFILE_SHAPES:-conf1 swiglu|--T 65536 --d 512 --h 2048 --E 4 --k 1 --act swiglu
+conf5 swiglu|--T 32768 --d 512 --h 2048 --E 16 --k 4 --act swiglu
+conf3 swiglu|--act swiglu
 conf4 swiglu|--T 32768 --d 2048 --h 8192 --E 16 --k 4 --act swiglu
 qwen3 swiglu|--T 16384 --d 2048 --h 768 --E 128 --k 8 --act swiglu
 mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu}" \
