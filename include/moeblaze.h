@@ -475,7 +475,8 @@ typedef struct moeblaze_forward_args {
  *  (training). Such a call writes the routing indices, the router outputs (layer forward) and,
  *  under ::MOEBLAZE_CHECKPOINT_SAVE_ALL, the activation `u` straight into `saved`, so its workspace
  *  holds none of them: it is smaller by `2*N + E + 1` int32 (N = T*k), by `T*E + 2*T*k` routing
- *  elements for the layer forward, and by `N*h` elements under SAVE_ALL. A forward with `saved`
+ *  elements for the layer forward, and by `N*h` elements under SAVE_ALL (the layer forward's by
+ *  less where its router sub-calls' own workspace is the larger part). A forward with `saved`
  *  accepts this size or the larger one of moeblaze_layer_workspace_size(); a forward without
  *  `saved` (inference) needs the larger one. Only a size-query flag: ::moeblaze_forward_args_t's
  *  `flags` stay 0, since the call itself knows whether it has `saved`. */
