@@ -7,7 +7,9 @@
 # copied over src/cuda/sm90/<name> in a copy of the tree), and other BEFORE sources under
 # AB_DIR/src/ by their path below src/ (AB_DIR/src/cuda/experts.cu). Logs under $OUT, the table last.
 # Shapes: PROFILE_SHAPES, one "name|profile_kernels.py arguments" per line. AB_DIR=none: no BEFORE
-# build, the working tree's per-kernel times alone.
+# build, the working tree's per-kernel times alone. AB_DIR=env: no BEFORE build either; BEFORE and
+# AFTER are the working tree's library run under the environment assignments in BEFORE_ENV and
+# AFTER_ENV (e.g. BEFORE_ENV=MOEBLAZE_CUDA_B1_FORM=warps AFTER_ENV=MOEBLAZE_CUDA_B1_FORM=split).
 set -u -o pipefail
 out="${OUT:-./library_ab_out}"
 mkdir -p "$out"
@@ -22,7 +24,7 @@ else
     { tail -20 "$out/build_new.log"; exit 1; }
 fi
 before=/tmp/moeblaze_before
-if [ "$ab" != none ]; then
+if [ "$ab" != none ] && [ "$ab" != env ]; then
   rm -rf "$before" && mkdir -p "$before"
   tar --exclude=./build-device --exclude=./.git -cf - . | tar -xf - -C "$before"
   # Plain files: sm90 sources by name; a src/ subtree: copied over src/ path by path.
@@ -43,11 +45,17 @@ while IFS='|' read -r name args; do
   for which in before after; do
     [ "$which" = before ] && [ "$ab" = none ] && continue
     lib="$root/build-device/src/libmoeblaze.so"
-    [ "$which" = before ] && lib="$before/build-before/src/libmoeblaze.so"
-    echo "=== $name $which" >>"$out/profile.log"
-    # shellcheck disable=SC2086  # args split on purpose
-    MOEBLAZE_LIBRARY="$lib" timeout 120 python3 tests/cuda/profile_kernels.py $args --rows 12 \
-      >>"$out/profile.log" 2>&1
+    assignments=""
+    if [ "$ab" = env ]; then
+      assignments="${AFTER_ENV:-}"
+      [ "$which" = before ] && assignments="${BEFORE_ENV:-}"
+    elif [ "$which" = before ]; then
+      lib="$before/build-before/src/libmoeblaze.so"
+    fi
+    { echo "=== $name $which"; echo "environment: ${assignments:-(none)}"; } >>"$out/profile.log"
+    # shellcheck disable=SC2086  # args and assignments split on purpose
+    env $assignments MOEBLAZE_LIBRARY="$lib" timeout 120 python3 tests/cuda/profile_kernels.py \
+      $args --rows 12 >>"$out/profile.log" 2>&1
   done
 done <<<"$shapes"
 echo "== per-kernel CUDA time (ms a step, every call), before -> after"

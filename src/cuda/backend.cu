@@ -19,6 +19,7 @@
 #include "cuda/gemm.cuh"
 #include "cuda/kernels.hpp"
 #include "cuda/sm90/device.hpp"
+#include "cuda/sm90/rows_gemm.hpp"
 
 #ifndef MOEBLAZE_CUDA_VERSION
 #define MOEBLAZE_CUDA_VERSION "unknown"
@@ -176,6 +177,8 @@ class CudaBackend final : public Backend {
     // Test switch: k = 1's direct rows (experts.cu); "0" routes them through the reduction.
     const char* direct_rows = std::getenv("MOEBLAZE_CUDA_DIRECT_ROWS");
     experts_set_direct_rows(!(direct_rows && std::strcmp(direct_rows, "0") == 0));
+    // Test/tuning switch: the Hopper B1's epilogue form (consumers, warps, split; else the policy).
+    sm90_set_b1_form(sm90_parse_b1_form(std::getenv("MOEBLAZE_CUDA_B1_FORM")));
   }
   ~CudaBackend() override {
     if (lt_) {

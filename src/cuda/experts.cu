@@ -104,15 +104,16 @@ __global__ void zero_dropped_kernel(int64_t num_tokens, int64_t d, const int32_t
   for (int64_t c = threadIdx.x & 31; c < d; c += 32) out[t * d + c] = from_f32<T>(0.f);
 }
 
-// dg[p] = sum over n-tiles of B1's partial dot products, in n-tile order.
-__global__ void dg_reduce_kernel(int64_t N, int tiles, const int32_t* token_index_map,
+// dg[p] = sum of B1's partial dot products of the pair's row, in n-tile order (and within a tile
+// in part order): a fixed order, so deterministic.
+__global__ void dg_reduce_kernel(int64_t N, int parts, const int32_t* token_index_map,
                                  const float* part, float* dg) {
   const int64_t p = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (p >= N) return;
   const int32_t r = token_index_map[p];
   float s = 0.f;
   if (r >= 0)
-    for (int i = 0; i < tiles; ++i) s += part[int64_t(i) * N + r];
+    for (int i = 0; i < parts; ++i) s += part[int64_t(i) * N + r];
   dg[p] = s;
 }
 
@@ -222,9 +223,12 @@ int64_t gu_chunk_cols(const LayerDesc& desc, int64_t N) {
 }
 
 // The dg partial buffer is sized for the smaller (SIMT) n-tile.
-int64_t max_b1_ntiles(const LayerDesc& desc) {
-  const int bn = kSimtBN;
-  return (desc.h + bn - 1) / bn;
+// B1's dg partials per row, for whichever B1 kernel runs: one per tile of kSimtBN or kMmaBN
+// columns, kSm90B1DgPartsPerTile per tile of kSm90B1TileCols.
+int64_t max_b1_dg_parts(const LayerDesc& desc) {
+  const int64_t portable = (desc.h + kSimtBN - 1) / kSimtBN;  // kSimtBN <= kMmaBN
+  const int64_t sm90 = (desc.h + kSm90B1TileCols - 1) / kSm90B1TileCols * kSm90B1DgPartsPerTile;
+  return portable > sm90 ? portable : sm90;
 }
 
 GemmParams f1_params(const LayerDesc& desc, const int32_t* offsets, int32_t* mtile,
@@ -353,7 +357,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   const bool gated = desc.gated();
   const bool recompute = desc.checkpoint == Checkpoint::Recompute;
   const int64_t dadb_ld = gated ? 2 * h : h;
-  const int64_t b1_tiles = max_b1_ntiles(desc);
+  const int64_t b1_dg_parts = max_b1_dg_parts(desc);
   // With MOEBLAZE_BACKWARD_CONSUME_SAVED, B1 writes da|db over the saved a|b block, whose layout is
   // da|db's own ([N, 2h] gated, [N, h] otherwise): no da|db region in the workspace.
   const bool consume = call.consume_saved && !recompute;
@@ -369,7 +373,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   const bool dxr_in_gu = dxr_bytes <= gu_bytes;
   void* dadb = consume ? nullptr : ws.carve(es * size_t(N) * size_t(dadb_ld));
   void* gu = ws.carve(gu_bytes);
-  float* dg_part = ws.carve<float>(sizeof(float) * size_t(b1_tiles) * size_t(N));
+  float* dg_part = ws.carve<float>(sizeof(float) * size_t(b1_dg_parts) * size_t(N));
   float* dxr_own = ws.carve<float>(dxr_in_gu ? 0 : dxr_bytes);
   if (!run) return;
   cudaStream_t stream = as_stream(call.stream);
@@ -423,6 +427,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   const bool b2_sm90 =
       call.dw_down != nullptr && sm90_wgrad_supported(desc, T, {call.dy, gu, call.dw_down});
   const int b1_tile_cols = b1_sm90 ? kSm90B1TileCols : (mma ? kMmaBN : kSimtBN);
+  const int b1_parts_per_tile = b1_sm90 ? kSm90B1DgPartsPerTile : 1;
   const auto column = [es](const void* base, int64_t col) -> void* {
     return base == nullptr ? nullptr
                            : const_cast<unsigned char*>(static_cast<const unsigned char*>(base)) +
@@ -430,7 +435,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   };
   for (int64_t h0 = 0; h0 < h; h0 += gu_cols) {
     const int64_t cols = h - h0 < gu_cols ? h - h0 : gu_cols;
-    float* dg_chunk = dg_part + size_t(h0 / b1_tile_cols) * size_t(N);
+    float* dg_chunk = dg_part + size_t(h0 / b1_tile_cols * b1_parts_per_tile) * size_t(N);
     if (b1_sm90) {
       Sm90B1Epilogue ep;
       ep.a_src = column(a_src, h0);
@@ -508,8 +513,8 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   }
 
   if (call.dg && N > 0) {
-    const int b1_ntiles = int((h + b1_tile_cols - 1) / b1_tile_cols);
-    dg_reduce_kernel<<<blocks_for(N, 256), 256, 0, stream>>>(N, b1_ntiles, sv.token_index_map,
+    const int b1_parts = int((h + b1_tile_cols - 1) / b1_tile_cols * b1_parts_per_tile);
+    dg_reduce_kernel<<<blocks_for(N, 256), 256, 0, stream>>>(N, b1_parts, sv.token_index_map,
                                                              dg_part, static_cast<float*>(call.dg));
     check_launch("dg_reduce_kernel");
   }

@@ -252,6 +252,30 @@ void check_experts_bitwise(const LayerRun& got, const LayerRun& want) {
   CHECK(got.dw_down.bitwise_equal(want.dw_down));
 }
 
+// One experts forward + backward on a fresh CUDA backend, which reads the MOEBLAZE_CUDA_* switches
+// set at this moment: the inputs and, for ACCUMULATE_WGRAD, the starting weight gradients from
+// `inputs`; y and dx start at `prefill`, so that rows left unwritten show. Read only the result's
+// tensors (its layer is gone).
+LayerRun gpu_experts_run(const moeblaze_layer_config_t& cfg, const LayerRun& inputs,
+                         uint32_t backward_flags, double prefill = 0.0) {
+  Context gpu{MOEBLAZE_BACKEND_CUDA, 0};
+  Layer lg(gpu, cfg);
+  LayerRun rg(lg, inputs.T);
+  copy_inputs(inputs, rg);
+  rg.dw_gate = inputs.dw_gate;
+  rg.dw_up = inputs.dw_up;
+  rg.dw_down = inputs.dw_down;
+  rg.y.fill(prefill);
+  rg.dx.fill(prefill);
+  DeviceRun dev(rg);
+  dev.upload_all();
+  dev.prepare(MOEBLAZE_PASS_EXPERTS_FORWARD, true, backward_flags);
+  MB_CHECK(dev.enqueue_forward(nullptr));
+  MB_CHECK(dev.enqueue_backward(nullptr, BackwardOutputs(), backward_flags));
+  dev.sync_download();
+  return rg;
+}
+
 struct Case {
   int32_t dtype;
   int64_t d, h, E, k, T;
@@ -644,19 +668,7 @@ TEST_SUITE("cuda") {
               for (const char* chunks : {"1", "0", "3"}) {
                 CAPTURE(chunks);
                 setenv("MOEBLAZE_CUDA_GU_CHUNKS", chunks, 1);
-                Context gpu{MOEBLAZE_BACKEND_CUDA, 0};
-                Layer lg(gpu, cfg);
-                LayerRun rg(lg, 150);
-                copy_inputs(want, rg);
-                rg.dw_gate = want.dw_gate;
-                rg.dw_up = want.dw_up;
-                rg.dw_down = want.dw_down;
-                DeviceRun dev(rg);
-                dev.upload_all();
-                dev.prepare(MOEBLAZE_PASS_EXPERTS_FORWARD, true, flags);
-                MB_CHECK(dev.enqueue_forward(nullptr));
-                MB_CHECK(dev.enqueue_backward(nullptr, BackwardOutputs(), flags));
-                dev.sync_download();
+                const LayerRun rg = gpu_experts_run(cfg, want, flags);
                 check_close("y", rg.y, rc.y, dtype, 1000 * 2);
                 check_close("dw_down", rg.dw_down, rc.dw_down, dtype, 150);
                 check_close("dw_gate", rg.dw_gate, rc.dw_gate, dtype, 150);
@@ -671,6 +683,72 @@ TEST_SUITE("cuda") {
       }
     }
     unsetenv("MOEBLAZE_CUDA_GU_CHUNKS");
+    Gpu reset;  // the next backend created reads the default policy again
+#endif
+  }
+
+  TEST_CASE("cuda: B1's three epilogue forms match the CPU; the two with epilogue warps agree") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    // MOEBLAZE_CUDA_B1_FORM forces the Hopper B1's epilogue form (rows_gemm.cu, B1Form) whatever
+    // the k-steps a tile: d = 64 (1 k-step), 576 (9), 1088 (17). h = 296: the last 256-column tile
+    // has 40 columns, all in group 0, so the split form's epilogue warps (groups 1-3) have none and
+    // must still write their dg partial; h = 1000: a last tile of 232 columns. Every form must
+    // match the CPU. The epilogue-warp and split forms round v alike and run the same element
+    // arithmetic, so y, dx and the weight gradients must have the same bits (dg sums group 0 in
+    // another order). Without the Hopper kernels the switch changes nothing.
+    Rng rng(test_seed(9818));
+    struct Shape {
+      int64_t d, h;
+    };
+    std::vector<Shape> shapes = {{64, 296}, {576, 1000}};
+    if (!quick()) shapes.push_back({1088, 296});
+    for (const Shape& sh : shapes) {
+      for (int32_t dtype : {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F16}) {
+        for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_SILU}) {
+          for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_CHECKPOINT_SAVE_ALL,
+                               MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+            if (quick() && (dtype != MOEBLAZE_DTYPE_BF16 || ckpt == MOEBLAZE_CHECKPOINT_SAVE_ALL))
+              continue;
+            moeblaze_layer_config_t cfg = make_config(dtype, sh.d, sh.h, 5, 2);
+            cfg.activation = act;
+            cfg.checkpoint = ckpt;
+            CAPTURE(describe(cfg));
+            Context cpu;
+            Layer lc(cpu, cfg);
+            LayerRun rc(lc, 150);
+            rc.init_random(rng);
+            apply_routing(rc, "skewed", rng);  // experts 3, 4 (nearly) empty
+            rc.clear_outputs();
+            LayerRun want = rc;  // inputs; the CPU's outputs land in rc
+            MB_CHECK(rc.experts_forward());
+            MB_CHECK(rc.experts_backward());
+            std::vector<LayerRun> got;
+            for (const char* form : {"consumers", "warps", "split"}) {
+              CAPTURE(form);
+              setenv("MOEBLAZE_CUDA_B1_FORM", form, 1);
+              const LayerRun rg = gpu_experts_run(cfg, want, 0);
+              check_close("y", rg.y, rc.y, dtype, sh.h * 2);
+              check_close("dx", rg.dx, rc.dx, dtype, 2 * sh.h * 2);
+              check_close("dg", rg.dg, rc.dg, dtype, sh.h + sh.d);
+              check_close("dw_down", rg.dw_down, rc.dw_down, dtype, 150);
+              check_close("dw_gate", rg.dw_gate, rc.dw_gate, dtype, 150);
+              if (rg.gated) check_close("dw_up", rg.dw_up, rc.dw_up, dtype, 150);
+              if (got.size() == 2) {  // split against the epilogue-warp form
+                const LayerRun& warps = got[1];
+                CHECK(rg.y.bitwise_equal(warps.y));
+                CHECK(rg.dx.bitwise_equal(warps.dx));
+                CHECK(rg.dw_down.bitwise_equal(warps.dw_down));
+                CHECK(rg.dw_gate.bitwise_equal(warps.dw_gate));
+                if (rg.gated) CHECK(rg.dw_up.bitwise_equal(warps.dw_up));
+              }
+              got.push_back(rg);
+            }
+          }
+        }
+      }
+    }
+    unsetenv("MOEBLAZE_CUDA_B1_FORM");
     Gpu reset;  // the next backend created reads the default policy again
 #endif
   }
@@ -718,18 +796,8 @@ TEST_SUITE("cuda") {
             for (const char* direct : {"0", "1"}) {
               CAPTURE(direct);
               setenv("MOEBLAZE_CUDA_DIRECT_ROWS", direct, 1);
-              Context gpu{MOEBLAZE_BACKEND_CUDA, 0};
-              Layer lg(gpu, cfg);
-              LayerRun rg(lg, sh.T);
-              copy_inputs(want, rg);
-              rg.y.fill(7.0);  // not zero: the dropped rows must be written
-              rg.dx.fill(7.0);
-              DeviceRun dev(rg);
-              dev.upload_all();
-              dev.prepare(MOEBLAZE_PASS_EXPERTS_FORWARD, true, 0);
-              MB_CHECK(dev.enqueue_forward(nullptr));
-              MB_CHECK(dev.enqueue_backward(nullptr, BackwardOutputs(), 0));
-              dev.sync_download();
+              // y and dx start at 7, not zero: the dropped rows must be written.
+              const LayerRun rg = gpu_experts_run(cfg, want, 0, 7.0);
               if (!drop) {
                 check_close("y", rg.y, rc.y, dtype, sh.h * 2);
                 check_close("dx", rg.dx, rc.dx, dtype, 2 * sh.h * 2);

@@ -22,12 +22,16 @@
 // consumer warp's 2 KB staging buffer (common.cuh): a, b (and u under SAVE_ALL) in by coalesced
 // 16-byte loads, then da, db, g*u (rounded once) out by coalesced 16-byte stores, and the row's dg
 // partial for this 256-column tile (the quad's lanes hold the row's columns: two shuffles).
-// B1 with 9-64 k-steps a tile (512 < d <= 4096) takes the epilogue-warp form instead (EPI_WARPS,
+// B1 with 9-64 k-steps a tile (512 < d <= 4096) takes a form with epilogue warps instead (B1Form,
 // kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16 and
-// warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on.
+// warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on; with
+// 9-32 k-steps (the split form) the consumers keep the tile's first 64 columns and run their
+// epilogue themselves after the hand-off.
 #include "cuda/sm90/rows_gemm.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 
 #include "common/activation_math.hpp"
 #include "common/status.hpp"
@@ -45,7 +49,7 @@ enum RowsKind : int { kF2 = 0, kB4 = 1, kB1 = 2 };
 
 constexpr int kBM = 128;              // routed rows per tile
 constexpr int kBN = kSm90B1TileCols;  // output columns per tile (256)
-// Pipeline stages: stages_for (common.cuh): 4, or 3 in B1's epilogue-warp form (EPI_WARPS, below).
+// Pipeline stages: stages_for (common.cuh): 4, or 3 in B1's forms with epilogue warps (B1Form).
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
 constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
@@ -64,42 +68,81 @@ constexpr int kB1StageWarpBytes = 3 * kB1StageWords * 4;
 
 constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 
-// B1's epilogue-warp form (EPI_WARPS; tiles of kB1EpiWarpsMinKTiles..kB1EpiWarpsMaxKTiles
+// B1's epilogue-warp form (kB1Warps; tiles of kB1EpiWarpsMinKTiles..kB1EpiWarpsMaxKTiles
 // k-steps, 512 < d <= 4096): the consumers round v = dy . w_down into a 64 KB hand-off (4
-// sub-tiles of 128 rows x 64 columns, 16-byte chunk c of row r at r * 128 + ((c ^ (r & 7)) << 4),
-// F1's layout) and go on to the next tile's main loop, while warps 1-3 of the producer warpgroup
-// run the activation backward from it (a, b in; da, db, g*u out; dg partials). In the 4-stage form
-// the consumers run it after each tile's main loop (~3.2 of conf3's 7.5 ms).
-// Measured (session 8, same process, 4-stage -> EPI_WARPS): B1 conf4 10.76 -> 9.16 ms, conf7
-// 2.56 -> 2.34, qwen3 1.01 -> 0.94 (32 k-steps); conf3 6.96 -> 7.04, SiLU 6.11 -> 6.20 (16
-// k-steps: the tile's epilogue, 327 KB of traffic, outlasts a main loop half as long, and 96
-// threads move it more slowly than the consumers' 256). Hence the lower bound.
-// Session 9 (same process, 32 -> 64 as the upper bound): mixtral (64 k-steps) B1 6.76 -> 6.36 ms,
-// SiLU 6.38 -> 6.06. A software-pipelined variant of the epilogue warps (next item's loads issued
-// during this one) measured no better there (6.37) and worse at 32 k-steps (conf4 9.62 -> 9.95),
-// so it was dropped. Beyond 64 k-steps (d > 4096) is unmeasured and keeps the 4-stage form.
-// Session 10, after warp-uniform and epilogue-lean (fewer instructions in both the main loop and
-// the epilogue), same process, 4-stage -> EPI_WARPS: 16 k-steps now gain (B1 conf3 6.74 -> 6.38
-// ms, conf2 3.38 -> 3.14, conf6 1.78 -> 1.67; SiLU conf3 5.91 -> 5.88) and 8 are flat (conf5 1.40
+// sub-tiles of 128 rows x 64 columns; 3 in the split form, below; 16-byte chunk c of row r at r *
+// 128 + ((c ^ (r & 7)) << 4), F1's layout) and go on to the next tile's main loop, while warps 1-3
+// of the producer warpgroup run the activation backward from it (a, b in; da, db, g*u out; dg
+// partials). In the 4-stage form the consumers run it after each tile's main loop (~3.2 of
+// conf3's 7.5 ms). Measured (session 8, same process, 4-stage -> epilogue warps): B1 conf4 10.76
+// -> 9.16 ms, conf7 2.56 -> 2.34, qwen3 1.01 -> 0.94 (32 k-steps); conf3 6.96 -> 7.04, SiLU 6.11
+// -> 6.20 (16 k-steps: the tile's epilogue, 327 KB of traffic, outlasts a main loop half as long,
+// and 96 threads move it more slowly than the consumers' 256). Hence the lower bound. Session 9
+// (same process, 32 -> 64 as the upper bound): mixtral (64 k-steps) B1 6.76 -> 6.36 ms, SiLU 6.38
+// -> 6.06. A software-pipelined variant of the epilogue warps (next item's loads issued during this
+// one) measured no better there (6.37) and worse at 32 k-steps (conf4 9.62 -> 9.95), so it was
+// dropped. Beyond 64 k-steps (d > 4096) is unmeasured and keeps the 4-stage form. Session 10, after
+// warp-uniform and epilogue-lean (fewer instructions in both the main loop and the epilogue), same
+// process, 4-stage -> epilogue warps: 16 k-steps now gain (B1 conf3 6.74 -> 6.38 ms, conf2 3.38
+// -> 3.14, conf6 1.78 -> 1.67; SiLU conf3 5.91 -> 5.88) and 8 are flat (conf5 1.40
 // -> 1.40), so the lower bound is 9; 9-15 k-steps lie between the two measured classes.
 constexpr int kB1EpiWarpsMinKTiles = 9;
 constexpr int kB1EpiWarpsMaxKTiles = 64;
 constexpr int kB1EpiWarps = 3;
-constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB
+constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB: one 64-column group of the tile
 constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
-constexpr int kHandoffBytes = 4 * kHandoffSubBytes;  // 64 KB
 
-// full, empty, a_full of each consumer warpgroup; EPI_WARPS: + handoff_full, handoff_empty.
-constexpr size_t smem_bytes(int E, bool epi_warps) {
-  return two_form_smem_bytes(E, epi_warps, kStageBytes, kEpiBytes, kHandoffBytes);
+// B1's three epilogue forms (the kernel's FORM; F2 and B4 take kB1Consumers, which for them only
+// means 4 stages):
+//   kB1Consumers: 4 stages; the consumers run the whole epilogue after each main loop.
+//   kB1Warps:     3 stages; the epilogue warps run all four 64-column groups of every tile from
+//                 the hand-off while the consumers go on (above).
+//   kB1Split:     3 stages; the consumers hand off groups 1-3 and run group 0 themselves (from
+//                 their accumulators, rounded to T as the hand-off is), then go on.
+// Why the split (session 11, Nsight Compute on conf3, 16 k-steps): in the epilogue-warp form the
+// consumers spent a third of all warp samples waiting for the hand-off buffer (the epilogue warps'
+// 327 KB a tile took ~26 us, the main loop ~14), and the epilogue warps stalled on their a, b loads
+// at ~1.9 TB/s of DRAM traffic: latency-bound, not bandwidth-bound. A quarter of the epilogue on
+// the consumers balances the two sides where the main loop is short. Measured (session 11, same
+// library and process per shape, MOEBLAZE_CUDA_B1_FORM warps -> split): B1 conf3 6.25 -> 5.84 ms,
+// SiLU 5.88 -> 5.01, conf2 3.08 -> 2.83 (16 k-steps); conf4 8.29 -> 8.03, qwen3 1.61 -> 1.56 (32);
+// mixtral 5.83 -> 6.08 (64: there the epilogue warps keep up and the split only lengthens the
+// consumers' path). Hence kB1SplitMaxKTiles; 33-63 k-steps are unmeasured. The model behind the
+// split predicted more at 16 k-steps (B1 conf3 ~4.9 ms) and a loss at 32.
+enum B1Form : int { kB1Consumers = 0, kB1Warps = 1, kB1Split = 2 };
+constexpr int kB1SplitMaxKTiles = 32;
+// 64-column groups of a tile the consumers run themselves, and those they hand off.
+constexpr int consumer_groups(int form) {
+  return form == kB1Consumers ? 4 : form == kB1Split ? 1 : 0;
 }
-constexpr size_t kMaxSmemBytes = two_form_max_smem_bytes(kStageBytes, kEpiBytes, kHandoffBytes);
+constexpr int handoff_groups(int form) {
+  return form == kB1Consumers ? 0 : 4 - consumer_groups(form);
+}
+// The epilogue's shared memory after the stages: the hand-off's groups, then (when the consumers
+// run any group) their staging buffers.
+constexpr size_t epilogue_bytes(int form) {
+  return size_t(handoff_groups(form)) * kHandoffSubBytes +
+         (consumer_groups(form) > 0 ? size_t(kEpiBytes) : 0);
+}
+constexpr size_t smem_bytes(int E, int form) {
+  return pipeline_smem_bytes(stages_for(form != kB1Consumers), kStageBytes, epilogue_bytes(form),
+                             E);
+}
+constexpr size_t kMaxSmemBytes =
+    std::max({smem_bytes(kMaxExperts, kB1Consumers), smem_bytes(kMaxExperts, kB1Warps),
+              smem_bytes(kMaxExperts, kB1Split)});
 static_assert(kMaxSmemBytes <= kSmemPerBlock,
               "227 KB of shared memory per block on the H100 / H200");
 
+// B1's dg partials: two per row and tile, the tile's first 64 columns (group 0) and the other 192,
+// so the split form's two sides each write their own (no combine between them; dg_reduce adds the
+// partials in a fixed order: deterministic). Every form writes both.
+constexpr int kDgParts = kSm90B1DgPartsPerTile;
+static_assert(kDgParts == 2, "part 0: group 0, part 1: groups 1-3");
+
 // setmaxnreg counts (register_split_fits).
 constexpr int kRegsWg0 = 40, kRegsConsumer = 232;
-constexpr int kRegsWg0Epi = 104, kRegsConsumerEpi = 200;  // EPI_WARPS: the epilogue warps' math
+constexpr int kRegsWg0Epi = 104, kRegsConsumerEpi = 200;  // the epilogue warps' math
 static_assert(register_split_fits(kRegsWg0, kRegsConsumer), "register split");
 static_assert(register_split_fits(kRegsWg0Epi, kRegsConsumerEpi),
               "register split (epilogue warps)");
@@ -223,10 +266,13 @@ __device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, in
   }
 }
 
-// B1's epilogue for one warp's 16 rows of a tile (see the file comment), in 8 steps of 8 rows x 64
-// columns: a, b (u under SAVE_ALL) come in by coalesced 16-byte loads into the warp's staging
-// buffers (the next step's a, b loads are issued before this step's math), each lane turns its
-// fragment words into da, db, g*u in place, and those go out by coalesced 16-byte stores.
+// B1's epilogue for one warp's 16 rows of a tile (see the file comment), in 2 steps of 8 rows x 64
+// columns for each of the tile's first GROUPS 64-column groups (4: all of it, in the consumers'
+// form; 1: group 0, in the split form): a, b (u under SAVE_ALL) come in by coalesced 16-byte loads
+// into the warp's staging buffers (the next step's a, b loads are issued before this step's math),
+// each lane turns its fragment words into da, db, g*u in place, and those go out by coalesced
+// 16-byte stores. ROUND_V: v as the split form hands the other groups off, rounded once to T (the
+// consumers' form uses the fp32 accumulator).
 // Register 4j + q of lane (g, t4) holds row g (q < 2) or g + 8 (q >= 2), column 8j + 2 t4 + (q & 1)
 // of the tile. Measured on the H200 (conf3, SwiGLU; tests/cuda/profile_kernels.py): the first
 // version, 4-byte loads and stores straight from the fragment layout (8 rows x 16 bytes per warp
@@ -238,9 +284,10 @@ __device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, in
 // ACT is a template parameter: a runtime switch over the seven activations, inlined at each of the
 // 64 unrolled elements, made this epilogue four times slower (measured on the H200: 39.6 ms instead
 // of 9.5 ms for conf3's B1), most likely from the code size.
-template <typename T, int ACT>
+template <typename T, int ACT, int GROUPS, bool ROUND_V>
 __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord& c, int tile_row,
                                             int lane, uint32_t* stg, const float (&acc)[128]) {
+  static_assert(GROUPS == 1 || GROUPS == 4, "group 0 alone, or the whole tile");
   const int g = lane >> 2, t4 = lane & 3;
   const int h = p.n_out;
   const int64_t dadb_ld = p.dadb_ld;
@@ -250,14 +297,15 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
   uint32_t* buf_a = stg;
   uint32_t* buf_b = stg + kB1StageWords;
   uint32_t* buf_u = stg + 2 * kB1StageWords;
-  float gval[2], dot[2] = {0.f, 0.f};
+  float gval[2];
+  float dot[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // [dg part (group 0, groups 1-3)][8-row half]
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr)
     gval[rr] = g + 8 * rr < rows ? __ldg(p.g + __ldg(p.row_pair + grow0 + g + 8 * rr)) : 0.f;
 
   // Step = (64-column group, 8-row half): group-major, so dg sums its columns in the same order
   // as before (row by row, column pairs ascending).
-  constexpr int kSteps = (kBN / kStageCols) * 2;
+  constexpr int kSteps = GROUPS * 2;
   uint4 pa[2], pb[2];  // the next step's a, b chunks
   {
     const int64_t ab_row = grow0 * p.ab_ld;
@@ -268,6 +316,7 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
 #pragma unroll  // step indexes the accumulators: a runtime index would move them to local memory
   for (int step = 0; step < kSteps; ++step) {
     const int group = step >> 1, rr = step & 1;
+    const int part = group == 0 ? 0 : 1;
     const int col0 = c.n0 + group * kStageCols;
     const int r0 = 8 * rr;  // first row of this step within the warp's 16
     b1_stage_chunks(buf_a, pa, lane);
@@ -295,13 +344,17 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
       const float2 af = unpack2<T>(buf_a[w]);
       const float2 bf = unpack2<T>(buf_b[w]);                // zeros when not gated
       const float2 uf = unpack2<T>(have_u ? buf_u[w] : 0u);  // used only under SAVE_ALL
-      const float v0 = acc[4 * j + 2 * rr], v1 = acc[4 * j + 2 * rr + 1];
+      float v0 = acc[4 * j + 2 * rr], v1 = acc[4 * j + 2 * rr + 1];
+      if constexpr (ROUND_V) {
+        v0 = round_to<T>(v0);
+        v1 = round_to<T>(v1);
+      }
       float u0, u1, da0, db0, da1, db1;
       b1_element<T, ACT>(af.x, bf.x, gval[rr] * v0, have_u, uf.x, u0, da0, db0);
       b1_element<T, ACT>(af.y, bf.y, gval[rr] * v1, have_u, uf.y, u1, da1, db1);
       if (col0 + 8 * jj < h) {  // h % 8 == 0; columns past h hold stale B data: keep them out of dg
-        dot[rr] += v0 * u0;
-        dot[rr] += v1 * u1;
+        dot[part][rr] += v0 * u0;
+        dot[part][rr] += v1 * u1;
       }
       buf_a[w] = pack2<T>(da0, da1);  // each lane rewrites only the words it read
       buf_b[w] = pack2<T>(db0, db1);
@@ -316,29 +369,36 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
                        lane);
     __syncwarp();
   }
+  float* dg_tile = p.dg_part + int64_t(c.n0 / kBN) * kDgParts * p.N;
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    float d = dot[rr];
-    d += __shfl_xor_sync(0xffffffffu, d, 1);
-    d += __shfl_xor_sync(0xffffffffu, d, 2);
-    if (g + 8 * rr < rows && t4 == 0) p.dg_part[int64_t(c.n0 / kBN) * p.N + grow0 + g + 8 * rr] = d;
+  for (int part = 0; part < (GROUPS > 1 ? 2 : 1); ++part) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      float d = dot[part][rr];
+      d += __shfl_xor_sync(0xffffffffu, d, 1);
+      d += __shfl_xor_sync(0xffffffffu, d, 2);
+      if (g + 8 * rr < rows && t4 == 0) dg_tile[part * p.N + grow0 + g + 8 * rr] = d;
+    }
   }
 }
 
-// B1's epilogue in the epilogue-warp form, run by warps 1-3 of the producer warpgroup (ew = 0..2)
-// for one tile whose v the consumers left in the hand-off `hb`, rounded to T. Item idx = 32 ew +
-// lane + 96 i of the tile's 128 rows x 8 chunks: row idx >> 3 and 16-byte chunk idx & 7 of each
-// of the tile's four 64-column groups, so a warp instruction covers 4 rows x 128 contiguous bytes
-// of every operand (and reads 4 whole 128-byte rows of the hand-off, conflict-free), and the 8
-// lanes of a row are consecutive: three shuffles give its dg partial (its columns in ascending
-// order within a lane, then a fixed tree: deterministic). Per element the arithmetic of
-// b1_epilogue (b1_element), with du = g * v for v as handed off: rounded once to T, as the
-// PyTorch dataflow's grouped GEMM output is (b1_epilogue uses the fp32 accumulator). Plain loads:
-// a, b may live where da, db go (RECOMPUTE, CONSUME_SAVED); each lane reads its chunks before it
-// writes the same chunks.
-template <typename T, int ACT>
+// B1's epilogue in the forms with epilogue warps, run by warps 1-3 of the producer warpgroup (ew =
+// 0..2) for one tile whose v the consumers left in the hand-off `hb`, rounded to T: the tile's
+// 64-column groups FIRST..3 (FIRST = 0 in the epilogue-warp form, 1 in the split form, where the
+// consumers run group 0), group g in the hand-off's sub-tile g - FIRST. Item idx = 32 ew + lane +
+// 96 i of the tile's 128 rows x 8 chunks: row idx >> 3 and 16-byte chunk idx & 7 of each of those
+// groups, so a warp instruction covers 4 rows x 128 contiguous bytes of every operand (and reads 4
+// whole 128-byte rows of the hand-off, conflict-free), and the 8 lanes of a row are consecutive:
+// three shuffles give each of its dg partials (its columns in ascending order within a lane, then
+// a fixed tree: deterministic). Per element the arithmetic of b1_epilogue (b1_element), with du =
+// g * v for v as handed off: rounded once to T, as the PyTorch dataflow's grouped GEMM output is
+// (the consumers' form uses the fp32 accumulator). Plain loads: a, b may live where da, db go
+// (RECOMPUTE, CONSUME_SAVED); each lane reads its chunks before it writes the same chunks.
+template <typename T, int ACT, int FIRST>
 __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const TileCoord& c, int ew,
                                                   int lane, const uint32_t* hb) {
+  static_assert(FIRST == 0 || FIRST == 1, "all four groups, or groups 1-3");
+  constexpr int kGroups = 4 - FIRST;
   const int h = p.n_out;
   const bool have_u = p.u != nullptr;
   const T* a_src = static_cast<const T*>(p.a);
@@ -346,11 +406,12 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
   const T* u_src = static_cast<const T*>(p.u);
   T* dadb = static_cast<T*>(p.dadb);
   T* gu = static_cast<T*>(p.gu);
+  float* dg_tile = p.dg_part + int64_t(c.n0 / kBN) * kDgParts * p.N;
   constexpr int kItems = kBM * 8;
   constexpr int kLanes = 32 * kB1EpiWarps;
   // Bytes in flight: 96 threads cannot reach the DRAM rate with one column group's loads at a time
   // (~3 KB per SM against the ~24 KB that 3 TB/s at ~1 us needs; session 8 call 1: B1 1.5-2x
-  // slower). So each item loads all four groups' a, b before its first store (the stores may alias
+  // slower). So each item loads all its groups' a, b before its first store (the stores may alias
   // the loads under CONSUME_SAVED, so the compiler would not hoist them itself), and the item two
   // iterations ahead is prefetched into L2 (no registers held).
   const auto prefetch_item = [&](int idx) {
@@ -358,7 +419,7 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
     if (idx >= kItems || row >= c.rows) return;
     const int64_t ab_row = (int64_t(c.row0) + row) * p.ab_ld;
 #pragma unroll
-    for (int group = 0; group < 4; ++group) {
+    for (int group = FIRST; group < 4; ++group) {
       const int col = c.n0 + group * 64 + ch * 8;
       if (col >= h) break;
       asm volatile("prefetch.global.L2 [%0];" ::"l"(a_src + ab_row + col));
@@ -373,43 +434,44 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
     const int row = idx >> 3, ch = idx & 7;
     const bool row_ok = row < c.rows;
     const int64_t grow = int64_t(c.row0) + row;
-    uint4 av[4], bv[4];
+    uint4 av[kGroups], bv[kGroups];
 #pragma unroll
-    for (int group = 0; group < 4; ++group) {
-      const int col = c.n0 + group * 64 + ch * 8;
+    for (int i = 0; i < kGroups; ++i) {
+      const int col = c.n0 + (FIRST + i) * 64 + ch * 8;
       const bool in = row_ok && col < h;  // h % 8 == 0: a chunk is all in or all out
       const int64_t ab = grow * p.ab_ld + col;
-      av[group] = in ? *reinterpret_cast<const uint4*>(a_src + ab) : make_uint4(0, 0, 0, 0);
-      bv[group] =
-          in && p.gated ? *reinterpret_cast<const uint4*>(b_src + ab) : make_uint4(0, 0, 0, 0);
+      av[i] = in ? *reinterpret_cast<const uint4*>(a_src + ab) : make_uint4(0, 0, 0, 0);
+      bv[i] = in && p.gated ? *reinterpret_cast<const uint4*>(b_src + ab) : make_uint4(0, 0, 0, 0);
     }
     const float gval = row_ok ? __ldg(p.g + __ldg(p.row_pair + grow)) : 0.f;
-    float dot = 0.f;
+    float dot[2] = {0.f, 0.f};  // dg parts: group 0, groups 1-3
 #pragma unroll
-    for (int group = 0; group < 4; ++group) {
+    for (int i = 0; i < kGroups; ++i) {
+      const int group = FIRST + i;
       const int col = c.n0 + group * 64 + ch * 8;
       if (!row_ok || col >= h) continue;
-      const uint4 vv = *reinterpret_cast<const uint4*>(hb + group * kHandoffSubWords + row * 32 +
+      const uint4 vv = *reinterpret_cast<const uint4*>(hb + i * kHandoffSubWords + row * 32 +
                                                        ((ch ^ (row & 7)) << 2));
       const uint4 uv = have_u ? *reinterpret_cast<const uint4*>(u_src + grow * p.u_ld + col)
                               : make_uint4(0, 0, 0, 0);
       const uint32_t vw[4] = {vv.x, vv.y, vv.z, vv.w};
-      const uint32_t aw[4] = {av[group].x, av[group].y, av[group].z, av[group].w};
-      const uint32_t bw[4] = {bv[group].x, bv[group].y, bv[group].z, bv[group].w};
+      const uint32_t aw[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
+      const uint32_t bw[4] = {bv[i].x, bv[i].y, bv[i].z, bv[i].w};
       const uint32_t uw[4] = {uv.x, uv.y, uv.z, uv.w};
       uint32_t daw[4], dbw[4], guw[4];
+      float& part_dot = dot[group == 0 ? 0 : 1];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 vf = unpack2<T>(vw[i]), af = unpack2<T>(aw[i]);
-        const float2 bf = unpack2<T>(bw[i]), uf = unpack2<T>(uw[i]);
+      for (int q = 0; q < 4; ++q) {
+        const float2 vf = unpack2<T>(vw[q]), af = unpack2<T>(aw[q]);
+        const float2 bf = unpack2<T>(bw[q]), uf = unpack2<T>(uw[q]);
         float u0, u1, da0, db0, da1, db1;
         b1_element<T, ACT>(af.x, bf.x, gval * vf.x, have_u, uf.x, u0, da0, db0);
         b1_element<T, ACT>(af.y, bf.y, gval * vf.y, have_u, uf.y, u1, da1, db1);
-        dot += vf.x * u0;
-        dot += vf.y * u1;
-        daw[i] = pack2<T>(da0, da1);
-        dbw[i] = pack2<T>(db0, db1);
-        guw[i] = pack2<T>(gval * u0, gval * u1);
+        part_dot += vf.x * u0;
+        part_dot += vf.y * u1;
+        daw[q] = pack2<T>(da0, da1);
+        dbw[q] = pack2<T>(db0, db1);
+        guw[q] = pack2<T>(gval * u0, gval * u1);
       }
       T* drow = dadb + grow * p.dadb_ld + col;
       *reinterpret_cast<uint4*>(drow) = make_uint4(daw[0], daw[1], daw[2], daw[3]);
@@ -417,18 +479,22 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
         *reinterpret_cast<uint4*>(drow + p.db_offset) = make_uint4(dbw[0], dbw[1], dbw[2], dbw[3]);
       *reinterpret_cast<uint4*>(gu + grow * h + col) = make_uint4(guw[0], guw[1], guw[2], guw[3]);
     }
-    dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-    dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-    dot += __shfl_xor_sync(0xffffffffu, dot, 4);
-    if (row_ok && ch == 0) p.dg_part[int64_t(c.n0 / kBN) * p.N + grow] = dot;
+#pragma unroll
+    for (int part = FIRST; part < 2; ++part) {
+      float d = dot[part];
+      d += __shfl_xor_sync(0xffffffffu, d, 1);
+      d += __shfl_xor_sync(0xffffffffu, d, 2);
+      d += __shfl_xor_sync(0xffffffffu, d, 4);
+      if (row_ok && ch == 0) dg_tile[part * p.N + grow] = d;
+    }
   }
 }
 
 #endif  // MB_SM90_DEVICE
 
 // ACT: the activation (Activation cast to int) for B1's epilogue; 0 for F2 and B4.
-// EPI_WARPS (B1 only): the epilogue-warp form (see kB1EpiWarpsMaxKTiles).
-template <typename T, int KIND, int ACT, bool EPI_WARPS>
+// FORM: B1's epilogue form (B1Form); kB1Consumers for F2 and B4.
+template <typename T, int KIND, int ACT, int FORM>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_rows_kernel(const __grid_constant__ CUtensorMap tmap_a,
                      const __grid_constant__ CUtensorMap tmap_b0,
@@ -436,8 +502,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if MB_SM90_DEVICE
   constexpr bool kGather = KIND == kB1;
   constexpr bool kBMn = KIND != kF2;
-  static_assert(!EPI_WARPS || KIND == kB1, "the epilogue-warp form is B1's");
-  constexpr int kStages = stages_for(EPI_WARPS);
+  constexpr bool kEpiWarps = FORM != kB1Consumers;  // epilogue warps and a hand-off
+  static_assert(!kEpiWarps || KIND == kB1, "the epilogue-warp forms are B1's");
+  constexpr int kStages = stages_for(kEpiWarps);
+  constexpr int kConsumerGroups = consumer_groups(FORM);  // B1: 64-column groups run here
   // B1's consumers gather their A half this many k-steps ahead. With 4 stages the gather of k-step
   // it + 2 is issued between k-step it's commit and its wait<1>, into the slot of k-step it - 2;
   // the 3-stage form issues it after the wait, into the slot wgmma(it - 1) released (as F1's
@@ -446,11 +514,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kGatherLead = kGatherBeforeWait ? kStages - 2 : kStages - 1;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  uint8_t* epi = smem + kStages * kStageBytes;  // B1's staging buffers, or EPI_WARPS' hand-off
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + (EPI_WARPS ? kHandoffBytes : kEpiBytes));
+  // B1's epilogue buffers: the hand-off (epilogue-warp forms), then the consumers' staging.
+  uint8_t* epi = smem + kStages * kStageBytes;
+  uint8_t* staging = epi + handoff_groups(FORM) * kHandoffSubBytes;
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + epilogue_bytes(FORM));
   uint64_t* empty_bar = full_bar + kStages;
   uint64_t* a_full_bar = empty_bar + kStages;  // B1: [2][kStages], consumer warpgroup wg's A half
-  uint64_t* handoff_full = a_full_bar + 2 * kStages;  // EPI_WARPS only
+  uint64_t* handoff_full = a_full_bar + 2 * kStages;  // epilogue-warp forms only
   uint64_t* handoff_empty = handoff_full + 1;
   int* tile_start = reinterpret_cast<int*>(handoff_empty + 1);  // [E + 1]
 
@@ -484,9 +554,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warp < 4) {
     // ================= producer warpgroup =================
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(EPI_WARPS ? kRegsWg0Epi : kRegsWg0)
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kEpiWarps ? kRegsWg0Epi : kRegsWg0)
                  : "memory");
-    if constexpr (EPI_WARPS) {
+    if constexpr (kEpiWarps) {
       if (warp >= 1) {
         // ================= epilogue warps 1-3 =================
         // Per tile (the same sequence of tile ids as every role): wait for the consumers'
@@ -496,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
           const TileCoord c = decode_tile(t, tile_start, p);
           mbar_wait(smem_u32(handoff_full), n & 1);
-          b1_epilogue_warps<T, ACT>(p, c, warp - 1, lane, hb);
+          b1_epilogue_warps<T, ACT, kConsumerGroups>(p, c, warp - 1, lane, hb);
           mbar_arrive(smem_u32(handoff_empty));  // every lane, after its own reads
         }
         return;
@@ -533,7 +603,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   } else {
     // ================= consumer warpgroups =================
     asm volatile(
-        "setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(EPI_WARPS ? kRegsConsumerEpi : kRegsConsumer)
+        "setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kEpiWarps ? kRegsConsumerEpi : kRegsConsumer)
         : "memory");
     const int wg = (warp >> 2) - 1;   // rows [64 wg, 64 wg + 64) of the tile
     const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of those
@@ -555,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
     }
     uint32_t it = 0;
-    uint32_t n = 0;  // EPI_WARPS: this CTA's tiles so far, the hand-off's phase
+    uint32_t n = 0;  // epilogue-warp forms: this CTA's tiles so far, the hand-off's phase
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
       const TileCoord c = decode_tile(t, tile_start, p);
       int prev_s = 0;
@@ -594,27 +664,30 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
 
       const int tile_row = wg * 64 + warp_in_wg * 16;
-      if constexpr (EPI_WARPS) {
+      uint32_t* stg = reinterpret_cast<uint32_t*>(staging + (warp - 4) * kB1StageWarpBytes);
+      if constexpr (kEpiWarps) {
         // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
-        // (for n = 0, parity 1 of a fresh barrier returns at once), round v into it and go on to
-        // the next tile. Register 4j + q of lane (g, t4): row g + 8 (q >> 1) of the warp's 16,
-        // column 8j + 2 t4 + (q & 1): sub-tile j >> 3, chunk j & 7, word t4; a warp instruction
+        // (for n = 0, parity 1 of a fresh barrier returns at once), round v of the groups they run
+        // into it and go on (the split form: after group 0's epilogue here). Register 4j + q of
+        // lane (g, t4): row g + 8 (q >> 1) of the warp's 16, column 8j + 2 t4 + (q & 1): group
+        // j >> 3 (sub-tile (j >> 3) - kConsumerGroups), chunk j & 7, word t4; a warp instruction
         // (fixed j, rr) writes 8 rows (row & 7 == g) at chunks (j & 7) ^ g: all 32 banks once.
         mbar_wait(smem_u32(handoff_empty), (n & 1) ^ 1);
         uint32_t* hb = reinterpret_cast<uint32_t*>(epi);
 #pragma unroll
-        for (int j = 0; j < 32; ++j) {
+        for (int j = 8 * kConsumerGroups; j < 32; ++j) {
 #pragma unroll
           for (int rr = 0; rr < 2; ++rr) {
             const int row = tile_row + g + 8 * rr;
-            hb[(j >> 3) * kHandoffSubWords + row * 32 + (((j & 7) ^ g) << 2) + t4] =
-                pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+            hb[((j >> 3) - kConsumerGroups) * kHandoffSubWords + row * 32 + (((j & 7) ^ g) << 2) +
+               t4] = pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
           }
         }
         mbar_arrive(smem_u32(handoff_full));  // every lane, after its own writes
+        if constexpr (kConsumerGroups > 0)
+          b1_epilogue<T, ACT, kConsumerGroups, true>(p, c, tile_row, lane, stg, acc);
       } else if constexpr (KIND == kB1) {
-        uint32_t* stg = reinterpret_cast<uint32_t*>(epi + (warp - 4) * kB1StageWarpBytes);
-        b1_epilogue<T, ACT>(p, c, tile_row, lane, stg, acc);
+        b1_epilogue<T, ACT, 4, false>(p, c, tile_row, lane, stg, acc);
       } else if (p.direct_out != nullptr) {
         // Direct rows: each lane stores its column pairs of the row's token as one 4-byte word.
 #pragma unroll
@@ -659,32 +732,49 @@ __global__ void __launch_bounds__(kThreads, 1)
 using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap,
                           const RowsParams);
 
-template <typename T, bool EPI_WARPS>
+template <typename T, int FORM>
 KernelFn b1_kernel_for(Activation act) {
   switch (act) {
-    case Activation::SwiGLU: return sm90_rows_kernel<T, kB1, int(Activation::SwiGLU), EPI_WARPS>;
-    case Activation::GeGLU: return sm90_rows_kernel<T, kB1, int(Activation::GeGLU), EPI_WARPS>;
-    case Activation::ReGLU: return sm90_rows_kernel<T, kB1, int(Activation::ReGLU), EPI_WARPS>;
-    case Activation::SiLU: return sm90_rows_kernel<T, kB1, int(Activation::SiLU), EPI_WARPS>;
-    case Activation::GELU: return sm90_rows_kernel<T, kB1, int(Activation::GELU), EPI_WARPS>;
-    case Activation::ReLU: return sm90_rows_kernel<T, kB1, int(Activation::ReLU), EPI_WARPS>;
-    case Activation::ReLU2: return sm90_rows_kernel<T, kB1, int(Activation::ReLU2), EPI_WARPS>;
+    case Activation::SwiGLU: return sm90_rows_kernel<T, kB1, int(Activation::SwiGLU), FORM>;
+    case Activation::GeGLU: return sm90_rows_kernel<T, kB1, int(Activation::GeGLU), FORM>;
+    case Activation::ReGLU: return sm90_rows_kernel<T, kB1, int(Activation::ReGLU), FORM>;
+    case Activation::SiLU: return sm90_rows_kernel<T, kB1, int(Activation::SiLU), FORM>;
+    case Activation::GELU: return sm90_rows_kernel<T, kB1, int(Activation::GELU), FORM>;
+    case Activation::ReLU: return sm90_rows_kernel<T, kB1, int(Activation::ReLU), FORM>;
+    case Activation::ReLU2: return sm90_rows_kernel<T, kB1, int(Activation::ReLU2), FORM>;
   }
   return nullptr;
 }
 
 template <typename T>
-KernelFn kernel_for_type(int kind, Activation act, bool epi_warps) {
-  if (kind == kF2) return sm90_rows_kernel<T, kF2, 0, false>;
-  if (kind == kB4) return sm90_rows_kernel<T, kB4, 0, false>;
-  return epi_warps ? b1_kernel_for<T, true>(act) : b1_kernel_for<T, false>(act);
+KernelFn kernel_for_type(int kind, Activation act, int form) {
+  if (kind == kF2) return sm90_rows_kernel<T, kF2, 0, kB1Consumers>;
+  if (kind == kB4) return sm90_rows_kernel<T, kB4, 0, kB1Consumers>;
+  if (form == kB1Warps) return b1_kernel_for<T, kB1Warps>(act);
+  if (form == kB1Split) return b1_kernel_for<T, kB1Split>(act);
+  return b1_kernel_for<T, kB1Consumers>(act);
 }
 
-// epi_warps: B1's epilogue-warp form (kind == kB1 only).
-KernelFn kernel_for(Dtype dtype, int kind, Activation act, bool epi_warps) {
-  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(kind, act, epi_warps);
-  if (dtype == Dtype::F16) return kernel_for_type<__half>(kind, act, epi_warps);
+// form: B1's epilogue form (B1Form; kind == kB1 only).
+KernelFn kernel_for(Dtype dtype, int kind, Activation act, int form) {
+  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(kind, act, form);
+  if (dtype == Dtype::F16) return kernel_for_type<__half>(kind, act, form);
   return nullptr;
+}
+
+// MOEBLAZE_CUDA_B1_FORM (sm90_set_b1_form): -1, the policy below, or a forced B1Form.
+std::atomic<int> g_b1_form_override{-1};
+
+// B1's form for tiles of k_tiles k-steps (see B1Form and the measurements at
+// kB1EpiWarpsMinKTiles): the consumers' form for short K, where the epilogue outlasts the main
+// loop it would hide behind; the split for medium K, where the epilogue warps alone would still
+// be the slower side; the epilogue warps alone for long K; the consumers' form past 64 k-steps
+// (unmeasured).
+int b1_form_for(int k_tiles) {
+  const int forced = g_b1_form_override.load(std::memory_order_relaxed);
+  if (forced >= 0) return forced;
+  if (k_tiles < kB1EpiWarpsMinKTiles || k_tiles > kB1EpiWarpsMaxKTiles) return kB1Consumers;
+  return k_tiles <= kB1SplitMaxKTiles ? kB1Split : kB1Warps;
 }
 
 constexpr Activation kAllActivations[] = {Activation::SwiGLU, Activation::GeGLU, Activation::ReGLU,
@@ -748,16 +838,10 @@ void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtenso
   // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E).
   const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
   const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
-  // B1 with tiles of 9-64 k-steps (512 < d <= 4096): the epilogue-warp form, whose epilogue
-  // overlaps the next tile's main loop. With fewer k-steps the epilogue outlasts the main loop it
-  // hides behind (kB1EpiWarpsMinKTiles); unlike F1 (round 12), B1 still gains at 64 k-steps, where
-  // its epilogue (a, b in; da, db, g*u out) is a larger share than F1's.
-  const int k_tiles = p.halves * p.kt_half;
-  const bool epi_warps =
-      kind == kB1 && k_tiles >= kB1EpiWarpsMinKTiles && k_tiles <= kB1EpiWarpsMaxKTiles;
-  const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation, epi_warps);
+  const int form = kind == kB1 ? b1_form_for(p.halves * p.kt_half) : kB1Consumers;
+  const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation, form);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
-  kernel<<<grid, kThreads, smem_bytes(p.E, epi_warps), stream>>>(a, b0, b1, p);
+  kernel<<<grid, kThreads, smem_bytes(p.E, form), stream>>>(a, b0, b1, p);
   check_launch(what);
 }
 
@@ -772,14 +856,27 @@ bool sm90_rows_prepare_kernels() {
     for (int kind : {kF2, kB4, kB1}) {
       for (Activation act : kAllActivations) {
         if (kind != kB1 && act != Activation::SwiGLU) continue;  // one kernel, any activation
-        for (bool epi_warps : {false, true}) {
-          if (epi_warps && kind != kB1) continue;
-          if (!prepare_kernel(kernel_for(dtype, kind, act, epi_warps), kMaxSmemBytes)) return false;
+        for (int form : {kB1Consumers, kB1Warps, kB1Split}) {
+          if (form != kB1Consumers && kind != kB1) continue;
+          if (!prepare_kernel(kernel_for(dtype, kind, act, form), kMaxSmemBytes)) return false;
         }
       }
     }
   }
   return true;
+}
+
+void sm90_set_b1_form(int form) {
+  g_b1_form_override.store(form >= kB1Consumers && form <= kB1Split ? form : -1,
+                           std::memory_order_relaxed);
+}
+
+int sm90_parse_b1_form(const char* value) {
+  if (value == nullptr) return -1;
+  if (std::strcmp(value, "consumers") == 0) return kB1Consumers;
+  if (std::strcmp(value, "warps") == 0) return kB1Warps;
+  if (std::strcmp(value, "split") == 0) return kB1Split;
+  return -1;
 }
 
 bool sm90_rows_supported(const LayerDesc& desc, int64_t T,

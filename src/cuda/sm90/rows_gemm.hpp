@@ -10,7 +10,8 @@
 //   B1: v[r]   = dy[tok_r] . w_down[e]                   dy [T, d] gathered by expert_token_indices
 //       and, in the epilogue, the activation backward of gemm.cuh's B1 (act_math, the same
 //       formulas): u from the saved u or recomputed from the rounded a, b; dg partial sum of v * u
-//       per 256-column tile; du = g * v; da, db; g * u.
+//       per 256-column tile (two partials: its first 64 columns, the rest); du = g * v; da, db; g *
+//       u.
 // fp32 accumulation; the k order within a tile is fixed and every output element belongs to one
 // tile of one CTA, so every result is bitwise repeatable (no atomics). The accumulation order
 // differs from the mma.sync engine's (k-steps of 16 inside 64-wide stages), so results can differ
@@ -30,8 +31,11 @@
 namespace moeblaze {
 namespace cuda {
 
-// Output columns of one B1 tile: B1's dg partial buffer holds ceil(h / this) partials per row.
+// Output columns of one B1 tile, and the dg partials B1 writes per row and tile (its first 64
+// columns, then the rest): B1's dg partial buffer holds ceil(h / kSm90B1TileCols) *
+// kSm90B1DgPartsPerTile partials per row, tile-major.
 constexpr int kSm90B1TileCols = 256;
+constexpr int kSm90B1DgPartsPerTile = 2;
 
 // The largest dynamic shared memory a launch asks for, for the device check.
 size_t sm90_rows_max_smem_bytes();
@@ -72,6 +76,7 @@ void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
 // point at column col0 of their buffers (the caller offsets them); w_down is offset here. gu is
 // the range's own [N, cols] buffer; dg_part points at the partials of the range's first n-tile
 // (col0 / kSm90B1TileCols), so col0 must be a multiple of kSm90B1TileCols.
+// MOEBLAZE_CUDA_B1_FORM (sm90_set_b1_form) may force one of the kernel's three epilogue forms.
 struct Sm90B1Epilogue {
   const void* a_src = nullptr;  // [N, ab_ld] saved or recomputed a (may alias dadb: RECOMPUTE)
   const void* b_src = nullptr;  // [N, ab_ld] b (gated only; may alias dadb)
@@ -83,9 +88,17 @@ struct Sm90B1Epilogue {
   void* dadb = nullptr;               // [N, dadb_ld]: da at column n, db at column h + n
   int64_t dadb_ld = 0;                // 0 = 2h (gated) or h
   void* gu = nullptr;                 // [N, cols] g * u
-  float* dg_part = nullptr;           // [ceil(cols / kSm90B1TileCols), N] per-tile partials
+  float* dg_part = nullptr;  // [ceil(cols / kSm90B1TileCols) * kSm90B1DgPartsPerTile, N] partials
   int64_t col0 = 0, cols = 0;
 };
+
+// B1's epilogue form (rows_gemm.cu, B1Form): -1 = the policy by k-steps a tile; 0, 1, 2 force
+// the consumers', the epilogue warps' or the split form for every B1 launch after this call (a
+// test and tuning switch, MOEBLAZE_CUDA_B1_FORM, set when a backend is created).
+void sm90_set_b1_form(int form);
+// Parses MOEBLAZE_CUDA_B1_FORM's value ("consumers", "warps", "split"; nullptr or anything else:
+// -1, the policy).
+int sm90_parse_b1_form(const char* value);
 
 // B1 on `stream`: dy [T, d]; w_down [E, d, h]. Precondition: sm90_rows_supported.
 void sm90_b1_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call for B1's epilogue forms (rows_gemm.cu, B1Form; session 11's split form): the
+# build, the CUDA suite, the B1-forms test case under memcheck and racecheck (quick), then B1's
+# per-kernel times with the epilogue-warp form against the split form, both forced through
+# MOEBLAZE_CUDA_B1_FORM on one library, same process per shape (dev/cuda/run_library_ab.sh,
+# AB_DIR=env). The summary and the table come last; logs under $OUT.
+#   bash dev/cuda/run_b1_forms.sh          (carry .deps; ~6 minutes)
+#   FORMS_SHAPES=... : the shapes ("name|profile_kernels.py arguments" lines; default below)
+set -u -o pipefail
+out="${OUT:-./b1_forms_out}"
+mkdir -p "$out"
+doctest=""
+[ -f .deps/doctest/doctest/doctest.h ] && doctest="-DMOEBLAZE_DOCTEST_DIR=$(pwd)/.deps/doctest"
+start=$(date +%s)
+{ cmake -S . -B build-device -G Ninja -DCMAKE_BUILD_TYPE=Release -DMOEBLAZE_CUDA=ON \
+    -DMOEBLAZE_CUDA_ARCHS=90a -DMOEBLAZE_WERROR=OFF -DMOEBLAZE_BUILD_EXAMPLES=OFF $doctest &&
+  cmake --build build-device -j 16 --target moeblaze moeblaze_tests_cuda; } >"$out/build.log" 2>&1 ||
+  { tail -30 "$out/build.log"; exit 1; }
+summary=("build: $(( $(date +%s) - start )) s")
+tests=build-device/tests/moeblaze_tests_cuda
+timeout 240 "$tests" --no-version=true --duration=true >"$out/suite.log" 2>&1
+summary+=("CUDA suite: exit $? | $(grep -E '^\[doctest\] test cases' "$out/suite.log" | tr -s ' ')")
+for tool in memcheck racecheck; do
+  MOEBLAZE_TEST_QUICK=1 timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 17 \
+    "$tests" --no-version=true -tc='*epilogue forms*' >"$out/$tool.log" 2>&1
+  summary+=("$tool (B1 forms, quick): exit $? | $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
+    "$out/$tool.log" | tail -n 1)")
+done
+FORMS_SHAPES="${FORMS_SHAPES:-conf3 swiglu|--act swiglu
+conf3 silu|--act silu
+conf2 swiglu|--T 65536 --d 1024 --h 4096 --E 8 --k 2 --act swiglu
+conf4 swiglu|--T 32768 --d 2048 --h 8192 --E 16 --k 4 --act swiglu
+qwen3 swiglu|--T 32768 --d 2048 --h 768 --E 128 --k 8 --act swiglu
+mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu}"
+CHECK=0 AB_DIR=env BEFORE_ENV=MOEBLAZE_CUDA_B1_FORM=warps AFTER_ENV=MOEBLAZE_CUDA_B1_FORM=split \
+  PROFILE_SHAPES="$FORMS_SHAPES" OUT="$out" bash dev/cuda/run_library_ab.sh >"$out/ab.log" 2>&1
+echo "== B1 forms: before = epilogue warps (MOEBLAZE_CUDA_B1_FORM=warps), after = split"
+sed -n '/^== per-kernel/,$p' "$out/ab.log"
+printf '%s\n' "${summary[@]}"
