@@ -18,6 +18,9 @@ def kernel_tag(name):
     """The tag of a kernel name, or None for any other kernel."""
     n = name.replace("(anonymous namespace)::", "").replace("<unnamed>::", "")
     n = n.replace("(bool)1", "true").replace("(bool)0", "false").replace("(int)", "")
+    # Nsight Compute's raw page prints bool template arguments as 1 / 0.
+    n = n.replace("sm90_wgrad_kernel<__nv_bfloat16, 1>", "sm90_wgrad_kernel<__nv_bfloat16, true>")
+    n = n.replace("sm90_wgrad_kernel<__nv_bfloat16, 0>", "sm90_wgrad_kernel<__nv_bfloat16, false>")
     for tag, key in KERNEL_TAGS:
         if key in n:
             return tag
