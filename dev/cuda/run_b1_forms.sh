@@ -7,6 +7,9 @@
 #   bash dev/cuda/run_b1_forms.sh          (carry .deps; ~6 minutes)
 #   FORMS_SHAPES=... : the shapes ("name|profile_kernels.py arguments" lines; default below)
 #   BEFORE_FORM=... AFTER_FORM=... : the two forms compared (default: warps, split)
+#   AB_DIR=dir : compare the working tree with BEFORE sources instead (run_library_ab.sh's AB_DIR:
+#                files by name over src/cuda/sm90/), both in the same form (MOEBLAZE_CUDA_B1_FORM
+#                as exported, else the policy)
 set -u -o pipefail
 out="${OUT:-./b1_forms_out}"
 mkdir -p "$out"
@@ -33,11 +36,18 @@ conf2 swiglu|--T 65536 --d 1024 --h 4096 --E 8 --k 2 --act swiglu
 conf4 swiglu|--T 32768 --d 2048 --h 8192 --E 16 --k 4 --act swiglu
 qwen3 swiglu|--T 32768 --d 2048 --h 768 --E 128 --k 8 --act swiglu
 mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu}"
-before_form="${BEFORE_FORM:-warps}"
-after_form="${AFTER_FORM:-split}"
-CHECK=0 AB_DIR=env BEFORE_ENV="MOEBLAZE_CUDA_B1_FORM=$before_form" \
-  AFTER_ENV="MOEBLAZE_CUDA_B1_FORM=$after_form" PROFILE_SHAPES="$FORMS_SHAPES" OUT="$out" \
-  bash dev/cuda/run_library_ab.sh >"$out/ab.log" 2>&1
-echo "== B1 forms: before = MOEBLAZE_CUDA_B1_FORM=$before_form, after = $after_form"
+if [ -n "${AB_DIR:-}" ] && [ "$AB_DIR" != env ]; then
+  CHECK=0 AB_DIR="$AB_DIR" PROFILE_SHAPES="$FORMS_SHAPES" OUT="$out" \
+    bash dev/cuda/run_library_ab.sh >"$out/ab.log" 2>&1
+  echo "== B1: before = the sources in $AB_DIR, after = the working tree" \
+    "(MOEBLAZE_CUDA_B1_FORM=${MOEBLAZE_CUDA_B1_FORM:-the policy})"
+else
+  before_form="${BEFORE_FORM:-warps}"
+  after_form="${AFTER_FORM:-split}"
+  CHECK=0 AB_DIR=env BEFORE_ENV="MOEBLAZE_CUDA_B1_FORM=$before_form" \
+    AFTER_ENV="MOEBLAZE_CUDA_B1_FORM=$after_form" PROFILE_SHAPES="$FORMS_SHAPES" OUT="$out" \
+    bash dev/cuda/run_library_ab.sh >"$out/ab.log" 2>&1
+  echo "== B1 forms: before = MOEBLAZE_CUDA_B1_FORM=$before_form, after = $after_form"
+fi
 sed -n '/^== per-kernel/,$p' "$out/ab.log"
 printf '%s\n' "${summary[@]}"
