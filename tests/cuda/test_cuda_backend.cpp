@@ -153,6 +153,17 @@ struct DeviceRun {
     saved.alloc(saved_buffer ? r.layer.saved_size(fwd_pass, r.T) : 0);
   }
 
+  // One training step of `fwd_pass` on the default stream: uploads the inputs, runs the forward
+  // with a saved buffer and the matching backward with `bwd_flags` (workspaces sized for them),
+  // then waits and downloads every output.
+  void run_training_step(int32_t fwd_pass, uint32_t bwd_flags = 0) {
+    upload_all();
+    prepare(fwd_pass, true, bwd_flags);
+    MB_CHECK(enqueue_forward(nullptr));
+    MB_CHECK(enqueue_backward(nullptr, BackwardOutputs(), bwd_flags));
+    sync_download();
+  }
+
   moeblaze_status_t enqueue_forward(cudaStream_t stream) {
     moeblaze_forward_args_t a;
     moeblaze_forward_args_init(&a, sizeof a);
@@ -268,11 +279,7 @@ LayerRun gpu_experts_run(const moeblaze_layer_config_t& cfg, const LayerRun& inp
   rg.y.fill(prefill);
   rg.dx.fill(prefill);
   DeviceRun dev(rg);
-  dev.upload_all();
-  dev.prepare(MOEBLAZE_PASS_EXPERTS_FORWARD, true, backward_flags);
-  MB_CHECK(dev.enqueue_forward(nullptr));
-  MB_CHECK(dev.enqueue_backward(nullptr, BackwardOutputs(), backward_flags));
-  dev.sync_download();
+  dev.run_training_step(MOEBLAZE_PASS_EXPERTS_FORWARD, backward_flags);
   return rg;
 }
 
@@ -344,11 +351,7 @@ void check_experts_case(const Context& cpu, const Context& gpu, const Case& c, R
   MB_CHECK(rc.experts_backward({}, flags));
 
   DeviceRun dev(rg);
-  dev.upload_all();
-  dev.prepare(MOEBLAZE_PASS_EXPERTS_FORWARD, true);
-  MB_CHECK(dev.enqueue_forward(nullptr));
-  MB_CHECK(dev.enqueue_backward(nullptr, BackwardOutputs(), flags));
-  dev.sync_download();
+  dev.run_training_step(MOEBLAZE_PASS_EXPERTS_FORWARD, flags);
 
   check_close("y", rg.y, rc.y, c.dtype, c.h * c.k);
   check_close("dx", rg.dx, rc.dx, c.dtype, 2 * c.h * c.k);
@@ -851,11 +854,7 @@ TEST_SUITE("cuda") {
       MB_CHECK(rc.layer_backward());
 
       DeviceRun dev(rg);
-      dev.upload_all();
-      dev.prepare(MOEBLAZE_PASS_LAYER_FORWARD, true);
-      MB_CHECK(dev.enqueue_forward(nullptr));
-      MB_CHECK(dev.enqueue_backward(nullptr));
-      dev.sync_download();
+      dev.run_training_step(MOEBLAZE_PASS_LAYER_FORWARD);
       CHECK(rg.ids_out == rc.ids_out);
       CHECK(rg.expert_counts == rc.expert_counts);
       check_close("logits", rg.logits, rc.logits, dtype, cfg.d_model);
@@ -1068,11 +1067,7 @@ TEST_SUITE("cuda") {
     auto run_layer = [](LayerRun& run, uint32_t bwd_flags = 0) {
       run.clear_outputs();
       DeviceRun dev(run);
-      dev.upload_all();
-      dev.prepare(MOEBLAZE_PASS_LAYER_FORWARD, true, bwd_flags);
-      MB_CHECK(dev.enqueue_forward(nullptr));
-      MB_CHECK(dev.enqueue_backward(nullptr, BackwardOutputs(), bwd_flags));
-      dev.sync_download();
+      dev.run_training_step(MOEBLAZE_PASS_LAYER_FORWARD, bwd_flags);
     };
     // Under compute-sanitizer (quick mode) one dtype and one activation cover the same kernels.
     const std::vector<int32_t> dtypes =
