@@ -322,6 +322,20 @@ void apply_routing(LayerRun& run, const char* routing, Rng& rng) {
   }
 }
 
+// A CPU layer of `cfg` with random inputs for T tokens and `routing` (apply_routing), its outputs
+// cleared: the oracle a GPU run is compared with.
+struct CpuReference {
+  Context cpu;
+  Layer layer;
+  LayerRun run;
+  CpuReference(const moeblaze_layer_config_t& cfg, int64_t T, Rng& rng, const char* routing)
+      : layer(cpu, cfg), run(layer, T) {
+    run.init_random(rng);
+    apply_routing(run, routing, rng);
+    run.clear_outputs();
+  }
+};
+
 // Experts forward + backward on CPU and GPU from the same inputs; everything compared.
 void check_experts_case(const Context& cpu, const Context& gpu, const Case& c, Rng& rng,
                         bool accumulate = false) {
@@ -652,12 +666,8 @@ TEST_SUITE("cuda") {
               cfg.checkpoint = ckpt;
               CAPTURE(describe(cfg));
               CAPTURE(accumulate);
-              Context cpu;
-              Layer lc(cpu, cfg);
-              LayerRun rc(lc, 150);
-              rc.init_random(rng);
-              apply_routing(rc, "skewed", rng);  // experts 3, 4 (nearly) empty
-              rc.clear_outputs();
+              CpuReference ref(cfg, 150, rng, "skewed");  // experts 3, 4 (nearly) empty
+              LayerRun& rc = ref.run;
               const uint32_t flags = accumulate ? MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD : 0u;
               if (accumulate) {
                 rc.dw_gate.fill(0.25);
@@ -717,12 +727,8 @@ TEST_SUITE("cuda") {
             cfg.activation = act;
             cfg.checkpoint = ckpt;
             CAPTURE(describe(cfg));
-            Context cpu;
-            Layer lc(cpu, cfg);
-            LayerRun rc(lc, 150);
-            rc.init_random(rng);
-            apply_routing(rc, "skewed", rng);  // experts 3, 4 (nearly) empty
-            rc.clear_outputs();
+            CpuReference ref(cfg, 150, rng, "skewed");  // experts 3, 4 (nearly) empty
+            LayerRun& rc = ref.run;
             LayerRun want = rc;  // inputs; the CPU's outputs land in rc
             MB_CHECK(rc.experts_forward());
             MB_CHECK(rc.experts_backward());
