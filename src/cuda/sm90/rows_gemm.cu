@@ -70,22 +70,26 @@ constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 
 // B1's epilogue-warp form (kB1Warps; tiles of kB1EpiWarpsMinKTiles..kB1EpiWarpsMaxKTiles
 // k-steps, 512 < d <= 4096): the consumers round v = dy . w_down into a 64 KB hand-off (4
-// sub-tiles of 128 rows x 64 columns; 3 in the split form, below; 16-byte chunk c of row r at r *
-// 128 + ((c ^ (r & 7)) << 4), F1's layout) and go on to the next tile's main loop, while warps 1-3
-// of the producer warpgroup run the activation backward from it (a, b in; da, db, g*u out; dg
-// partials). In the 4-stage form the consumers run it after each tile's main loop (~3.2 of
-// conf3's 7.5 ms). Measured (session 8, same process, 4-stage -> epilogue warps): B1 conf4 10.76
-// -> 9.16 ms, conf7 2.56 -> 2.34, qwen3 1.01 -> 0.94 (32 k-steps); conf3 6.96 -> 7.04, SiLU 6.11
-// -> 6.20 (16 k-steps: the tile's epilogue, 327 KB of traffic, outlasts a main loop half as long,
-// and 96 threads move it more slowly than the consumers' 256). Hence the lower bound. Session 9
-// (same process, 32 -> 64 as the upper bound): mixtral (64 k-steps) B1 6.76 -> 6.36 ms, SiLU 6.38
-// -> 6.06. A software-pipelined variant of the epilogue warps (next item's loads issued during this
-// one) measured no better there (6.37) and worse at 32 k-steps (conf4 9.62 -> 9.95), so it was
-// dropped. Beyond 64 k-steps (d > 4096) is unmeasured and keeps the 4-stage form. Session 10, after
-// warp-uniform and epilogue-lean (fewer instructions in both the main loop and the epilogue), same
-// process, 4-stage -> epilogue warps: 16 k-steps now gain (B1 conf3 6.74 -> 6.38 ms, conf2 3.38
-// -> 3.14, conf6 1.78 -> 1.67; SiLU conf3 5.91 -> 5.88) and 8 are flat (conf5 1.40
-// -> 1.40), so the lower bound is 9; 9-15 k-steps lie between the two measured classes.
+// sub-tiles of 128 rows x 64 columns, 3 in the split form below; 16-byte chunk c of row r at
+// r * 128 + ((c ^ (r & 7)) << 4), F1's layout) and go on to the next tile's main loop, while warps
+// 1-3 of the producer warpgroup run the activation backward from it (a, b in; da, db, g*u out; dg
+// partials). In the 4-stage form the consumers run it after each tile's main loop (~3.2 of conf3's
+// 7.5 ms).
+//
+// Measured (session 8, same process, 4-stage -> epilogue warps): B1 conf4 10.76 -> 9.16 ms, conf7
+// 2.56 -> 2.34, qwen3 1.01 -> 0.94 (32 k-steps); conf3 6.96 -> 7.04, SiLU 6.11 -> 6.20 (16
+// k-steps: the tile's epilogue, 327 KB of traffic, outlasts a main loop half as long, and 96
+// threads move it more slowly than the consumers' 256). Hence the lower bound.
+//
+// Session 9 (same process, 32 -> 64 as the upper bound): mixtral (64 k-steps) B1 6.76 -> 6.36 ms,
+// SiLU 6.38 -> 6.06. A software-pipelined variant of the epilogue warps (next item's loads issued
+// during this one) measured no better there (6.37) and worse at 32 k-steps (conf4 9.62 -> 9.95),
+// so it was dropped. Beyond 64 k-steps (d > 4096) is unmeasured and keeps the 4-stage form.
+//
+// Session 10, after warp-uniform and epilogue-lean (fewer instructions in both the main loop and
+// the epilogue), same process, 4-stage -> epilogue warps: 16 k-steps now gain (B1 conf3 6.74 ->
+// 6.38 ms, conf2 3.38 -> 3.14, conf6 1.78 -> 1.67; SiLU conf3 5.91 -> 5.88) and 8 are flat (conf5
+// 1.40 -> 1.40), so the lower bound is 9; 9-15 k-steps lie between the two measured classes.
 constexpr int kB1EpiWarpsMinKTiles = 9;
 constexpr int kB1EpiWarpsMaxKTiles = 64;
 constexpr int kB1EpiWarps = 3;
@@ -99,16 +103,19 @@ constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 //                 the hand-off while the consumers go on (above).
 //   kB1Split:     3 stages; the consumers hand off groups 1-3 and run group 0 themselves (from
 //                 their accumulators, rounded to T as the hand-off is), then go on.
+//
 // Why the split (session 11, Nsight Compute on conf3, 16 k-steps): in the epilogue-warp form the
 // consumers spent a third of all warp samples waiting for the hand-off buffer (the epilogue warps'
 // 327 KB a tile took ~26 us, the main loop ~14), and the epilogue warps stalled on their a, b loads
 // at ~1.9 TB/s of DRAM traffic: latency-bound, not bandwidth-bound. A quarter of the epilogue on
-// the consumers balances the two sides where the main loop is short. Measured (session 11, same
-// library and process per shape, MOEBLAZE_CUDA_B1_FORM warps -> split): B1 conf3 6.25 -> 5.84 ms,
-// SiLU 5.88 -> 5.01, conf2 3.08 -> 2.83 (16 k-steps); conf4 8.29 -> 8.03, qwen3 1.61 -> 1.56 (32);
-// mixtral 5.83 -> 6.08 (64: there the epilogue warps keep up and the split only lengthens the
-// consumers' path). Hence kB1SplitMaxKTiles; 33-63 k-steps are unmeasured. The model behind the
-// split predicted more at 16 k-steps (B1 conf3 ~4.9 ms) and a loss at 32.
+// the consumers balances the two sides where the main loop is short.
+//
+// Measured (session 11, same library and process per shape, MOEBLAZE_CUDA_B1_FORM warps ->
+// split): B1 conf3 6.25 -> 5.84 ms, SiLU 5.88 -> 5.01, conf2 3.08 -> 2.83 (16 k-steps); conf4
+// 8.29 -> 8.03, qwen3 1.61 -> 1.56 (32); mixtral 5.83 -> 6.08 (64: there the epilogue warps keep
+// up and the split only lengthens the consumers' path). Hence kB1SplitMaxKTiles; 33-63 k-steps
+// are unmeasured. The model behind the split predicted more at 16 k-steps (B1 conf3 ~4.9 ms) and
+// a loss at 32.
 enum B1Form : int { kB1Consumers = 0, kB1Warps = 1, kB1Split = 2 };
 constexpr int kB1SplitMaxKTiles = 32;
 // 64-column groups of a tile the consumers run themselves, and those they hand off.
