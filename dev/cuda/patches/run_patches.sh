@@ -5,8 +5,9 @@
 # times of two variants on the shapes below, same process per shape. Summary and tables last;
 # logs under $OUT.
 #   STAGE=split2 (the default): b1-split2.patch; the split form against split2, both forced by
-#     MOEBLAZE_CUDA_B1_FORM on one library; then (NCU=0 skips it) Nsight Compute on conf3 with the
-#     default policy (the split form): which side of B1 waits now.
+#     MOEBLAZE_CUDA_B1_FORM on one library; the consumers' form against split2 at 8 k-steps
+#     (conf5, conf1); then (NCU=0 skips it) Nsight Compute on conf3 with the default policy (the
+#     split form): which side of B1 waits now.
 #   STAGE=early: b1-split2.patch on both sides, b1-split-early-loads.patch on the AFTER side; both
 #     in the form MOEBLAZE_CUDA_B1_FORM names if exported (e.g. split2 if call 1 adopted it),
 #     else the policy.
@@ -34,11 +35,19 @@ qwen3 swiglu|--T 32768 --d 2048 --h 768 --E 128 --k 8 --act swiglu}"
 case "${STAGE:-split2}" in
   split2)
     apply b1-split2
-    BEFORE_FORM=split AFTER_FORM=split2 OUT="$out/forms" timeout 420 \
+    BEFORE_FORM=split AFTER_FORM=split2 OUT="$out/forms" timeout 360 \
       bash dev/cuda/run_b1_forms.sh
+    # 8 k-steps (d = 512), where the policy runs the consumers' form: does split2 pay there too?
+    CHECK=0 AB_DIR=env BEFORE_ENV=MOEBLAZE_CUDA_B1_FORM=consumers \
+      AFTER_ENV=MOEBLAZE_CUDA_B1_FORM=split2 OUT="$out/short" \
+      PROFILE_SHAPES="conf5 swiglu|--T 32768 --d 512 --h 2048 --E 16 --k 4 --act swiglu
+conf1 swiglu|--T 65536 --d 512 --h 2048 --E 4 --k 1 --act swiglu" \
+      timeout 90 bash dev/cuda/run_library_ab.sh >"$out/short.log" 2>&1
+    echo "== B1, 8 k-steps: before = MOEBLAZE_CUDA_B1_FORM=consumers, after = split2"
+    sed -n '/^== per-kernel/,$p' "$out/short.log"
     if [ "${NCU:-1}" = 1 ]; then
-      OUT="$out/ncu" NCU_TIMEOUT=150 MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so \
-        timeout 200 bash tools/ncu_kernels.sh --act swiglu >"$out/ncu_table.txt" 2>&1
+      OUT="$out/ncu" NCU_TIMEOUT=110 MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so \
+        timeout 150 bash tools/ncu_kernels.sh --act swiglu >"$out/ncu_table.txt" 2>&1
       echo "== Nsight Compute, conf3 SwiGLU, the default policy (B1 in the split form)"
       grep -E "^metric|gpu__time_duration|dram__bytes_(read|write).sum.per_second|sm__throughput" \
         "$out/ncu_table.txt"
