@@ -222,7 +222,6 @@ int64_t gu_chunk_cols(const LayerDesc& desc, int64_t N) {
   return cols < h ? cols : h;
 }
 
-// The dg partial buffer is sized for the smaller (SIMT) n-tile.
 // B1's dg partials per row, for whichever B1 kernel runs: one per tile of kSimtBN or kMmaBN
 // columns, kSm90B1DgPartsPerTile per tile of kSm90B1TileCols.
 int64_t max_b1_dg_parts(const LayerDesc& desc) {

@@ -203,6 +203,12 @@ __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
   return {g.e, g.row0, g.rows, g.n_tile * kBN};
 }
 
+// B1's dg partials of tile c: part q of routed row r at [q * p.N + r] (kDgParts; the layout
+// experts.cu sizes and dg_reduce_kernel reads).
+__device__ __forceinline__ float* dg_tile_parts(const RowsParams& p, const TileCoord& c) {
+  return p.dg_part + int64_t(c.n0 / kBN) * kDgParts * p.N;
+}
+
 // One element of B1's activation backward: u (the saved one, or act(a, b) rounded once) and da, db
 // for du = g * v. SwiGLU and SiLU evaluate the sigmoid once and reuse it: the same operations in
 // the same order as act_math::forward / backward (hence the same bits, and the same u as F1's), but
@@ -376,7 +382,7 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
                        lane);
     __syncwarp();
   }
-  float* dg_tile = p.dg_part + int64_t(c.n0 / kBN) * kDgParts * p.N;
+  float* dg_tile = dg_tile_parts(p, c);
 #pragma unroll
   for (int part = 0; part < (GROUPS > 1 ? 2 : 1); ++part) {
 #pragma unroll
@@ -413,7 +419,7 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
   const T* u_src = static_cast<const T*>(p.u);
   T* dadb = static_cast<T*>(p.dadb);
   T* gu = static_cast<T*>(p.gu);
-  float* dg_tile = p.dg_part + int64_t(c.n0 / kBN) * kDgParts * p.N;
+  float* dg_tile = dg_tile_parts(p, c);
   constexpr int kItems = kBM * 8;
   constexpr int kLanes = 32 * kB1EpiWarps;
   // Bytes in flight: 96 threads cannot reach the DRAM rate with one column group's loads at a time

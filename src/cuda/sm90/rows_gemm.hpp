@@ -9,9 +9,9 @@
 //                                                       -> fp32 rows [N, d]
 //   B1: v[r]   = dy[tok_r] . w_down[e]                   dy [T, d] gathered by expert_token_indices
 //       and, in the epilogue, the activation backward of gemm.cuh's B1 (act_math, the same
-//       formulas): u from the saved u or recomputed from the rounded a, b; dg partial sum of v * u
-//       per 256-column tile (two partials: its first 64 columns, the rest); du = g * v; da, db; g *
-//       u.
+//       formulas): u from the saved u or recomputed from the rounded a, b; dg partial sums of
+//       v * u, two per 256-column tile (its first 64 columns, the rest); du = g * v; da, db;
+//       g * u.
 // fp32 accumulation; the k order within a tile is fixed and every output element belongs to one
 // tile of one CTA, so every result is bitwise repeatable (no atomics). The accumulation order
 // differs from the mma.sync engine's (k-steps of 16 inside 64-wide stages), so results can differ
