@@ -10,6 +10,7 @@
 # build, the working tree's per-kernel times alone. AB_DIR=env: no BEFORE build either; BEFORE and
 # AFTER are the working tree's library run under the environment assignments in BEFORE_ENV and
 # AFTER_ENV (e.g. BEFORE_ENV=MOEBLAZE_CUDA_B1_FORM=warps AFTER_ENV=MOEBLAZE_CUDA_B1_FORM=split).
+# AB_DIR=prebuilt: the BEFORE library is already built in /tmp/moeblaze_before/build-before.
 set -u -o pipefail
 out="${OUT:-./library_ab_out}"
 mkdir -p "$out"
@@ -24,7 +25,7 @@ else
     { tail -20 "$out/build_new.log"; exit 1; }
 fi
 before=/tmp/moeblaze_before
-if [ "$ab" != none ] && [ "$ab" != env ]; then
+if [ "$ab" != none ] && [ "$ab" != env ] && [ "$ab" != prebuilt ]; then
   rm -rf "$before" && mkdir -p "$before"
   tar --exclude=./build-device --exclude=./.git -cf - . | tar -xf - -C "$before"
   # Plain files: sm90 sources by name; a src/ subtree: copied over src/ path by path.
