@@ -585,12 +585,14 @@ TEST_SUITE("cuda") {
       cases.push_back({dtype, 32, 48, 4, 2, 0});                           // T = 0
       // d > 2048 (more than 32 k-steps a tile): the Hopper F1's long-K form (4 stages, epilogue in
       // the consumers); every other case here takes its short-K form (epilogue warps). B1 takes
-      // its epilogue-warp form here (33 k-steps; 9-64 do).
+      // its epilogue-warp form here (33-64 k-steps do).
       if (dtype != MOEBLAZE_DTYPE_F32) cases.push_back({dtype, 2112, 64, 3, 2, 40});
-      // 512 < d <= 2048 (9-32 k-steps): the Hopper B1's epilogue-warp form (d = 576: its lower
-      // bound); the cases with d <= 512 take its 4-stage form. Odd h: a partial last column group;
-      // skewed: ragged rows.
+      // 512 <= d <= 2048 (8-32 k-steps): the Hopper B1's split forms (d = 512: the two-group
+      // split, whose only size it is; d = 576: the split's lower bound); the cases with d < 512
+      // take its 4-stage form. Odd h: a partial last column group; skewed: ragged rows.
       if (dtype != MOEBLAZE_DTYPE_F32) {
+        cases.push_back({dtype, 512, 296, 4, 2, 300, MOEBLAZE_ACTIVATION_SILU,
+                         MOEBLAZE_CHECKPOINT_RECOMPUTE, "skewed"});
         cases.push_back({dtype, 576, 200, 4, 2, 300, MOEBLAZE_ACTIVATION_SWIGLU,
                          MOEBLAZE_CHECKPOINT_SAVE_PREACT, "skewed"});
         cases.push_back({dtype, 1088, 200, 4, 2, 300});
@@ -700,16 +702,16 @@ TEST_SUITE("cuda") {
 #endif
   }
 
-  TEST_CASE("cuda: B1's three epilogue forms match the CPU; the two with epilogue warps agree") {
+  TEST_CASE("cuda: B1's epilogue forms match the CPU; those with epilogue warps agree") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
     // MOEBLAZE_CUDA_B1_FORM forces the Hopper B1's epilogue form (rows_gemm.cu, B1Form) whatever
     // the k-steps a tile: d = 64 (1 k-step), 576 (9), 1088 (17). h = 296: the last 256-column tile
-    // has 40 columns, all in group 0, so the split form's epilogue warps (groups 1-3) have none and
-    // must still write their dg partial; h = 1000: a last tile of 232 columns. Every form must
-    // match the CPU. The epilogue-warp and split forms round v alike and run the same element
-    // arithmetic, so y, dx and the weight gradients must have the same bits (dg sums group 0 in
-    // another order). Without the Hopper kernels the switch changes nothing.
+    // has 40 columns, all in group 0, so the split forms' epilogue warps (groups 1-3, 2-3) have
+    // none and must still write their dg partial; h = 1000: a last tile of 232 columns. Every form
+    // must match the CPU. The epilogue-warp and split forms round v alike and run the same element
+    // arithmetic, so y, dx and the weight gradients must have the same bits (dg sums the
+    // consumers' groups in another order). Without the Hopper kernels the switch changes nothing.
     Rng rng(test_seed(9818));
     struct Shape {
       int64_t d, h;
@@ -733,8 +735,9 @@ TEST_SUITE("cuda") {
             MB_CHECK(rc.experts_forward());
             MB_CHECK(rc.experts_backward());
             std::vector<LayerRun> got;
-            for (const char* form : {"consumers", "warps", "split"}) {
-              CAPTURE(form);
+            for (const char* form : {"consumers", "warps", "split", "split2"}) {
+              const std::string form_name = form;  // CAPTURE prints a char pointer's address
+              CAPTURE(form_name);
               setenv("MOEBLAZE_CUDA_B1_FORM", form, 1);
               const LayerRun rg = gpu_experts_run(cfg, want, 0);
               check_close("y", rg.y, rc.y, dtype, sh.h * 2);
@@ -743,7 +746,7 @@ TEST_SUITE("cuda") {
               check_close("dw_down", rg.dw_down, rc.dw_down, dtype, 150);
               check_close("dw_gate", rg.dw_gate, rc.dw_gate, dtype, 150);
               if (rg.gated) check_close("dw_up", rg.dw_up, rc.dw_up, dtype, 150);
-              if (got.size() == 2) {  // split against the epilogue-warp form
+              if (got.size() >= 2) {  // the split forms against the epilogue-warp form
                 const LayerRun& warps = got[1];
                 CHECK(rg.y.bitwise_equal(warps.y));
                 CHECK(rg.dx.bitwise_equal(warps.dx));

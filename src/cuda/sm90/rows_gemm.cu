@@ -22,11 +22,11 @@
 // consumer warp's 2 KB staging buffer (common.cuh): a, b (and u under SAVE_ALL) in by coalesced
 // 16-byte loads, then da, db, g*u (rounded once) out by coalesced 16-byte stores, and the row's dg
 // partial for this 256-column tile (the quad's lanes hold the row's columns: two shuffles).
-// B1 with 9-64 k-steps a tile (512 < d <= 4096) takes a form with epilogue warps instead (B1Form,
+// B1 with 8-64 k-steps a tile (448 < d <= 4096) takes a form with epilogue warps instead (B1Form,
 // kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16 and
 // warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on; with
 // 9-32 k-steps (the split form) the consumers keep the tile's first 64 columns and run their
-// epilogue themselves after the hand-off.
+// epilogue themselves after the hand-off, with 8 (the two-group split) its first 128.
 #include "cuda/sm90/rows_gemm.hpp"
 
 #include <algorithm>
@@ -69,7 +69,7 @@ constexpr int kB1StageWarpBytes = 3 * kB1StageWords * 4;
 constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 
 // B1's epilogue-warp form (kB1Warps; tiles of kB1EpiWarpsMinKTiles..kB1EpiWarpsMaxKTiles
-// k-steps, 512 < d <= 4096): the consumers round v = dy . w_down into a 64 KB hand-off (4
+// k-steps, 448 < d <= 4096): the consumers round v = dy . w_down into a 64 KB hand-off (4
 // sub-tiles of 128 rows x 64 columns, 3 in the split form below; 16-byte chunk c of row r at
 // r * 128 + ((c ^ (r & 7)) << 4), F1's layout) and go on to the next tile's main loop, while warps
 // 1-3 of the producer warpgroup run the activation backward from it (a, b in; da, db, g*u out; dg
@@ -89,20 +89,22 @@ constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 // Session 10, after warp-uniform and epilogue-lean (fewer instructions in both the main loop and
 // the epilogue), same process, 4-stage -> epilogue warps: 16 k-steps now gain (B1 conf3 6.74 ->
 // 6.38 ms, conf2 3.38 -> 3.14, conf6 1.78 -> 1.67; SiLU conf3 5.91 -> 5.88) and 8 are flat (conf5
-// 1.40 -> 1.40), so the lower bound is 9; 9-15 k-steps lie between the two measured classes.
-constexpr int kB1EpiWarpsMinKTiles = 9;
+// 1.40 -> 1.40), so the lower bound was 9; 9-15 k-steps lie between the two measured classes.
+// Session 12 moved it to 8 with the two-group split (kB1Split2, below).
+constexpr int kB1EpiWarpsMinKTiles = 8;
 constexpr int kB1EpiWarpsMaxKTiles = 64;
 constexpr int kB1EpiWarps = 3;
 constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB: one 64-column group of the tile
 constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 
-// B1's three epilogue forms (the kernel's FORM; F2 and B4 take kB1Consumers, which for them only
+// B1's four epilogue forms (the kernel's FORM; F2 and B4 take kB1Consumers, which for them only
 // means 4 stages):
 //   kB1Consumers: 4 stages; the consumers run the whole epilogue after each main loop.
 //   kB1Warps:     3 stages; the epilogue warps run all four 64-column groups of every tile from
 //                 the hand-off while the consumers go on (above).
 //   kB1Split:     3 stages; the consumers hand off groups 1-3 and run group 0 themselves (from
 //                 their accumulators, rounded to T as the hand-off is), then go on.
+//   kB1Split2:    as kB1Split with groups 0-1 on the consumers and 2-3 on the epilogue warps.
 //
 // Why the split (session 11, Nsight Compute on conf3, 16 k-steps): in the epilogue-warp form the
 // consumers spent a third of all warp samples waiting for the hand-off buffer (the epilogue warps'
@@ -116,11 +118,20 @@ constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 // up and the split only lengthens the consumers' path). Hence kB1SplitMaxKTiles; 33-63 k-steps
 // are unmeasured. The model behind the split predicted more at 16 k-steps (B1 conf3 ~4.9 ms) and
 // a loss at 32.
-enum B1Form : int { kB1Consumers = 0, kB1Warps = 1, kB1Split = 2 };
+//
+// Session 12 (same library and process per shape): the two-group split loses wherever the split
+// runs (split -> split2: B1 conf3 5.77 -> 5.83 ms, SiLU 4.98 -> 5.11, conf2 2.84 -> 2.93, conf6
+// 1.48 -> 1.57 at 16 k-steps; conf4 7.94 -> 9.20 at 32), so there the epilogue warps are no longer
+// the slower side. At 8 k-steps (d = 512), where the main loop is half as long, it gains: B1 conf5
+// 1.46 -> 1.20 ms and conf1 0.74 -> 0.61 against the consumers' form (conf5 1.31 -> 1.24 and conf1
+// 0.65 -> 0.62 against the split). Hence kB1Split2MaxKTiles; below 8 k-steps is unmeasured and
+// keeps the consumers' form, and 9-15 k-steps take the split.
+enum B1Form : int { kB1Consumers = 0, kB1Warps = 1, kB1Split = 2, kB1Split2 = 3 };
+constexpr int kB1Split2MaxKTiles = 8;
 constexpr int kB1SplitMaxKTiles = 32;
 // 64-column groups of a tile the consumers run themselves, and those they hand off.
 constexpr int consumer_groups(int form) {
-  return form == kB1Consumers ? 4 : form == kB1Split ? 1 : 0;
+  return form == kB1Consumers ? 4 : form == kB1Split ? 1 : form == kB1Split2 ? 2 : 0;
 }
 constexpr int handoff_groups(int form) {
   return form == kB1Consumers ? 0 : 4 - consumer_groups(form);
@@ -137,15 +148,20 @@ constexpr size_t smem_bytes(int E, int form) {
 }
 constexpr size_t kMaxSmemBytes =
     std::max({smem_bytes(kMaxExperts, kB1Consumers), smem_bytes(kMaxExperts, kB1Warps),
-              smem_bytes(kMaxExperts, kB1Split)});
+              smem_bytes(kMaxExperts, kB1Split), smem_bytes(kMaxExperts, kB1Split2)});
 static_assert(kMaxSmemBytes <= kSmemPerBlock,
               "227 KB of shared memory per block on the H100 / H200");
 
-// B1's dg partials: two per row and tile, the tile's first 64 columns (group 0) and the other 192,
-// so the split form's two sides each write their own (no combine between them; dg_reduce adds the
-// partials in a fixed order: deterministic). Every form writes both.
+// B1's dg partials: two per row and tile, part 0 over the tile's first dg_split_groups 64-column
+// groups and part 1 over the rest, so the split forms' two sides each write their own (no combine
+// between them; dg_reduce adds the partials in a fixed order: deterministic). Every form writes
+// both. The argument is the form's consumer_groups (the split point of the split forms; one group
+// for the forms where one side runs the whole tile).
 constexpr int kDgParts = kSm90B1DgPartsPerTile;
-static_assert(kDgParts == 2, "part 0: group 0, part 1: groups 1-3");
+static_assert(kDgParts == 2, "part 0: the consumers' side of a split, part 1: the rest");
+constexpr int dg_split_groups(int consumer_groups_) {
+  return consumer_groups_ == 0 || consumer_groups_ == 4 ? 1 : consumer_groups_;
+}
 
 // setmaxnreg counts (register_split_fits).
 constexpr int kRegsWg0 = 40, kRegsConsumer = 232;
@@ -281,11 +297,12 @@ __device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, in
 
 // B1's epilogue for one warp's 16 rows of a tile (see the file comment), in 2 steps of 8 rows x 64
 // columns for each of the tile's first GROUPS 64-column groups (4: all of it, in the consumers'
-// form; 1: group 0, in the split form): a, b (u under SAVE_ALL) come in by coalesced 16-byte loads
-// into the warp's staging buffers (the next step's a, b loads are issued before this step's math),
-// each lane turns its fragment words into da, db, g*u in place, and those go out by coalesced
-// 16-byte stores. ROUND_V: v as the split form hands the other groups off, rounded once to T (the
-// consumers' form uses the fp32 accumulator).
+// form; 1 or 2: groups 0 or 0-1, in the split forms): a, b (u under SAVE_ALL) come in by
+// coalesced 16-byte loads into the warp's staging buffers (the next step's a, b loads are issued
+// before this step's math), each lane turns its fragment words into da, db, g*u in place, and
+// those go out by coalesced 16-byte stores. ROUND_V: v as the split forms hand the other groups
+// off, rounded once to T (the consumers' form uses the fp32 accumulator).
+//
 // Register 4j + q of lane (g, t4) holds row g (q < 2) or g + 8 (q >= 2), column 8j + 2 t4 + (q & 1)
 // of the tile. Measured on the H200 (conf3, SwiGLU; tests/cuda/profile_kernels.py): the first
 // version, 4-byte loads and stores straight from the fragment layout (8 rows x 16 bytes per warp
@@ -294,13 +311,15 @@ __device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, in
 // warps: the prefetch is what pays. Against the 168-register budget it costs a few words of spill
 // (ptxas: 4-68 bytes of spill stores per B1 kernel); the measured times include them, and the
 // spill-free form was the slower one.
+//
 // ACT is a template parameter: a runtime switch over the seven activations, inlined at each of the
 // 64 unrolled elements, made this epilogue four times slower (measured on the H200: 39.6 ms instead
 // of 9.5 ms for conf3's B1), most likely from the code size.
 template <typename T, int ACT, int GROUPS, bool ROUND_V>
 __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord& c, int tile_row,
                                             int lane, uint32_t* stg, const float (&acc)[128]) {
-  static_assert(GROUPS == 1 || GROUPS == 4, "group 0 alone, or the whole tile");
+  static_assert(GROUPS == 1 || GROUPS == 2 || GROUPS == 4, "the split forms' groups, or the tile");
+  constexpr int kDgSplit = dg_split_groups(GROUPS);
   const int g = lane >> 2, t4 = lane & 3;
   const int h = p.n_out;
   const int64_t dadb_ld = p.dadb_ld;
@@ -311,7 +330,7 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
   uint32_t* buf_b = stg + kB1StageWords;
   uint32_t* buf_u = stg + 2 * kB1StageWords;
   float gval[2];
-  float dot[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // [dg part (group 0, groups 1-3)][8-row half]
+  float dot[2][2] = {{0.f, 0.f}, {0.f, 0.f}};  // [dg part (kDgSplit)][8-row half]
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr)
     gval[rr] = g + 8 * rr < rows ? __ldg(p.g + __ldg(p.row_pair + grow0 + g + 8 * rr)) : 0.f;
@@ -329,7 +348,7 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
 #pragma unroll  // step indexes the accumulators: a runtime index would move them to local memory
   for (int step = 0; step < kSteps; ++step) {
     const int group = step >> 1, rr = step & 1;
-    const int part = group == 0 ? 0 : 1;
+    const int part = group < kDgSplit ? 0 : 1;
     const int col0 = c.n0 + group * kStageCols;
     const int r0 = 8 * rr;  // first row of this step within the warp's 16
     b1_stage_chunks(buf_a, pa, lane);
@@ -384,7 +403,7 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
   }
   float* dg_tile = dg_tile_parts(p, c);
 #pragma unroll
-  for (int part = 0; part < (GROUPS > 1 ? 2 : 1); ++part) {
+  for (int part = 0; part < (GROUPS == 4 ? 2 : 1); ++part) {  // a split: part 0 alone
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       float d = dot[part][rr];
@@ -397,21 +416,23 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
 
 // B1's epilogue in the forms with epilogue warps, run by warps 1-3 of the producer warpgroup (ew =
 // 0..2) for one tile whose v the consumers left in the hand-off `hb`, rounded to T: the tile's
-// 64-column groups FIRST..3 (FIRST = 0 in the epilogue-warp form, 1 in the split form, where the
-// consumers run group 0), group g in the hand-off's sub-tile g - FIRST. Item idx = 32 ew + lane +
-// 96 i of the tile's 128 rows x 8 chunks: row idx >> 3 and 16-byte chunk idx & 7 of each of those
-// groups, so a warp instruction covers 4 rows x 128 contiguous bytes of every operand (and reads 4
-// whole 128-byte rows of the hand-off, conflict-free), and the 8 lanes of a row are consecutive:
-// three shuffles give each of its dg partials (its columns in ascending order within a lane, then
-// a fixed tree: deterministic). Per element the arithmetic of b1_epilogue (b1_element), with du =
-// g * v for v as handed off: rounded once to T, as the PyTorch dataflow's grouped GEMM output is
-// (the consumers' form uses the fp32 accumulator). Plain loads: a, b may live where da, db go
-// (RECOMPUTE, CONSUME_SAVED); each lane reads its chunks before it writes the same chunks.
+// 64-column groups FIRST..3 (FIRST = 0 in the epilogue-warp form, 1 or 2 in the split forms, where
+// the consumers run the groups before FIRST), group g in the hand-off's sub-tile g - FIRST. Item
+// idx = 32 ew + lane + 96 i of the tile's 128 rows x 8 chunks: row idx >> 3 and 16-byte chunk idx &
+// 7 of each of those groups, so a warp instruction covers 4 rows x 128 contiguous bytes of every
+// operand (and reads 4 whole 128-byte rows of the hand-off, conflict-free), and the 8 lanes of a
+// row are consecutive: three shuffles give each of its dg partials (its columns in ascending order
+// within a lane, then a fixed tree: deterministic). Per element the arithmetic of b1_epilogue
+// (b1_element), with du = g * v for v as handed off: rounded once to T, as the PyTorch dataflow's
+// grouped GEMM output is (the consumers' form uses the fp32 accumulator). Plain loads: a, b may
+// live where da, db go (RECOMPUTE, CONSUME_SAVED); each lane reads its chunks before it writes the
+// same chunks.
 template <typename T, int ACT, int FIRST>
 __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const TileCoord& c, int ew,
                                                   int lane, const uint32_t* hb) {
-  static_assert(FIRST == 0 || FIRST == 1, "all four groups, or groups 1-3");
+  static_assert(FIRST >= 0 && FIRST <= 2, "all four groups, groups 1-3 or groups 2-3");
   constexpr int kGroups = 4 - FIRST;
+  constexpr int kDgSplit = dg_split_groups(FIRST);
   const int h = p.n_out;
   const bool have_u = p.u != nullptr;
   const T* a_src = static_cast<const T*>(p.a);
@@ -457,7 +478,7 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
       bv[i] = in && p.gated ? *reinterpret_cast<const uint4*>(b_src + ab) : make_uint4(0, 0, 0, 0);
     }
     const float gval = row_ok ? __ldg(p.g + __ldg(p.row_pair + grow)) : 0.f;
-    float dot[2] = {0.f, 0.f};  // dg parts: group 0, groups 1-3
+    float dot[2] = {0.f, 0.f};  // dg parts (kDgSplit)
 #pragma unroll
     for (int i = 0; i < kGroups; ++i) {
       const int group = FIRST + i;
@@ -472,7 +493,7 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
       const uint32_t bw[4] = {bv[i].x, bv[i].y, bv[i].z, bv[i].w};
       const uint32_t uw[4] = {uv.x, uv.y, uv.z, uv.w};
       uint32_t daw[4], dbw[4], guw[4];
-      float& part_dot = dot[group == 0 ? 0 : 1];
+      float& part_dot = dot[group < kDgSplit ? 0 : 1];
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
         const float2 vf = unpack2<T>(vw[q]), af = unpack2<T>(aw[q]);
@@ -493,7 +514,7 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
       *reinterpret_cast<uint4*>(gu + grow * h + col) = make_uint4(guw[0], guw[1], guw[2], guw[3]);
     }
 #pragma unroll
-    for (int part = FIRST; part < 2; ++part) {
+    for (int part = FIRST == 0 ? 0 : 1; part < 2; ++part) {
       float d = dot[part];
       d += __shfl_xor_sync(0xffffffffu, d, 1);
       d += __shfl_xor_sync(0xffffffffu, d, 2);
@@ -765,6 +786,7 @@ KernelFn kernel_for_type(int kind, Activation act, int form) {
   if (kind == kB4) return sm90_rows_kernel<T, kB4, 0, kB1Consumers>;
   if (form == kB1Warps) return b1_kernel_for<T, kB1Warps>(act);
   if (form == kB1Split) return b1_kernel_for<T, kB1Split>(act);
+  if (form == kB1Split2) return b1_kernel_for<T, kB1Split2>(act);
   return b1_kernel_for<T, kB1Consumers>(act);
 }
 
@@ -779,14 +801,15 @@ KernelFn kernel_for(Dtype dtype, int kind, Activation act, int form) {
 std::atomic<int> g_b1_form_override{-1};
 
 // B1's form for tiles of k_tiles k-steps (see B1Form and the measurements at
-// kB1EpiWarpsMinKTiles): the consumers' form for short K, where the epilogue outlasts the main
-// loop it would hide behind; the split for medium K, where the epilogue warps alone would still
-// be the slower side; the epilogue warps alone for long K; the consumers' form past 64 k-steps
-// (unmeasured).
+// kB1EpiWarpsMinKTiles): the two-group split at 8 k-steps, where the main loop is short enough
+// that the consumers can take half the epilogue; the split for medium K, where the epilogue warps
+// alone would still be the slower side; the epilogue warps alone for long K; the consumers' form
+// below 8 and past 64 k-steps (unmeasured).
 int b1_form_for(int k_tiles) {
   const int forced = g_b1_form_override.load(std::memory_order_relaxed);
   if (forced >= 0) return forced;
   if (k_tiles < kB1EpiWarpsMinKTiles || k_tiles > kB1EpiWarpsMaxKTiles) return kB1Consumers;
+  if (k_tiles <= kB1Split2MaxKTiles) return kB1Split2;
   return k_tiles <= kB1SplitMaxKTiles ? kB1Split : kB1Warps;
 }
 
@@ -869,7 +892,7 @@ bool sm90_rows_prepare_kernels() {
     for (int kind : {kF2, kB4, kB1}) {
       for (Activation act : kAllActivations) {
         if (kind != kB1 && act != Activation::SwiGLU) continue;  // one kernel, any activation
-        for (int form : {kB1Consumers, kB1Warps, kB1Split}) {
+        for (int form : {kB1Consumers, kB1Warps, kB1Split, kB1Split2}) {
           if (form != kB1Consumers && kind != kB1) continue;
           if (!prepare_kernel(kernel_for(dtype, kind, act, form), kMaxSmemBytes)) return false;
         }
@@ -880,7 +903,7 @@ bool sm90_rows_prepare_kernels() {
 }
 
 void sm90_set_b1_form(int form) {
-  g_b1_form_override.store(form >= kB1Consumers && form <= kB1Split ? form : -1,
+  g_b1_form_override.store(form >= kB1Consumers && form <= kB1Split2 ? form : -1,
                            std::memory_order_relaxed);
 }
 
@@ -889,6 +912,7 @@ int sm90_parse_b1_form(const char* value) {
   if (std::strcmp(value, "consumers") == 0) return kB1Consumers;
   if (std::strcmp(value, "warps") == 0) return kB1Warps;
   if (std::strcmp(value, "split") == 0) return kB1Split;
+  if (std::strcmp(value, "split2") == 0) return kB1Split2;
   return -1;
 }
 

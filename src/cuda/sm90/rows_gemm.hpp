@@ -92,12 +92,12 @@ struct Sm90B1Epilogue {
   int64_t col0 = 0, cols = 0;
 };
 
-// B1's epilogue form (rows_gemm.cu, B1Form): -1 = the policy by k-steps a tile; 0, 1, 2 force
-// the consumers', the epilogue warps' or the split form for every B1 launch after this call (a
-// test and tuning switch, MOEBLAZE_CUDA_B1_FORM, set when a backend is created).
+// B1's epilogue form (rows_gemm.cu, B1Form): -1 = the policy by k-steps a tile; 0, 1, 2, 3 force
+// the consumers', the epilogue warps', the split or the two-group split form for every B1 launch
+// after this call (a test and tuning switch, MOEBLAZE_CUDA_B1_FORM, set when a backend is created).
 void sm90_set_b1_form(int form);
-// Parses MOEBLAZE_CUDA_B1_FORM's value ("consumers", "warps", "split"; nullptr or anything else:
-// -1, the policy).
+// Parses MOEBLAZE_CUDA_B1_FORM's value ("consumers", "warps", "split", "split2"; nullptr or
+// anything else: -1, the policy).
 int sm90_parse_b1_form(const char* value);
 
 // B1 on `stream`: dy [T, d]; w_down [E, d, h]. Precondition: sm90_rows_supported.
