@@ -86,8 +86,8 @@ constexpr size_t pipeline_smem_bytes(int stages, size_t stage_bytes, size_t epil
 
 // F1 and the rows kernels have two kinds of form: 4 pipeline stages with the epilogue in the
 // consumers (a staging buffer of staging_bytes), or 3 stages with epilogue warps, whose hand-off
-// (handoff_bytes) takes the fourth stage's shared memory (B1's split form has both buffers:
-// rows_gemm.cu sizes its three forms itself).
+// (handoff_bytes) takes the fourth stage's shared memory (B1's split forms have both buffers:
+// rows_gemm.cu sizes its forms itself).
 constexpr int stages_for(bool epi_warps) {
   return epi_warps ? 3 : 4;
 }
