@@ -74,5 +74,9 @@ for r in csv.reader(open(sys.argv[1])):
         rows.append(r)
 flush()
 EOF2
+# The same samples by code region (k-step loop, the MUFU epilogue loop, each mbarrier wait loop):
+# which role waits, and on what (tools/ncu_regions.py).
+echo "== stall samples by code region"
+python3 tools/ncu_regions.py "$out/source.csv"
 (cd "$out" && tar czf ncu_kernels.tgz --remove-files ./kernels.ncu-rep ./details.txt \
   ./metrics.csv ./source.csv ./ncu.log 2>/dev/null)

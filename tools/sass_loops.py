@@ -74,7 +74,8 @@ def is_spill(t):
     return op.startswith("LDL") or op.startswith("STL")
 
 
-def analyse(name, ins):
+def kstep_loop(ins):
+    """(head, branch address) of the k-step loop, or None: the loop around the first HGMMA."""
     hgmma = [a for a, t in ins if "HGMMA" in t]
     if not hgmma:
         return None
@@ -90,7 +91,25 @@ def analyse(name, ins):
     # the innermost loop around it.
     gathers = [(h, b) for h, b in around
                if any("ARRIVES.LDGSTSBAR" in t for a, t in ins if h <= a <= b)]
-    head, back = min(gathers or around, key=lambda hb: hb[1] - hb[0])
+    return min(gathers or around, key=lambda hb: hb[1] - hb[0])
+
+
+def epilogue_loop(ins):
+    """(head, branch address, MUFU count) of the smallest loop holding >= 8 MUFU, or None."""
+    best = None
+    for h, b in backward_loops(ins):
+        loop = [t for a, t in ins if h <= a <= b]
+        mufu = sum("MUFU" in t for t in loop)
+        if mufu >= 8 and (best is None or b - h < best[1] - best[0]):
+            best = (h, b, mufu)
+    return best
+
+
+def analyse(name, ins):
+    loop = kstep_loop(ins)
+    if loop is None:
+        return None
+    head, back = loop
     body = [(a, t) for a, t in ins if head <= a <= back]
     steady = body
     arrive = [i for i, (a, t) in enumerate(body) if "ARRIVES.LDGSTSBAR" in t]
@@ -101,12 +120,10 @@ def analyse(name, ins):
                 target = int(m.group(1), 16)
                 steady = body[: i + 1] + [(a, t) for a, t in body if a >= target]
                 break
+    epi_loop = epilogue_loop(ins)
     epi = None
-    for h, b in backward_loops(ins):
-        loop = [t for a, t in ins if h <= a <= b]
-        mufu = sum("MUFU" in t for t in loop)
-        if mufu >= 8 and (epi is None or len(loop) < epi[0]):
-            epi = (len(loop), mufu)
+    if epi_loop:
+        epi = (sum(1 for a, t in ins if epi_loop[0] <= a <= epi_loop[1]), epi_loop[2])
     return {
         "kernel": short_name(name),
         "loop": len(body),
