@@ -58,7 +58,8 @@ def parse_address(text):
 
 def instructions(header, rows):
     """[(address, SASS text, samples, {stall reason: samples})] in address order."""
-    i_src = header.index("Source")
+    # The SASS text: the "Source" column (ncu 2025.x), else the one after the address.
+    i_src = header.index("Source") if "Source" in header else 1
     i_s = header.index(SAMPLES)
     stall_cols = [(i, h) for i, h in enumerate(header)
                   if h.startswith("stall_") and "Not Issued" not in h]
@@ -209,7 +210,7 @@ def main():
     for name, header, rows in read_source_page(a.source_csv):
         if a.filter and a.filter not in name:
             continue
-        if SAMPLES not in header or "Source" not in header:
+        if SAMPLES not in header:
             print(f"{name[:100]}: no '{SAMPLES}' column (profile with --set full)")
             continue
         lines = summarise(name, header, rows, a.top)
