@@ -7,7 +7,10 @@
 #  - the epilogue warps' items (idx = 32 ew + lane + 32 W i, W = 3 or 4 warps) cover every (row,
 #    16-byte chunk) of the tile exactly once, each warp runs a warp-uniform number of iterations
 #    (the dg shuffles need all 32 lanes), and the 8 lanes of a row are consecutive and 8-aligned in
-#    one warp (so the xor-1/2/4 shuffles sum exactly that row's chunks).
+#    one warp (so the xor-1/2/4 shuffles sum exactly that row's chunks);
+#  - b1-four-epilogue-warps.patch (session 12): the consumer thread's TMA schedule (issue_ahead)
+#    issues every (tile, k-step) of a CTA once, into the slot and phase of its loop position,
+#    before the loop reaches it, for k_tiles down to 1 (tma_schedule_errors).
 #   /usr/bin/python3 dev/cuda/b1_epilogue_warps_model.py
 import sys
 
@@ -64,6 +67,66 @@ def run(epi_warps):
     return errors
 
 
+def tma_schedule_errors(k_tiles, total_tiles, grid, cta, stages=3, one_tile_ahead=False):
+    """b1-four-epilogue-warps.patch: the consumer thread's TMA issues (issue_ahead) for one CTA.
+    Prologue: k-steps 0 .. lead - 1; at k-step it of tile t (k-step kt): k-step it + lead, which
+    may lie `skip` tiles ahead. Every (tile, k-step) the CTA's main loop runs must be issued exactly
+    once, as global k-step it' = its position in the loop (slot it' % stages, phase it' / stages),
+    and before the loop reaches it; nothing past the CTA's last tile."""
+    lead = stages - 1
+    errors, issued = [], {}
+
+    def issue_ahead(t, kt, it, ahead):
+        t2, kt2 = t, kt + ahead
+        if kt2 >= k_tiles:
+            skip = 1 if one_tile_ahead else kt2 // k_tiles  # one_tile_ahead: a mutation
+            kt2 -= skip * k_tiles
+            t2 += skip * grid
+        if t2 >= total_tiles:
+            return
+        key = (t2, kt2)
+        if key in issued:
+            errors.append(("issued twice", key))
+        issued[key] = (it + ahead, it)  # (global k-step it names, the loop step it was issued at)
+
+    if cta < total_tiles:
+        for j in range(lead):
+            issue_ahead(cta, 0, 0, j)
+    it = 0
+    for t in range(cta, total_tiles, grid):
+        for kt in range(k_tiles):
+            got = issued.get((t, kt))
+            if got is None:
+                errors.append(("not issued before use", t, kt))
+            elif got[0] != it:
+                errors.append(("wrong slot/phase", t, kt, got[0], it))
+            elif got[1] > it:
+                errors.append(("issued after use", t, kt))
+            issue_ahead(t, kt, it, lead)
+            it += 1
+    used = {(t, kt) for t in range(cta, total_tiles, grid) for kt in range(k_tiles)}
+    extra = set(issued) - used
+    if extra:
+        errors.append(("issued but never used", sorted(extra)[:3]))
+    return errors
+
+
+def tma_schedule_check():
+    errors = []
+    for k_tiles in (1, 2, 3, 8, 16):
+        for total in (0, 1, 5, 17, 40):
+            for grid in (1, 4, 7):
+                for cta in range(grid):
+                    errors += tma_schedule_errors(k_tiles, total, grid, cta)
+    # A mutation the model must catch: stepping at most one tile ahead, wrong whenever the lead
+    # spans more than one tile (k_tiles = 1, the forced forms' d = 64 case; or 4 stages, lead 3,
+    # over 2-step tiles).
+    for k_tiles, stages in ((1, 3), (2, 4)):
+        if not tma_schedule_errors(k_tiles, 5, 1, 0, stages=stages, one_tile_ahead=True):
+            errors.append(("one-tile-ahead mutation unnoticed", k_tiles, stages))
+    return errors
+
+
 if __name__ == "__main__":
     # 3 epilogue warps (warps 1-3, until session 12) and 4 (the whole first warpgroup).
     failed = False
@@ -72,4 +135,7 @@ if __name__ == "__main__":
         print("b1 epilogue-warps index model, %d warps:" % warps,
               "PASS" if not errs else "FAIL %s" % errs[:5])
         failed = failed or bool(errs)
+    errs = tma_schedule_check()
+    print("b1 consumer-issued TMA schedule model:", "PASS" if not errs else "FAIL %s" % errs[:5])
+    failed = failed or bool(errs)
     sys.exit(1 if failed else 0)
