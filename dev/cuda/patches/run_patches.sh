@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The device calls for the patch in this folder (README.md here), one STAGE per call (carry .deps;
 # the summary and tables last, logs under $OUT).
-#   STAGE=ab (the default, ~6-7 minutes): BEFORE = the working tree (main); AFTER = it +
+#   STAGE=ab (the default, ~7-8 minutes): BEFORE = the working tree (main); AFTER = it +
 #     b1-four-epilogue-warps.patch. The AFTER library and CUDA tests are built and checked (the
 #     B1-forms case in full, then memcheck and racecheck over it, quick) while the BEFORE library
 #     builds beside them; then B1's per-kernel times of both libraries under the default policy,
 #     same process per shape (run_library_ab.sh AB_DIR=prebuilt): the split form at 16 k-steps
 #     (conf3 SwiGLU and SiLU) and 32 (conf4), split2 at 8 (conf5), the epilogue-warp form at 64
-#     (mixtral).
+#     (mixtral); then, on the patched library with the forms forced, split2 against split at 8
+#     k-steps (conf5) and the split against the epilogue-warp form at 16 (conf3).
 #   STAGE=ncu (~3 minutes): the patch applied, tools/ncu_kernels.sh --act swiglu on conf3 (the
 #     stall samples by code region at the end: which side of B1 waits with four epilogue warps).
 # The patch stays applied in the device's copy of the tree; land it here (git apply) only if its
@@ -65,6 +66,21 @@ mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu" \
       timeout 300 bash dev/cuda/run_library_ab.sh >"$out/ab.log" 2>&1
     echo "== B1: before = main, after = + b1-four-epilogue-warps (the default policy)"
     sed -n '/^== per-kernel/,$p' "$out/ab.log"
+    # With four epilogue warps the balance between the forms moves: the patched library, forms
+    # forced (same process per shape). 8 k-steps: split2 (the policy) against split; 16: the
+    # split (the policy) against the epilogue-warp form.
+    CHECK=0 AB_DIR=env BEFORE_ENV=MOEBLAZE_CUDA_B1_FORM=split2 \
+      AFTER_ENV=MOEBLAZE_CUDA_B1_FORM=split OUT="$out/k8" \
+      PROFILE_SHAPES="conf5 swiglu|--T 32768 --d 512 --h 2048 --E 16 --k 4 --act swiglu" \
+      timeout 60 bash dev/cuda/run_library_ab.sh >"$out/k8.log" 2>&1
+    echo "== patched, 8 k-steps: before = MOEBLAZE_CUDA_B1_FORM=split2, after = split"
+    sed -n '/^== per-kernel/,$p' "$out/k8.log"
+    CHECK=0 AB_DIR=env BEFORE_ENV=MOEBLAZE_CUDA_B1_FORM=split \
+      AFTER_ENV=MOEBLAZE_CUDA_B1_FORM=warps OUT="$out/k16" \
+      PROFILE_SHAPES="conf3 swiglu|--act swiglu" \
+      timeout 70 bash dev/cuda/run_library_ab.sh >"$out/k16.log" 2>&1
+    echo "== patched, 16 k-steps: before = MOEBLAZE_CUDA_B1_FORM=split, after = warps"
+    sed -n '/^== per-kernel/,$p' "$out/k16.log"
     ;;
   ncu)
     apply b1-four-epilogue-warps
