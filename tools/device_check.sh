@@ -38,6 +38,19 @@ while [ $# -gt 0 ]; do
 done
 mkdir -p "$OUT"
 cd "$ROOT" || exit 1
+# MOEBLAZE_COMMIT names the tree's commit in the build info and the benchmark's json. Written as
+# $(git rev-parse HEAD) inside the device command it reads the device copy's .git, which may be
+# stale (run 17 recorded 633e289 for 046ac4b): say so when the tracked files differ from it.
+if [ -n "${MOEBLAZE_COMMIT:-}" ] && git rev-parse --git-dir >/dev/null 2>&1; then
+  case "$(git rev-parse HEAD 2>/dev/null)" in
+    "$MOEBLAZE_COMMIT"*)
+      if [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+        echo "warning: MOEBLAZE_COMMIT=$MOEBLAZE_COMMIT is this copy's .git HEAD, but tracked files" \
+          "differ from it (a stale .git?): pass the commit of the tree you sent, as a literal" >&2
+      fi
+      ;;
+  esac
+fi
 
 declare -a SUMMARY
 note() { SUMMARY+=("$(printf '%-28s %-8s %s' "$1" "$2" "$3")"); }
