@@ -177,7 +177,7 @@ class CudaBackend final : public Backend {
     // Test switch: k = 1's direct rows (experts.cu); "0" routes them through the reduction.
     const char* direct_rows = std::getenv("MOEBLAZE_CUDA_DIRECT_ROWS");
     experts_set_direct_rows(!(direct_rows && std::strcmp(direct_rows, "0") == 0));
-    // Test/tuning switch: the Hopper B1's epilogue form (consumers, warps, split; else the policy).
+    // Test/tuning switch: the Hopper B1's epilogue form (rows_gemm.cu's sm90_parse_b1_form).
     sm90_set_b1_form(sm90_parse_b1_form(std::getenv("MOEBLAZE_CUDA_B1_FORM")));
   }
   ~CudaBackend() override {

@@ -33,6 +33,15 @@ build_after() {
     cmake --build build-device -j 16 --target moeblaze "$@"; } >"$out/build.log" 2>&1 ||
     { tail -30 "$out/build.log"; exit 1; }
 }
+# The patched library under two forced B1 forms, same process per shape (run_library_ab.sh
+# AB_DIR=env): forms_ab NAME BEFORE_FORM AFTER_FORM TIMEOUT_S SHAPES.
+forms_ab() {
+  CHECK=0 AB_DIR=env BEFORE_ENV="MOEBLAZE_CUDA_B1_FORM=$2" AFTER_ENV="MOEBLAZE_CUDA_B1_FORM=$3" \
+    OUT="$out/$1" PROFILE_SHAPES="$5" timeout "$4" bash dev/cuda/run_library_ab.sh \
+    >"$out/$1.log" 2>&1
+  echo "== patched, $1: before = MOEBLAZE_CUDA_B1_FORM=$2, after = $3"
+  sed -n '/^== per-kernel/,$p' "$out/$1.log"
+}
 t0=$(date +%s)
 case "${STAGE:-ab}" in
   ab)
@@ -69,18 +78,8 @@ mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu" \
     # With four epilogue warps the balance between the forms moves: the patched library, forms
     # forced (same process per shape). 8 k-steps: split2 (the policy) against split; 16: the
     # split (the policy) against the epilogue-warp form.
-    CHECK=0 AB_DIR=env BEFORE_ENV=MOEBLAZE_CUDA_B1_FORM=split2 \
-      AFTER_ENV=MOEBLAZE_CUDA_B1_FORM=split OUT="$out/k8" \
-      PROFILE_SHAPES="conf5 swiglu|--T 32768 --d 512 --h 2048 --E 16 --k 4 --act swiglu" \
-      timeout 60 bash dev/cuda/run_library_ab.sh >"$out/k8.log" 2>&1
-    echo "== patched, 8 k-steps: before = MOEBLAZE_CUDA_B1_FORM=split2, after = split"
-    sed -n '/^== per-kernel/,$p' "$out/k8.log"
-    CHECK=0 AB_DIR=env BEFORE_ENV=MOEBLAZE_CUDA_B1_FORM=split \
-      AFTER_ENV=MOEBLAZE_CUDA_B1_FORM=warps OUT="$out/k16" \
-      PROFILE_SHAPES="conf3 swiglu|--act swiglu" \
-      timeout 70 bash dev/cuda/run_library_ab.sh >"$out/k16.log" 2>&1
-    echo "== patched, 16 k-steps: before = MOEBLAZE_CUDA_B1_FORM=split, after = warps"
-    sed -n '/^== per-kernel/,$p' "$out/k16.log"
+    forms_ab k8 split2 split 60 "conf5 swiglu|--T 32768 --d 512 --h 2048 --E 16 --k 4 --act swiglu"
+    forms_ab k16 split warps 70 "conf3 swiglu|--act swiglu"
     ;;
   ncu)
     apply b1-four-epilogue-warps
