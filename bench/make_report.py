@@ -21,6 +21,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+import gpu_clocks  # noqa: E402
 import roofline  # noqa: E402
 
 RESULTS_BEGIN = "<!-- BENCH-RESULTS:BEGIN -->"
@@ -174,6 +175,21 @@ def error_lines(doc):
     return lines
 
 
+def clock_lines(doc):
+    """The card's sustained dense rate and clocks, when the run recorded them (runs from session
+    13 on): under a power cap, TFLOP/s figures mean little without them."""
+    env = doc.get("environment", {})
+    dense = env.get("dense_reference") or {}
+    lines = []
+    if dense.get("tflops"):
+        lines.append(f"Sustained dense {dense['dtype']} matmul ({dense['shape']}, back to back for "
+                     f"{dense['seconds']} s before the rows): **{dense['tflops']:.0f} TFLOP/s**; "
+                     f"{gpu_clocks.describe(dense.get('clocks'))}.")
+    if env.get("clocks_during_run"):
+        lines.append(f"Clocks during the rows: {gpu_clocks.describe(env['clocks_during_run'])}.")
+    return lines
+
+
 def markdown(doc, plot_names=()):
     env = doc.get("environment", {})
     parts = [
@@ -185,6 +201,7 @@ def markdown(doc, plot_names=()):
            False: "; backward keeps its saved buffer (--keep-saved).",
            None: "."}[env.get("moeblaze_consume_saved")],
         f"Command: `{doc.get('command')}`",
+        *clock_lines(doc),
         "",
         *target_lines(doc),
         "",

@@ -49,6 +49,7 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import baselines  # noqa: E402
+import gpu_clocks  # noqa: E402
 import roofline  # noqa: E402
 
 GRAD_NAMES = ("dx", "dg", "dw_gate", "dw_up", "dw_down")
@@ -119,6 +120,14 @@ def parse_args(argv=None):
     p.add_argument("--emulate-grouped-mm", action="store_true",
                    help="TESTS ONLY: run the grouped_mm dataflow with a host-synchronising "
                         "per-group matmul where torch has no grouped_mm (never time this)")
+    p.add_argument("--dense-reference-s", type=float, default=6.0,
+                   help="CUDA: before the configurations, time back-to-back 8192^3 matmuls in the "
+                        "run's dtype this long (0: skip) and sample the clocks meanwhile; the "
+                        "header records the sustained rate, the ceiling under the card's power "
+                        "limit (not part of --budget-s)")
+    p.add_argument("--no-clock-samples", action="store_true",
+                   help="CUDA: do not sample SM clock, power and clock-event reasons with "
+                        "nvidia-smi during the run")
     p.add_argument("--child-state", default=None, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -979,6 +988,7 @@ def summary_table(doc):
                          f"{fmt(v['max_peak_ratio_vs_grouped_mm'], '.2f')}")
     lines.append(f"rows with errors: {s['rows_with_errors']}; rows over the error tolerance: "
                  f"{s['rows_over_tolerance']}")
+    lines += clock_lines(doc)
     if any(str(r.get("impl_source", "")).startswith("SHIM") for r in rows):
         lines.append("WARNING: the moeblaze rows are the DEVELOPMENT SHIM (loop baseline), "
                      "not moeblaze")
@@ -989,6 +999,25 @@ def summary_table(doc):
     if len(errors) > 6:
         lines.append(f"  ... {len(errors) - 6} more errors in the JSON")
     return "\n".join(lines)
+
+
+def clock_lines(doc):
+    """The ceiling and the clocks: the sustained dense matmul rate measured before the rows, each
+    moeblaze save_preact row's TFLOP/s as a share of it, and what the SMs ran at meanwhile."""
+    env = doc.get("environment", {})
+    lines = []
+    dense = env.get("dense_reference") or {}
+    if dense.get("tflops"):
+        shares = [f"{r['config']}/{r['act']} {100 * r['tflops'] / dense['tflops']:.0f} %"
+                  for r in doc["rows"] if r["impl"] == "moeblaze" and r["policy"] == "save_preact"
+                  and r.get("tflops") and r["act"] == "swiglu"]
+        lines.append(f"sustained dense {dense['dtype']} matmul {dense['shape']}: "
+                     f"{dense['tflops']:.0f} TFLOP/s ({gpu_clocks.describe(dense.get('clocks'))})")
+        if shares:
+            lines.append("moeblaze swiglu TFLOP/s as a share of it: " + ", ".join(shares))
+    if env.get("clocks_during_run"):
+        lines.append(f"clocks during the rows: {gpu_clocks.describe(env['clocks_during_run'])}")
+    return lines
 
 
 def _div(v, d):
@@ -1028,6 +1057,13 @@ def main(argv=None):
                                       "upcast inputs, token chunks",
                          "err_tolerance": ERR_TOLERANCE[args.dtype]}}
     path = results_path(args, name)
+    if args.device == "cuda" and args.dense_reference_s > 0:
+        dense = gpu_clocks.sustained_matmul(args.dense_reference_s, dtype=DTYPES[args.dtype])
+        header["environment"]["dense_reference"] = dense
+        if dense.get("tflops"):
+            log(f"sustained dense {dense['dtype']} matmul {dense['shape']}: "
+                f"{dense['tflops']:.0f} TFLOP/s over {dense['seconds']} s; "
+                f"{gpu_clocks.describe(dense['clocks'])}")
     log(f"moeblaze bench: {len(configs)} configuration(s) x {args.acts} x "
         f"{[f'{i}/{p}' for i, p in row_plan(args)]} on {name}; budget {args.budget_s:.0f} s; "
         f"results -> {path}")
@@ -1038,14 +1074,23 @@ def main(argv=None):
         write_results(path, header, rows)
 
     rows = []
-    if (args.device == "cuda" or args.isolate) and not args.no_isolate:
-        rows = run_isolated(configs, args, save)
-    else:
-        def emit(event):
-            if event["event"] == "row":
-                rows.append(event["row"])
-                save(rows)
-        run_configs(configs, args, emit)
+    sampler = gpu_clocks.ClockSampler(interval_ms=500) if (
+        args.device == "cuda" and not args.no_clock_samples) else None
+    if sampler is not None:
+        sampler.__enter__()
+    try:
+        if (args.device == "cuda" or args.isolate) and not args.no_isolate:
+            rows = run_isolated(configs, args, save)
+        else:
+            def emit(event):
+                if event["event"] == "row":
+                    rows.append(event["row"])
+                    save(rows)
+            run_configs(configs, args, emit)
+    finally:
+        if sampler is not None:
+            sampler.__exit__(None, None, None)
+            header["environment"]["clocks_during_run"] = sampler.summary()
     doc = write_results(path, header, rows)
     log(f"wrote {path}")
     if args.report:

@@ -251,3 +251,50 @@ def test_make_report_fills_markers(tmp_path):
     make_report.report(str(path), str(tmp_path), str(md))
     text = md.read_text()
     assert "old" not in text and "tail" in text and "| tiny_a | swiglu |" in text
+
+
+def test_clock_samples_parse_and_summarise():
+    import gpu_clocks
+    lines = ["1440, 3201, 691.70, 700.00, 59, 0x0000000000000004",
+             "1485, 3201, 650.10, 700.00, 60, 0x0000000000000000",
+             "1245, 3201, 698.00, 700.00, 58, 0x0000000000000024",
+             "[N/A], 3201, 80.2, 700.00, 36, 0x0000000000000001",
+             "garbage line"]
+    samples = [gpu_clocks.parse_sample(line) for line in lines]
+    assert samples[-1] is None and samples[3]["sm_mhz"] is None
+    assert samples[0]["reasons"] == 0x4 and samples[2]["reasons"] == 0x24
+    sampler = gpu_clocks.ClockSampler()
+    sampler.samples = [s for s in samples if s]
+    summary = sampler.summary()
+    assert summary["samples"] == 4
+    assert summary["sm_mhz"] == {"min": 1245.0, "median": 1440.0, "max": 1485.0}
+    assert summary["reason_share"]["software power cap"] == 0.5
+    assert summary["reason_share"]["software thermal slowdown"] == 0.25
+    assert summary["reason_share"]["idle"] == 0.25
+    text = gpu_clocks.describe(summary)
+    assert "SM 1440 MHz (1245-1485)" in text and "software power cap 50 %" in text
+    assert gpu_clocks.reason_names(0) == "none"
+    assert gpu_clocks.reason_names(0x84) == "software power cap, hardware power brake"
+    assert gpu_clocks.reason_names(0x1000) == "0x1000"
+    assert "no clock samples (nvidia-smi not found)" == gpu_clocks.describe(
+        {"samples": 0, "error": "nvidia-smi not found"})
+
+
+def test_clock_lines_in_summary_and_report(tmp_path):
+    doc, _ = _run_harness(tmp_path, ["--acts", "swiglu", "--impls", "loop,grouped_mm"])
+    clocks = {"samples": 2, "sm_mhz": {"min": 1400.0, "median": 1440.0, "max": 1480.0},
+              "power_w": {"min": 690.0, "median": 692.0, "max": 698.0},
+              "power_limit_w": {"min": 700.0, "median": 700.0, "max": 700.0},
+              "reason_share": {"software power cap": 1.0}}
+    doc["environment"]["dense_reference"] = {"shape": "8192x8192x8192", "dtype": "bfloat16",
+                                             "seconds": 6.0, "tflops": 660.0, "clocks": clocks}
+    doc["environment"]["clocks_during_run"] = clocks
+    doc["rows"].append({"config": "tiny_a", "act": "swiglu", "impl": "moeblaze",
+                        "policy": "save_preact", "tflops": 550.0})
+    lines = run_bench.clock_lines(doc)
+    assert lines[0].startswith("sustained dense bfloat16 matmul 8192x8192x8192: 660 TFLOP/s")
+    assert lines[1] == "moeblaze swiglu TFLOP/s as a share of it: tiny_a/swiglu 83 %"
+    assert "software power cap 100 %" in lines[2]
+    import make_report
+    md = make_report.markdown(doc)
+    assert "**660 TFLOP/s**" in md and "Clocks during the rows: SM 1440 MHz" in md

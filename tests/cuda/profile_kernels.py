@@ -2,7 +2,7 @@
 
 Usage: MOEBLAZE_LIBRARY=build/src/libmoeblaze.so python3 tests/cuda/profile_kernels.py \
            [--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act swiglu --policy save_preact]
-           [--routing random|blocked] [--host [--trace FILE]]
+           [--routing random|blocked] [--host [--trace FILE]] [--clocks SECONDS]
 Needs a GPU, PyTorch and the Python bindings (bindings/python, found relative to this file).
 """
 import argparse
@@ -13,6 +13,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "python"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+import gpu_clocks  # noqa: E402
 import moeblaze.torch as mbt  # noqa: E402
 
 
@@ -30,6 +32,10 @@ def main():
                    help="also time the host side: enqueue time per step, GPU idle time, the CPU "
                         "calls that take longest, and a Chrome trace (--trace)")
     p.add_argument("--trace", default=None, help="with --host: write a Chrome trace here")
+    p.add_argument("--clocks", type=float, default=0.0,
+                   help="also run back-to-back steps for this many seconds while nvidia-smi samples "
+                        "the SM clock, power draw, temperature and the clock-event reasons every "
+                        "100 ms: is the steady state power- or heat-capped?")
     p.add_argument("--routing", choices=("random", "blocked"), default="random",
                    help="random: softmax top-k of N(0, 1) logits (the benchmark's). blocked: token "
                         "t's experts are (t * E // T + j) % E, so each expert's gathered rows are "
@@ -79,6 +85,8 @@ def main():
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=90))
     if a.host:
         profile_host(step, ms, a)
+    if a.clocks > 0:
+        profile_clocks(step, a.clocks)
 
 
 def profile_host(step, gpu_step_ms, a):
@@ -114,6 +122,30 @@ def profile_host(step, gpu_step_ms, a):
     if a.trace:
         prof.export_chrome_trace(a.trace)
         print(f"trace: {a.trace}")
+
+
+def profile_clocks(step, seconds):
+    """Steady-state clocks: a single profiled step after a sync starts from a cooler chip, so its
+    kernels can run faster than the same kernels back to back under the power limit. Runs steps
+    back to back for `seconds` while nvidia-smi samples, then prints the step time next to the
+    clocks it ran at."""
+    import time
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    steps = 0
+    with gpu_clocks.ClockSampler() as sampler:
+        t0 = time.perf_counter()
+        start.record()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(5):
+                step()
+            steps += 5
+            torch.cuda.synchronize()
+        end.record()
+        torch.cuda.synchronize()
+    print(f"clocks: {steps} back-to-back steps, {start.elapsed_time(end) / steps:.3f} ms a step; "
+          f"{gpu_clocks.describe(sampler.summary())}")
 
 
 if __name__ == "__main__":
