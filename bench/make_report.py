@@ -66,10 +66,15 @@ def _ratio(a, b):
 def speed_table(doc):
     rows = doc["rows"]
     idx = _index(rows)
+    # Runs from session 13 on also measure the dense rate the card sustains under its power limit
+    # (gpu_clocks.sustained_matmul); the share of that is the fair efficiency of a long run.
+    dense = (doc.get("environment", {}).get("dense_reference") or {}).get("tflops")
+    dense_head = f" moeblaze % of sustained {dense:.0f} |" if dense else ""
     out = ["| config | act | grouped_mm ms | loop ms | moeblaze ms | × vs grouped_mm | × vs loop "
-           "| moeblaze TFLOP/s | grouped_mm TFLOP/s | moeblaze % of 790 | compute floor ms "
-           "| recompute ms |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| moeblaze TFLOP/s | grouped_mm TFLOP/s | moeblaze % of 790 |" + dense_head +
+           " compute floor ms | recompute ms |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if dense else "") +
+           "---:|---:|"]
     for cfg, act in _keys(rows):
         g = idx.get((cfg, act, "grouped_mm", BASELINE_POLICY)) or {}
         lp = idx.get((cfg, act, "loop", BASELINE_POLICY)) or {}
@@ -86,7 +91,8 @@ def speed_table(doc):
             f"| {_fmt(mb.get('tflops'), '.0f')} "
             f"| {_fmt(g.get('tflops'), '.0f')} "
             f"| {_fmt(_ratio(mb.get('tflops'), roofline.H200_BF16_TFLOPS / 100), '.0f')} "
-            f"| {_fmt(floor, '.2f')} | {_fmt(rc.get('ms'), '.3f')} |")
+            + (f"| {_fmt(_ratio(mb.get('tflops'), dense / 100), '.0f')} " if dense else "")
+            + f"| {_fmt(floor, '.2f')} | {_fmt(rc.get('ms'), '.3f')} |")
     return "\n".join(out)
 
 

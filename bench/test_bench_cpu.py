@@ -298,3 +298,8 @@ def test_clock_lines_in_summary_and_report(tmp_path):
     import make_report
     md = make_report.markdown(doc)
     assert "**660 TFLOP/s**" in md and "Clocks during the rows: SM 1440 MHz" in md
+    header = next(line for line in md.splitlines() if line.startswith("| config | act |"))
+    row = next(line for line in md.splitlines() if line.startswith("| tiny_a | swiglu |"))
+    assert "| moeblaze % of sustained 660 |" in header
+    assert header.count("|") == row.count("|")
+    assert "| 83 |" in row  # 550 of the sustained 660

@@ -8,9 +8,11 @@
 #    16-byte chunk) of the tile exactly once, each warp runs a warp-uniform number of iterations
 #    (the dg shuffles need all 32 lanes), and the 8 lanes of a row are consecutive and 8-aligned in
 #    one warp (so the xor-1/2/4 shuffles sum exactly that row's chunks);
-#  - b1-four-epilogue-warps.patch (session 12): the consumer thread's TMA schedule (issue_ahead)
-#    issues every (tile, k-step) of a CTA once, into the slot and phase of its loop position,
-#    before the loop reaches it, for k_tiles down to 1 (tma_schedule_errors).
+#  - b1-four-epilogue-warps.patch (session 12; refuted on the H200 in session 13, B1 26-57 %
+#    slower: dev/cuda/patches/b1-four-epilogue-warps.patch@89b04d4): the consumer thread's TMA
+#    schedule (issue_ahead) issues every (tile, k-step) of a CTA once, into the slot and phase of
+#    its loop position, before the loop reaches it, for k_tiles down to 1 (tma_schedule_errors).
+#    Kept: it is the schedule any consumer-issued lookahead (ping-pong consumers) must satisfy.
 #   /usr/bin/python3 dev/cuda/b1_epilogue_warps_model.py
 import sys
 
