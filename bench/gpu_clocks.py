@@ -12,6 +12,7 @@ Used by bench/run_bench.py (the run's header) and tests/cuda/profile_kernels.py 
 Python plus torch; every function degrades to an explanation when there is no GPU or no nvidia-smi.
 """
 
+import os
 import shutil
 import subprocess
 import time
@@ -34,14 +35,23 @@ def reason_names(mask):
     return ", ".join(names) if names else "none"
 
 
+def visible_gpu():
+    """nvidia-smi's --id for the GPU that CUDA calls device 0 in this process: the first entry of
+    CUDA_VISIBLE_DEVICES (an index or a UUID, both of which --id takes), else 0."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return first or "0"
+
+
 class ClockSampler:
-    """Samples FIELDS every interval_ms while the `with` block runs (GPU 0, or `gpu`).
+    """Samples FIELDS every interval_ms while the `with` block runs (the process's CUDA device 0,
+    or `gpu`: an nvidia-smi index or UUID).
 
     After the block, .samples holds one dict per sample and .summary() condenses them. With no
     nvidia-smi the block still runs and .error says why there are no samples."""
 
-    def __init__(self, interval_ms=100, gpu=0):
-        self.interval_ms, self.gpu = interval_ms, gpu
+    def __init__(self, interval_ms=100, gpu=None):
+        self.interval_ms = interval_ms
+        self.gpu = visible_gpu() if gpu is None else gpu
         self.samples, self.error, self._proc = [], None, None
 
     def __enter__(self):
@@ -132,6 +142,28 @@ def describe(summary):
             f"({summary['samples']} samples)")
 
 
+def back_to_back(fn, seconds, batch=10, interval_ms=100):
+    """Runs fn() back to back for about `seconds` (batches of `batch` calls, synchronised between
+    batches so the host loop tracks the device) while sampling the clocks. Returns (ms per call
+    by CUDA events, calls, clock summary)."""
+    import torch
+
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    calls = 0
+    with ClockSampler(interval_ms=interval_ms) as sampler:
+        t0 = time.perf_counter()
+        start.record()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(batch):
+                fn()
+            calls += batch
+            torch.cuda.synchronize()
+        end.record()
+        torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls, calls, sampler.summary()
+
+
 def sustained_matmul(seconds=6.0, n=8192, dtype=None):
     """The dense rate the card sustains back to back: n x n x n matmuls for `seconds`, after a
     short warm-up, with the clocks sampled meanwhile. Returns a dict for a results header."""
@@ -145,21 +177,8 @@ def sustained_matmul(seconds=6.0, n=8192, dtype=None):
     c = torch.empty(n, n, device="cuda", dtype=dtype)
     for _ in range(5):
         torch.matmul(a, b, out=c)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    count = 0
-    with ClockSampler() as sampler:
-        t0 = time.perf_counter()
-        start.record()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(10):
-                torch.matmul(a, b, out=c)
-            count += 10
-            torch.cuda.synchronize()  # bounds the queue so the loop's end tracks the clock
-        end.record()
-        torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / count
+    ms, count, clocks = back_to_back(lambda: torch.matmul(a, b, out=c), seconds)
     del a, b, c
     return {"shape": f"{n}x{n}x{n}", "dtype": str(dtype).replace("torch.", ""),
             "seconds": round(seconds, 1), "matmuls": count, "ms_each": ms,
-            "tflops": 2.0 * n ** 3 / ms / 1e9, "clocks": sampler.summary()}
+            "tflops": 2.0 * n ** 3 / ms / 1e9, "clocks": clocks}

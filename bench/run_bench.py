@@ -28,6 +28,7 @@ that configuration; a sticky CUDA error cannot poison the rest); rows are writte
 """
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -1074,11 +1075,9 @@ def main(argv=None):
         write_results(path, header, rows)
 
     rows = []
-    sampler = gpu_clocks.ClockSampler(interval_ms=500) if (
-        args.device == "cuda" and not args.no_clock_samples) else None
-    if sampler is not None:
-        sampler.__enter__()
-    try:
+    sample_clocks = args.device == "cuda" and not args.no_clock_samples
+    with (gpu_clocks.ClockSampler(interval_ms=500) if sample_clocks
+          else contextlib.nullcontext()) as sampler:
         if (args.device == "cuda" or args.isolate) and not args.no_isolate:
             rows = run_isolated(configs, args, save)
         else:
@@ -1087,10 +1086,8 @@ def main(argv=None):
                     rows.append(event["row"])
                     save(rows)
             run_configs(configs, args, emit)
-    finally:
-        if sampler is not None:
-            sampler.__exit__(None, None, None)
-            header["environment"]["clocks_during_run"] = sampler.summary()
+    if sample_clocks:
+        header["environment"]["clocks_during_run"] = sampler.summary()
     doc = write_results(path, header, rows)
     log(f"wrote {path}")
     if args.report:

@@ -280,6 +280,17 @@ def test_clock_samples_parse_and_summarise():
         {"samples": 0, "error": "nvidia-smi not found"})
 
 
+def test_clock_sampler_follows_cuda_visible_devices(monkeypatch):
+    import gpu_clocks
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpu_clocks.ClockSampler().gpu == "0"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    assert gpu_clocks.ClockSampler().gpu == "3"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-8a1b2c3d-0000-1111-2222-333344445555")
+    assert gpu_clocks.ClockSampler().gpu.startswith("GPU-8a1b")
+    assert gpu_clocks.ClockSampler(gpu=2).gpu == 2
+
+
 def test_clock_lines_in_summary_and_report(tmp_path):
     doc, _ = _run_harness(tmp_path, ["--acts", "swiglu", "--impls", "loop,grouped_mm"])
     clocks = {"samples": 2, "sm_mhz": {"min": 1400.0, "median": 1440.0, "max": 1480.0},
@@ -303,3 +314,38 @@ def test_clock_lines_in_summary_and_report(tmp_path):
     assert "| moeblaze % of sustained 660 |" in header
     assert header.count("|") == row.count("|")
     assert "| 83 |" in row  # 550 of the sustained 660
+
+
+def test_clock_sampler_without_nvidia_smi(monkeypatch):
+    import gpu_clocks
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
+    with gpu_clocks.ClockSampler() as sampler:
+        pass
+    assert sampler.summary() == {"samples": 0, "error": "nvidia-smi not found"}
+    assert "nvidia-smi not found" in gpu_clocks.describe(sampler.summary())
+
+
+def test_back_to_back_counts_calls_and_times_them(monkeypatch):
+    # The loop of gpu_clocks.back_to_back without a GPU: CUDA events replaced by host clocks.
+    import time as _time
+    import gpu_clocks
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = _time.perf_counter()
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(gpu_clocks.shutil, "which", lambda name: None)
+    calls = []
+    ms, count, clocks = gpu_clocks.back_to_back(lambda: (calls.append(1), _time.sleep(0.002)),
+                                                0.05, batch=4)
+    assert count == len(calls) and count % 4 == 0 and count >= 4
+    assert 1.5 < ms < 50
+    assert clocks == {"samples": 0, "error": "nvidia-smi not found"}

@@ -129,23 +129,8 @@ def profile_clocks(step, seconds):
     kernels can run faster than the same kernels back to back under the power limit. Runs steps
     back to back for `seconds` while nvidia-smi samples, then prints the step time next to the
     clocks it ran at."""
-    import time
-
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    steps = 0
-    with gpu_clocks.ClockSampler() as sampler:
-        t0 = time.perf_counter()
-        start.record()
-        while time.perf_counter() - t0 < seconds:
-            for _ in range(5):
-                step()
-            steps += 5
-            torch.cuda.synchronize()
-        end.record()
-        torch.cuda.synchronize()
-    print(f"clocks: {steps} back-to-back steps, {start.elapsed_time(end) / steps:.3f} ms a step; "
-          f"{gpu_clocks.describe(sampler.summary())}")
+    ms, steps, clocks = gpu_clocks.back_to_back(step, seconds, batch=5)
+    print(f"clocks: {steps} back-to-back steps, {ms:.3f} ms a step; {gpu_clocks.describe(clocks)}")
 
 
 if __name__ == "__main__":
