@@ -11,11 +11,11 @@
 #   save_all: the HAVE_U instantiation), 32 (conf4), split2 at 8 (conf5), the epilogue-warp form
 #   at 64 (mixtral). Last, on the patched library with the forms forced, the split against the
 #   epilogue-warp form at 16 and 32 k-steps: faster epilogue warps move the balance between them.
-#   That is STAGE=lean (the default). STAGE=band (~6-7 minutes): sm90-band-knob.patch alone on
+#   That is STAGE=lean (the default). STAGE=band (~7 minutes): sm90-band-knob.patch alone on
 #   main: the tile-rasterisation case (every band keeps every bit) in full and under memcheck, then
-#   conf3 and conf4 with bands of 8 and 32 m-tiles (per-kernel times, run_library_ab.sh
-#   AB_DIR=env), Nsight Compute's DRAM bytes per kernel on conf3 for both bands, and back-to-back
-#   steps at the power cap (profile_kernels.py --clocks) for bands 8, 32, 16 and 8 again.
+#   on conf3 Nsight Compute's DRAM bytes and time per kernel for bands of 8, 1, 16 and 32 m-tiles
+#   (dev/cuda/tile_order_dram_model.py's predictions are in the README), and back-to-back steps at
+#   the power cap (profile_kernels.py --clocks 6) for bands 8, 1, 16, 32 and 8 again.
 # The patch stays applied in the device's copy of the tree; land it here (git apply) only if its
 # checks passed and it gains.
 set -u -o pipefail
@@ -112,14 +112,8 @@ case "${STAGE:-lean}" in
       "$tests" --no-version=true -tc='*rasterisation*' >"$out/band_memcheck.log" 2>&1
     echo "memcheck (rasterisation case): exit $? | $(grep -E 'ERROR SUMMARY' \
       "$out/band_memcheck.log" | tail -n 1)"
-    CHECK=0 AB_DIR=env BEFORE_ENV="MOEBLAZE_CUDA_BAND_MTILES=8" \
-      AFTER_ENV="MOEBLAZE_CUDA_BAND_MTILES=32" OUT="$out/band_ab" PROFILE_SHAPES="conf3 swiglu|--act swiglu
-conf4 swiglu|--T 32768 --d 2048 --h 8192 --E 16 --k 4 --act swiglu" \
-      timeout 150 bash dev/cuda/run_library_ab.sh >"$out/band_ab.log" 2>&1
-    echo "== bands of 8 -> 32 m-tiles (per-kernel times, one step after a synchronise)"
-    sed -n '/^== per-kernel/,$p' "$out/band_ab.log"
     echo "== Nsight Compute, conf3 SwiGLU: DRAM GB read / written and ms per kernel"
-    for band in 8 32; do
+    for band in 8 1 16 32; do
       MOEBLAZE_CUDA_BAND_MTILES=$band MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so \
         timeout 90 ncu --clock-control none -k regex:sm90_ --launch-skip 18 --launch-count 6 \
         --metrics dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
@@ -146,7 +140,7 @@ print(f"band {sys.argv[2]:>3}: " + "  ".join(
 PY
     done
     echo "== back-to-back conf3 SwiGLU steps at the power cap (profile_kernels.py --clocks 6)"
-    for band in 8 32 16 8; do
+    for band in 8 1 16 32 8; do
       MOEBLAZE_CUDA_BAND_MTILES=$band MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so \
         timeout 60 python3 tests/cuda/profile_kernels.py --rows 1 --act swiglu --clocks 6 \
         >"$out/clocks_band$band.log" 2>&1
