@@ -121,11 +121,11 @@ def parse_args(argv=None):
     p.add_argument("--emulate-grouped-mm", action="store_true",
                    help="TESTS ONLY: run the grouped_mm dataflow with a host-synchronising "
                         "per-group matmul where torch has no grouped_mm (never time this)")
-    p.add_argument("--dense-reference-s", type=float, default=6.0,
+    p.add_argument("--dense-reference-s", type=float, default=None,
                    help="CUDA: before the configurations, time back-to-back 8192^3 matmuls in the "
-                        "run's dtype this long (0: skip) and sample the clocks meanwhile; the "
-                        "header records the sustained rate, the ceiling under the card's power "
-                        "limit (not part of --budget-s)")
+                        "run's dtype this long (0: skip; default 6, 2 with --quick) and sample the "
+                        "clocks meanwhile; the header records the sustained rate, the ceiling "
+                        "under the card's power limit (not part of --budget-s)")
     p.add_argument("--no-clock-samples", action="store_true",
                    help="CUDA: do not sample SM clock, power and clock-event reasons with "
                         "nvidia-smi during the run")
@@ -134,6 +134,8 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.quick:
         args.min_reps = args.max_reps = 3
+    if args.dense_reference_s is None:
+        args.dense_reference_s = 2.0 if args.quick else 6.0
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.acts = [a.strip() for a in args.acts.split(",") if a.strip()]

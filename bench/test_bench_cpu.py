@@ -349,3 +349,10 @@ def test_back_to_back_counts_calls_and_times_them(monkeypatch):
     assert count == len(calls) and count % 4 == 0 and count >= 4
     assert 1.5 < ms < 50
     assert clocks == {"samples": 0, "error": "nvidia-smi not found"}
+
+
+def test_dense_reference_defaults():
+    assert run_bench.parse_args(["--device", "cpu"]).dense_reference_s == 6.0
+    assert run_bench.parse_args(["--device", "cpu", "--quick"]).dense_reference_s == 2.0
+    assert run_bench.parse_args(["--device", "cpu", "--quick",
+                                 "--dense-reference-s", "0"]).dense_reference_s == 0.0
