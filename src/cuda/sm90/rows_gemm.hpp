@@ -10,8 +10,8 @@
 //   B1: v[r]   = dy[tok_r] . w_down[e]                   dy [T, d] gathered by expert_token_indices
 //       and, in the epilogue, the activation backward of gemm.cuh's B1 (act_math, the same
 //       formulas): u from the saved u or recomputed from the rounded a, b; dg partial sums of
-//       v * u, two per 256-column tile (its first 64 columns, the rest); du = g * v; da, db;
-//       g * u.
+//       v * u, two per 256-column tile (part 0 over the 64-column groups the consumers run in a
+//       split form, else the first group; part 1 over the rest); du = g * v; da, db; g * u.
 // fp32 accumulation; the k order within a tile is fixed and every output element belongs to one
 // tile of one CTA, so every result is bitwise repeatable (no atomics). The accumulation order
 // differs from the mma.sync engine's (k-steps of 16 inside 64-wide stages), so results can differ
@@ -76,7 +76,7 @@ void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
 // point at column col0 of their buffers (the caller offsets them); w_down is offset here. gu is
 // the range's own [N, cols] buffer; dg_part points at the partials of the range's first n-tile
 // (col0 / kSm90B1TileCols), so col0 must be a multiple of kSm90B1TileCols.
-// MOEBLAZE_CUDA_B1_FORM (sm90_set_b1_form) may force one of the kernel's three epilogue forms.
+// MOEBLAZE_CUDA_B1_FORM (sm90_set_b1_form) may force one of the kernel's four epilogue forms.
 struct Sm90B1Epilogue {
   const void* a_src = nullptr;  // [N, ab_ld] saved or recomputed a (may alias dadb: RECOMPUTE)
   const void* b_src = nullptr;  // [N, ab_ld] b (gated only; may alias dadb)
