@@ -50,7 +50,7 @@ enum class Pass : int32_t {
   RouterProjectBackward = 101,
 };
 
-inline bool is_gated(Activation act) {
+constexpr bool is_gated(Activation act) {
   return act == Activation::SwiGLU || act == Activation::GeGLU || act == Activation::ReGLU;
 }
 

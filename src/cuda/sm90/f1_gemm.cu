@@ -144,8 +144,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                    const __grid_constant__ CUtensorMap tmap_second, const F1Params p) {
 #if MB_SM90_DEVICE
   constexpr Activation kAct = static_cast<Activation>(ACT);
-  constexpr bool kGated =
-      kAct == Activation::SwiGLU || kAct == Activation::GeGLU || kAct == Activation::ReGLU;
+  constexpr bool kGated = is_gated(kAct);
   constexpr int kTileCols = tile_cols(kGated);
   constexpr int kSecondRowOffset = kGated ? 0 : kBBoxRows;
   constexpr int kGroups = kTileCols / 64;  // 64-column epilogue groups per tile

@@ -427,14 +427,20 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
 // grouped GEMM output is (the consumers' form uses the fp32 accumulator). Plain loads: a, b may
 // live where da, db go (RECOMPUTE, CONSUME_SAVED); each lane reads its chunks before it writes the
 // same chunks.
-template <typename T, int ACT, int FIRST>
+//
+// HAVE_U (p.u != nullptr: SAVE_ALL) and whether the activation is gated are template constants, not
+// the runtime flags they were: the item loop is these warps' critical path (session 13's ncu: they
+// issue in ~22 % of its samples and wait on their own dependency chains), and the runtime forms
+// carried the u operand's load, unpacking and selects, and b's predicates, through every item.
+template <typename T, int ACT, int FIRST, bool HAVE_U>
 __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const TileCoord& c, int ew,
                                                   int lane, const uint32_t* hb) {
   static_assert(FIRST >= 0 && FIRST <= 2, "all four groups, groups 1-3 or groups 2-3");
   constexpr int kGroups = 4 - FIRST;
   constexpr int kDgSplit = dg_split_groups(FIRST);
+  constexpr bool kGated = is_gated(static_cast<Activation>(ACT));  // B1's runtime flag, known
   const int h = p.n_out;
-  const bool have_u = p.u != nullptr;
+  constexpr bool have_u = HAVE_U;
   const T* a_src = static_cast<const T*>(p.a);
   const T* b_src = static_cast<const T*>(p.b);
   const T* u_src = static_cast<const T*>(p.u);
@@ -447,47 +453,71 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
   // (~3 KB per SM against the ~24 KB that 3 TB/s at ~1 us needs; session 8 call 1: B1 1.5-2x
   // slower). So each item loads all its groups' a, b before its first store (the stores may alias
   // the loads under CONSUME_SAVED, so the compiler would not hoist them itself), and the item two
-  // iterations ahead is prefetched into L2 (no registers held).
+  // iterations ahead is prefetched into L2 (no registers held). Every operand's address is the
+  // item's first chunk (group FIRST, column item_col) plus i * 64 elements for group FIRST + i: one
+  // 64-bit address per operand and item, the groups at immediate offsets.
+  const auto item_col = [&](int ch) { return c.n0 + FIRST * 64 + ch * 8; };
   const auto prefetch_item = [&](int idx) {
     const int row = idx >> 3, ch = idx & 7;
     if (idx >= kItems || row >= c.rows) return;
-    const int64_t ab_row = (int64_t(c.row0) + row) * p.ab_ld;
+    const int col0 = item_col(ch);
+    const int64_t ab0 = (int64_t(c.row0) + row) * p.ab_ld + col0;
+    const T* a_item = a_src + ab0;
+    const T* b_item = kGated ? b_src + ab0 : nullptr;  // no b operand otherwise
 #pragma unroll
-    for (int group = FIRST; group < 4; ++group) {
-      const int col = c.n0 + group * 64 + ch * 8;
-      if (col >= h) break;
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(a_src + ab_row + col));
-      if (p.gated) asm volatile("prefetch.global.L2 [%0];" ::"l"(b_src + ab_row + col));
+    for (int i = 0; i < kGroups; ++i) {
+      if (col0 + i * 64 >= h) break;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(a_item + i * 64));
+      if constexpr (kGated) asm volatile("prefetch.global.L2 [%0];" ::"l"(b_item + i * 64));
     }
   };
+  // The routing weight of an item's row takes two dependent loads (row_pair, then g) that every
+  // element of the item waits for; in one pass the compiler issues them ahead of the item's a, b
+  // loads, so each item paid an L2 round trip before its DRAM loads left. Pipelined instead: the
+  // row_pair entry two passes ahead, the weight one pass ahead, from the entry loaded the pass
+  // before (no dependent wait inside a pass).
+  const auto load_pair = [&](int idx) {
+    const int row = idx >> 3;
+    return idx < kItems && row < c.rows ? __ldg(p.row_pair + (int64_t(c.row0) + row)) : -1;
+  };
+  const auto load_gval = [&](int32_t pair) { return pair >= 0 ? __ldg(p.g + pair) : 0.f; };
   prefetch_item(32 * ew + lane + kLanes);
+  float gval_next = load_gval(load_pair(32 * ew + lane));
+  int32_t pair_after_next = load_pair(32 * ew + lane + kLanes);
 #pragma unroll 1
   for (int base = 32 * ew; base < kItems; base += kLanes) {  // warp-uniform: kItems % 32 == 0
     const int idx = base + lane;
     prefetch_item(idx + 2 * kLanes);
+    const float gval = gval_next;
+    gval_next = load_gval(pair_after_next);
+    pair_after_next = load_pair(idx + 2 * kLanes);
     const int row = idx >> 3, ch = idx & 7;
     const bool row_ok = row < c.rows;
     const int64_t grow = int64_t(c.row0) + row;
+    const int col0 = item_col(ch);
+    const int64_t ab0 = grow * p.ab_ld + col0;
+    const T* a_item = a_src + ab0;
+    const T* b_item = kGated ? b_src + ab0 : nullptr;  // no b operand otherwise
     uint4 av[kGroups], bv[kGroups];
 #pragma unroll
     for (int i = 0; i < kGroups; ++i) {
-      const int col = c.n0 + (FIRST + i) * 64 + ch * 8;
-      const bool in = row_ok && col < h;  // h % 8 == 0: a chunk is all in or all out
-      const int64_t ab = grow * p.ab_ld + col;
-      av[i] = in ? *reinterpret_cast<const uint4*>(a_src + ab) : make_uint4(0, 0, 0, 0);
-      bv[i] = in && p.gated ? *reinterpret_cast<const uint4*>(b_src + ab) : make_uint4(0, 0, 0, 0);
+      const bool in = row_ok && col0 + i * 64 < h;  // h % 8 == 0: a chunk is all in or all out
+      av[i] = in ? *reinterpret_cast<const uint4*>(a_item + i * 64) : make_uint4(0, 0, 0, 0);
+      bv[i] =
+          in && kGated ? *reinterpret_cast<const uint4*>(b_item + i * 64) : make_uint4(0, 0, 0, 0);
     }
-    const float gval = row_ok ? __ldg(p.g + __ldg(p.row_pair + grow)) : 0.f;
+    T* const da_item = dadb + grow * p.dadb_ld + col0;
+    T* const gu_item = gu + grow * h + col0;
     float dot[2] = {0.f, 0.f};  // dg parts (kDgSplit)
 #pragma unroll
     for (int i = 0; i < kGroups; ++i) {
       const int group = FIRST + i;
-      const int col = c.n0 + group * 64 + ch * 8;
-      if (!row_ok || col >= h) continue;
+      if (!row_ok || col0 + i * 64 >= h) continue;
       const uint4 vv = *reinterpret_cast<const uint4*>(hb + i * kHandoffSubWords + row * 32 +
                                                        ((ch ^ (row & 7)) << 2));
-      const uint4 uv = have_u ? *reinterpret_cast<const uint4*>(u_src + grow * p.u_ld + col)
-                              : make_uint4(0, 0, 0, 0);
+      uint4 uv = make_uint4(0, 0, 0, 0);
+      if constexpr (HAVE_U)
+        uv = *reinterpret_cast<const uint4*>(u_src + grow * p.u_ld + col0 + i * 64);
       const uint32_t vw[4] = {vv.x, vv.y, vv.z, vv.w};
       const uint32_t aw[4] = {av[i].x, av[i].y, av[i].z, av[i].w};
       const uint32_t bw[4] = {bv[i].x, bv[i].y, bv[i].z, bv[i].w};
@@ -507,11 +537,11 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
         dbw[q] = pack2<T>(db0, db1);
         guw[q] = pack2<T>(gval * u0, gval * u1);
       }
-      T* drow = dadb + grow * p.dadb_ld + col;
-      *reinterpret_cast<uint4*>(drow) = make_uint4(daw[0], daw[1], daw[2], daw[3]);
-      if (p.gated)
-        *reinterpret_cast<uint4*>(drow + p.db_offset) = make_uint4(dbw[0], dbw[1], dbw[2], dbw[3]);
-      *reinterpret_cast<uint4*>(gu + grow * h + col) = make_uint4(guw[0], guw[1], guw[2], guw[3]);
+      *reinterpret_cast<uint4*>(da_item + i * 64) = make_uint4(daw[0], daw[1], daw[2], daw[3]);
+      if constexpr (kGated)
+        *reinterpret_cast<uint4*>(da_item + p.db_offset + i * 64) =
+            make_uint4(dbw[0], dbw[1], dbw[2], dbw[3]);
+      *reinterpret_cast<uint4*>(gu_item + i * 64) = make_uint4(guw[0], guw[1], guw[2], guw[3]);
     }
 #pragma unroll
     for (int part = FIRST == 0 ? 0 : 1; part < 2; ++part) {
@@ -596,11 +626,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Per tile (the same sequence of tile ids as every role): wait for the consumers'
         // hand-off, run the tile's epilogue from it, then every lane releases the buffer.
         const uint32_t* hb = reinterpret_cast<const uint32_t*>(epi);
-        uint32_t n = 0;  // this CTA's tiles so far: hand-off phase n
+        const bool have_u = p.u != nullptr;  // SAVE_ALL; uniform over the grid
+        uint32_t n = 0;                      // this CTA's tiles so far: hand-off phase n
         for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
           const TileCoord c = decode_tile(t, tile_start, p);
           mbar_wait(smem_u32(handoff_full), n & 1);
-          b1_epilogue_warps<T, ACT, kConsumerGroups>(p, c, warp - 1, lane, hb);
+          if (have_u)
+            b1_epilogue_warps<T, ACT, kConsumerGroups, true>(p, c, warp - 1, lane, hb);
+          else
+            b1_epilogue_warps<T, ACT, kConsumerGroups, false>(p, c, warp - 1, lane, hb);
           mbar_arrive(smem_u32(handoff_empty));  // every lane, after its own reads
         }
         return;
