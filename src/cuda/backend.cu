@@ -179,6 +179,8 @@ class CudaBackend final : public Backend {
     experts_set_direct_rows(!(direct_rows && std::strcmp(direct_rows, "0") == 0));
     // Test/tuning switch: the Hopper B1's epilogue form (rows_gemm.cu's sm90_parse_b1_form).
     sm90_set_b1_form(sm90_parse_b1_form(std::getenv("MOEBLAZE_CUDA_B1_FORM")));
+    // Tuning switch: the grouped GEMMs' tile rasterisation (sm90/device.hpp).
+    sm90_set_band_mtiles(sm90_parse_band_mtiles(std::getenv("MOEBLAZE_CUDA_BAND_MTILES")));
   }
   ~CudaBackend() override {
     if (lt_) {

@@ -765,6 +765,44 @@ TEST_SUITE("cuda") {
 #endif
   }
 
+  TEST_CASE("cuda: the grouped GEMMs' tile rasterisation changes no bit") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    // MOEBLAZE_CUDA_BAND_MTILES (sm90/device.hpp) sets how many m-tiles of an expert the n-tiles
+    // of F1, F2, B4 and B1 sweep together: it orders the tiles, so every output must keep its bits
+    // whatever the band (1: n-tiles innermost per m-tile; 3: bands that do not divide the experts'
+    // m-tiles; 256: one band per expert), and values out of range must mean the defaults. 700
+    // routed rows a shape: experts of 0 to ~6 m-tiles under skewed routing.
+    Rng rng(test_seed(9931));
+    for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_SILU}) {
+      for (int64_t d : {int64_t(64), int64_t(576)}) {
+        moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_BF16, d, 1000, 5, 2);
+        cfg.activation = act;
+        CAPTURE(describe(cfg));
+        CpuReference ref(cfg, 350, rng, "skewed");
+        LayerRun& rc = ref.run;
+        LayerRun want = rc;
+        MB_CHECK(rc.experts_forward());
+        MB_CHECK(rc.experts_backward());
+        std::vector<LayerRun> got;
+        for (const char* band : {"8", "1", "3", "256", "0", "x", "257"}) {
+          const std::string band_value = band;  // CAPTURE prints a char pointer's address
+          CAPTURE(band_value);
+          setenv("MOEBLAZE_CUDA_BAND_MTILES", band, 1);
+          const LayerRun rg = gpu_experts_run(cfg, want, 0);
+          check_close("y", rg.y, rc.y, MOEBLAZE_DTYPE_BF16, 1000 * 2);
+          check_close("dx", rg.dx, rc.dx, MOEBLAZE_DTYPE_BF16, 2 * 1000 * 2);
+          check_close("dg", rg.dg, rc.dg, MOEBLAZE_DTYPE_BF16, 1000 + d);
+          if (!got.empty()) check_experts_bitwise(rg, got.front());
+          got.push_back(rg);
+        }
+      }
+    }
+    unsetenv("MOEBLAZE_CUDA_BAND_MTILES");
+    Gpu reset;  // the next backend created reads the default again
+#endif
+  }
+
   TEST_CASE("cuda: k = 1 direct rows give the reduction's bits; dropped tokens get zero rows") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)

@@ -1,6 +1,7 @@
 #include "cuda/sm90/device.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -56,6 +57,26 @@ const Sm90Device& device_info(int device) {
 }
 
 }  // namespace
+
+namespace {
+std::atomic<int> g_band_override{0};  // MOEBLAZE_CUDA_BAND_MTILES; 0: the per-kernel defaults
+}  // namespace
+
+int sm90_band_mtiles(Sm90Gemm gemm) {
+  const int forced = g_band_override.load(std::memory_order_relaxed);
+  return forced > 0 ? forced : kSm90DefaultBandMTiles[static_cast<int>(gemm)];
+}
+
+void sm90_set_band_mtiles(int band) {
+  g_band_override.store(band >= 1 && band <= 256 ? band : 0, std::memory_order_relaxed);
+}
+
+int sm90_parse_band_mtiles(const char* value) {
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  const long band = std::strtol(value, &end, 10);
+  return *end == '\0' && band >= 1 && band <= 256 ? int(band) : 0;
+}
 
 bool sm90_enabled() {
   static const bool enabled = [] {

@@ -53,7 +53,6 @@ constexpr int kConsumerWarps = 8;
 constexpr int kEpiWarps = 2;  // EPI_WARPS: warps 2 and 3
 // The form per call: epilogue warps when a tile has at most this many k-steps (see the top).
 constexpr int kEpiWarpsMaxKTiles = 32;
-constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
 
 constexpr int kATileBytes = kBM * kBK * 2;       // 16 KB
 constexpr int kBBoxBytes = kBBoxRows * kBK * 2;  // 16 KB, two per stage
@@ -96,8 +95,9 @@ struct F1Params {
   void* out_u;                 // [N, h] or nullptr
   int64_t ab_ld;               // elements between rows of out_a / out_b (>= h, % 8 == 0)
   int d, h, E;
-  int n_tiles;  // ceil(h / tile_cols)
-  int k_tiles;  // ceil(d / kBK)
+  int n_tiles;      // ceil(h / tile_cols)
+  int k_tiles;      // ceil(d / kBK)
+  int band_mtiles;  // rasterisation: the n-tiles sweep bands of this many m-tiles
 };
 
 struct TileCoord {
@@ -111,7 +111,7 @@ struct TileCoord {
 
 __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start, const F1Params& p) {
   const GroupedTile g =
-      decode_grouped_tile<kBM, kBandMTiles>(t, tile_start, p.offsets, p.E, p.n_tiles);
+      decode_grouped_tile<kBM>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
   return {g.e, g.row0, g.rows, g.n_tile};
 }
 
@@ -514,6 +514,7 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
   const int cols = tile_cols(gated);
   p.n_tiles = int((desc.h + cols - 1) / cols);
   p.k_tiles = int((desc.d + kBK - 1) / kBK);
+  p.band_mtiles = sm90_band_mtiles(Sm90Gemm::F1);
 
   CUtensorMap map_gate, map_second;
   if (desc.dtype == Dtype::BF16) {

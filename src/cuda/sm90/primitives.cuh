@@ -277,8 +277,10 @@ __device__ __forceinline__ int stage_chunk_word(int row, int chunk) {
 
 // A persistent grouped GEMM's linear tile id `t` -> its expert, routed rows and n-tile.
 // tile_start[e] = first tile id of expert e (the prefix of ceil(count_e / BM) * n_tiles; an empty
-// expert owns no id); inside an expert, tiles are rasterised in bands of BAND m-tiles that the
-// n-tiles sweep, so the CTAs running at one time share A rows and B tiles in L2.
+// expert owns no id); inside an expert, tiles are rasterised in bands of `band` m-tiles that the
+// n-tiles sweep, so the CTAs running at one time share A rows and B tiles in L2 (sm90_band_mtiles:
+// a default per kernel unless MOEBLAZE_CUDA_BAND_MTILES says otherwise; every role of a kernel
+// decodes with the same).
 struct GroupedTile {
   int e;
   int row0;    // first routed row
@@ -286,10 +288,10 @@ struct GroupedTile {
   int n_tile;  // output column tile
 };
 
-template <int BM, int BAND>
+template <int BM>
 __device__ __forceinline__ GroupedTile decode_grouped_tile(int t, const int* tile_start,
                                                            const int32_t* offsets, int E,
-                                                           int n_tiles) {
+                                                           int n_tiles, int band) {
   int lo = 0, hi = E - 1;  // largest e with tile_start[e] <= t (never an empty expert)
   while (lo < hi) {
     const int mid = (lo + hi + 1) >> 1;
@@ -303,10 +305,10 @@ __device__ __forceinline__ GroupedTile decode_grouped_tile(int t, const int* til
   const int count = __ldg(offsets + e + 1) - off;
   const int m_tiles = (count + BM - 1) / BM;
   const int local = t - tile_start[e];
-  const int band = local / (BAND * n_tiles);
-  const int band_m0 = band * BAND;
-  const int band_h = min(BAND, m_tiles - band_m0);
-  const int r = local - band * BAND * n_tiles;
+  const int band_index = local / (band * n_tiles);
+  const int band_m0 = band_index * band;
+  const int band_h = min(band, m_tiles - band_m0);
+  const int r = local - band_index * band * n_tiles;
   const int m_tile = band_m0 + r % band_h;
   GroupedTile c;
   c.e = e;

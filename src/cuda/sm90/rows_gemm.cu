@@ -52,7 +52,6 @@ constexpr int kBN = kSm90B1TileCols;  // output columns per tile (256)
 // Pipeline stages: stages_for (common.cuh): 4, or 3 in B1's forms with epilogue warps (B1Form).
 constexpr int kThreads = 384;
 constexpr int kConsumerWarps = 8;
-constexpr int kBandMTiles = 8;  // rasterisation: n-tiles sweep a band of 8 m-tiles
 
 constexpr int kATileBytes = kBM * kBK * 2;         // 16 KB
 constexpr int kBTileBytes = kBN * kBK * 2;         // 32 KB
@@ -185,9 +184,10 @@ struct RowsParams {
   int halves;  // 2 for gated B4, else 1
   int lda;     // B1: elements per dy row
   int E;
-  int n_tiles;  // ceil(n_out / kBN)
-  int kt_half;  // ceil(k_half / kBK)
-  int64_t N;    // routed rows (dg_part stride)
+  int n_tiles;      // ceil(n_out / kBN)
+  int kt_half;      // ceil(k_half / kBK)
+  int band_mtiles;  // rasterisation: the n-tiles sweep bands of this many m-tiles
+  int64_t N;        // routed rows (dg_part stride)
   // B1 epilogue. n_out is the width of the column range this launch covers (all of h, or one
   // chunk of it: experts.cu); a, b, u, dadb, gu and dg_part point at the range's first column, and
   // the row strides of the full-width buffers are explicit.
@@ -215,7 +215,7 @@ struct TileCoord {
 __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
                                                  const RowsParams& p) {
   const GroupedTile g =
-      decode_grouped_tile<kBM, kBandMTiles>(t, tile_start, p.offsets, p.E, p.n_tiles);
+      decode_grouped_tile<kBM>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
   return {g.e, g.row0, g.rows, g.n_tile * kBN};
 }
 
@@ -901,7 +901,12 @@ RowsParams base_params(const LayerDesc& desc, const int32_t* offsets, int n_out,
 }
 
 void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtensorMap& b0,
-            const CUtensorMap& b1, const RowsParams& p, cudaStream_t stream, const char* what) {
+            const CUtensorMap& b1, const RowsParams& params, cudaStream_t stream,
+            const char* what) {
+  RowsParams p = params;
+  p.band_mtiles = sm90_band_mtiles(kind == kF2   ? Sm90Gemm::F2
+                                   : kind == kB4 ? Sm90Gemm::B4
+                                                 : Sm90Gemm::B1);
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
   // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
