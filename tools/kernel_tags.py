@@ -25,3 +25,75 @@ def kernel_tag(name):
         if key in n:
             return tag
     return None
+
+
+# What a kernel of a profiled step does, by its name, for the split of a step's GPU time between
+# matrix work and the rest (tests/cuda/profile_kernels.py, whichever implementation it profiles).
+# First match wins: the library's GEMMs by tag, then cuBLAS / CUTLASS GEMMs (torch._grouped_mm,
+# torch.matmul), then the permutation work of the PyTorch dataflows, then elementwise kernels.
+KERNEL_CLASSES = (
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "cublas")),
+    ("sort/index/scatter", ("sort", "radix", "scan", "cumsum", "index", "gather", "scatter",
+                            "histogram", "bincount")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "fill")),
+)
+
+
+def kernel_class(name):
+    """'gemm', 'sort/index/scatter', 'elementwise' or 'other' for a kernel name."""
+    if kernel_tag(name) is not None:
+        return "gemm"
+    low = name.lower()
+    for cls, keys in KERNEL_CLASSES:
+        if any(key in low for key in keys):
+            return cls
+    return "other"
+
+
+def split_by_class(kernels):
+    """(name, microseconds) pairs -> {class: microseconds}, every class present (0.0 if none)."""
+    out = {cls: 0.0 for cls, _ in KERNEL_CLASSES}
+    out["other"] = 0.0
+    for name, us in kernels:
+        out[kernel_class(name)] += us
+    return out
+
+
+def self_test():
+    names = {
+        "void moeblaze::cuda::(anonymous namespace)::sm90_f1_kernel<__nv_bfloat16, 0, true>(x)": "F1",
+        "void moeblaze::cuda::(anonymous namespace)::sm90_wgrad_kernel<__nv_bfloat16, (bool)1>(x)":
+            "B3",
+        "sm90_wgrad_kernel<__nv_bfloat16, 0>(CUtensorMap_st, Params)": "B2",
+        "sm90_rows_kernel<__nv_bfloat16, 2, 0, 2>(Params)": "B1",
+        "void at::native::vectorized_elementwise_kernel<4, ...>": None,
+    }
+    for name, tag in names.items():
+        assert kernel_tag(name) == tag, (name, kernel_tag(name), tag)
+    classes = {
+        "sm90_rows_kernel<__nv_bfloat16, 0, 0, 0>(Params)": "gemm",
+        "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::"
+        "kernel::GemmUniversal<...>>>": "gemm",
+        "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN": "gemm",
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "gemm",
+        "void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>": "sort/index/scatter",
+        "void at::native::index_elementwise_kernel<128, 4, ...>": "sort/index/scatter",
+        "void at::native::_scatter_gather_elementwise_kernel<128, 4, ...>": "sort/index/scatter",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel...>":
+            "elementwise",
+        "void at::native::reduce_kernel<512, 1, ...>": "other",
+    }
+    for name, cls in classes.items():
+        assert kernel_class(name) == cls, (name, kernel_class(name), cls)
+    split = split_by_class([("nvjet_x", 3.0), ("sm90_f1_kernel<__nv_bfloat16, 0, true>", 2.0),
+                            ("radix_sort", 1.5), ("reduce_kernel", 0.25)])
+    assert split == {"gemm": 5.0, "sort/index/scatter": 1.5, "elementwise": 0.0, "other": 0.25}, split
+    print("kernel_tags self-test: ok")
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    if sys.argv[1:] != ["--self-test"]:
+        sys.exit("usage: tools/kernel_tags.py --self-test (a module: see its docstring)")
+    sys.exit(self_test())

@@ -6,7 +6,8 @@
 # AB_DIR holds the BEFORE files by name (f1_gemm.cu, rows_gemm.cu, primitives.cuh, ...: each is
 # copied over src/cuda/sm90/<name> in a copy of the tree), and other BEFORE sources under
 # AB_DIR/src/ by their path below src/ (AB_DIR/src/cuda/experts.cu). Logs under $OUT, the table last.
-# Shapes: PROFILE_SHAPES, one "name|profile_kernels.py arguments" per line. AB_DIR=none: no BEFORE
+# Shapes: PROFILE_SHAPES, one "name|profile_kernels.py arguments" per line (dev/cuda/shape_args.py
+# --lines writes them from bench/configs.json). AB_DIR=none: no BEFORE
 # build, the working tree's per-kernel times alone. AB_DIR=env: no BEFORE build either; BEFORE and
 # AFTER are the working tree's library run under the environment assignments in BEFORE_ENV and
 # AFTER_ENV (e.g. BEFORE_ENV=MOEBLAZE_CUDA_B1_FORM=warps AFTER_ENV=MOEBLAZE_CUDA_B1_FORM=split).
@@ -37,10 +38,9 @@ if [ "$ab" != none ] && [ "$ab" != env ] && [ "$ab" != prebuilt ]; then
     cmake --build build-before -j 16 --target moeblaze >>"$out/build_before.log" 2>&1) ||
     { tail -20 "$out/build_before.log"; exit 1; }
 fi
-shapes="${PROFILE_SHAPES:-conf3 swiglu|--act swiglu
-conf3 silu|--act silu
-mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu
-qwen3 swiglu|--T 16384 --d 2048 --h 768 --E 128 --k 8 --act swiglu}"
+# Default shapes from bench/configs.json (dev/cuda/shape_args.py NAME:ACT[:EXTRA] makes such lines).
+shapes="${PROFILE_SHAPES:-$(python3 dev/cuda/shape_args.py --lines conf3:swiglu conf3:silu \
+  mixtral:swiglu qwen3-30b-a3b:swiglu)}"
 : >"$out/profile.log"
 while IFS='|' read -r name args; do
   for which in before after; do
@@ -86,10 +86,10 @@ for head, body in zip(blocks[::2], blocks[1::2]):
                 k[tag] = k.get(tag, 0.0) + float(v[:-2]) / (1000.0 if v.endswith("us") else 1.0)
     res.setdefault(name, {})[which] = k
 tags = ["F1", "F2", "B1", "B4", "B2", "B3", "fwd+bwd"]
-print("%-16s %s" % ("shape", " ".join("%17s" % t for t in tags)))
+print("%-22s %s" % ("shape", " ".join("%17s" % t for t in tags)))
 for name, d in res.items():
     b, a = d.get("before", {}), d.get("after", {})
-    print("%-16s %s" % (name, " ".join("%7s->%-7s" % (("%.2f" % b[t]) if t in b else "-",
+    print("%-22s %s" % (name, " ".join("%7s->%-7s" % (("%.2f" % b[t]) if t in b else "-",
                                                      ("%.2f" % a[t]) if t in a else "-")
                                        for t in tags)))
 PY

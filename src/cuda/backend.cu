@@ -19,6 +19,7 @@
 #include "cuda/gemm.cuh"
 #include "cuda/kernels.hpp"
 #include "cuda/sm90/device.hpp"
+#include "cuda/sm90/f1_gemm.hpp"
 #include "cuda/sm90/rows_gemm.hpp"
 
 #ifndef MOEBLAZE_CUDA_VERSION
@@ -179,6 +180,8 @@ class CudaBackend final : public Backend {
     experts_set_direct_rows(!(direct_rows && std::strcmp(direct_rows, "0") == 0));
     // Test/tuning switch: the Hopper B1's epilogue form (rows_gemm.cu's sm90_parse_b1_form).
     sm90_set_b1_form(sm90_parse_b1_form(std::getenv("MOEBLAZE_CUDA_B1_FORM")));
+    // Test/tuning switch: the Hopper F1's epilogue form (f1_gemm.cu's sm90_parse_f1_form).
+    sm90_set_f1_form(sm90_parse_f1_form(std::getenv("MOEBLAZE_CUDA_F1_FORM")));
     // Tuning switch: the grouped GEMMs' tile rasterisation (sm90/device.hpp).
     sm90_set_band_mtiles(sm90_parse_band_mtiles(std::getenv("MOEBLAZE_CUDA_BAND_MTILES")));
   }

@@ -2,8 +2,12 @@
 
 Usage: MOEBLAZE_LIBRARY=build/src/libmoeblaze.so python3 tests/cuda/profile_kernels.py \
            [--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act swiglu --policy save_preact]
-           [--routing random|blocked] [--host [--trace FILE]] [--clocks SECONDS]
+           [--impl moeblaze|grouped_mm] [--routing random|blocked] [--host [--trace FILE]]
+           [--clocks SECONDS]
 Needs a GPU, PyTorch and the Python bindings (bindings/python, found relative to this file).
+--impl grouped_mm profiles the benchmark's sort -> torch._grouped_mm baseline (bench/baselines.py)
+on the same inputs instead, so that a shape where the two are close can be compared kernel by
+kernel; the step's GPU time split by kernel class (tools/kernel_tags.py) is printed for either.
 """
 import argparse
 import os
@@ -14,8 +18,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bindings", "python"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
+import baselines  # noqa: E402
 import gpu_clocks  # noqa: E402
 import moeblaze.torch as mbt  # noqa: E402
+from kernel_tags import kernel_class, split_by_class  # noqa: E402
 
 
 def main():
@@ -28,6 +35,9 @@ def main():
     p.add_argument("--act", default="swiglu")
     p.add_argument("--policy", default="save_preact")
     p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--impl", choices=("moeblaze", "grouped_mm"), default="moeblaze",
+                   help="moeblaze (the library, --policy applies) or the benchmark's grouped_mm "
+                        "baseline on the same inputs (--policy ignored)")
     p.add_argument("--host", action="store_true",
                    help="also time the host side: enqueue time per step, GPU idle time, the CPU "
                         "calls that take longest, and a Chrome trace (--trace)")
@@ -63,7 +73,10 @@ def main():
     def step():
         # autograd.grad as the benchmark does: y.backward() would add every step's weight
         # gradients into .grad (a bf16 add kernel over all weights, ~2 ms a step on mixtral).
-        y = mbt.moe_experts(x, ids, g, wg, wu, wd, activation=a.act, checkpoint=a.policy)
+        if a.impl == "grouped_mm":
+            y = baselines.moe_grouped_mm(x, ids, g, wg, wu, wd, activation=a.act)
+        else:
+            y = mbt.moe_experts(x, ids, g, wg, wu, wd, activation=a.act, checkpoint=a.policy)
         torch.autograd.grad(y, wanted, dy)
 
     for _ in range(3):
@@ -77,12 +90,26 @@ def main():
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / 5
     flops = (18 if gated else 12) * a.T * a.k * a.d * a.h
+    what = a.policy if a.impl == "moeblaze" else "grouped_mm"
     print(f"fwd+bwd {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s "
-          f"(T={a.T} d={a.d} h={a.h} E={a.E} k={a.k} {a.act} {a.policy} {a.routing})")
+          f"(T={a.T} d={a.d} h={a.h} E={a.E} k={a.k} {a.act} {what} {a.routing})")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=90))
+    kernels = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    split = split_by_class(kernels)
+    total = sum(split.values())
+    print(f"kernel classes ({a.impl}, one step, {len(kernels)} kernels, {total / 1e3:.3f} ms): " +
+          ", ".join(f"{cls} {us / 1e3:.3f} ms ({100 * us / max(total, 1e-9):.1f} %)"
+                    for cls, us in split.items()))
+    by_name = {}
+    for name, us in kernels:
+        calls, total_us = by_name.get(name, (0, 0.0))
+        by_name[name] = (calls + 1, total_us + us)
+    for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.rows]:
+        print(f"kernel {us / 1e3:8.3f} ms  x{calls:<3d} {kernel_class(name):18s} {name[:110]}")
     if a.host:
         profile_host(step, ms, a)
     if a.clocks > 0:

@@ -765,6 +765,54 @@ TEST_SUITE("cuda") {
 #endif
   }
 
+  TEST_CASE("cuda: F1's two epilogue forms match the CPU and each other bit for bit") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    // MOEBLAZE_CUDA_F1_FORM forces the Hopper F1's epilogue form (f1_gemm.cu) whatever the
+    // k-steps a tile: the consumers' form (the policy above 32 k-steps) and the epilogue warps
+    // (the policy up to 32) round a, b once and form u by the same arithmetic, so every output
+    // must keep its bits from one to the other. d = 64 (1 k-step), 576 (9) and 2112 (33, past the
+    // threshold: the epilogue warps with a long K); h = 1000, a last tile of 232 columns
+    // (non-gated: 104 of 256). SAVE_PREACT stores a, b (and u transiently); RECOMPUTE's backward
+    // runs F1 again into the rows of da|db (ab_ld = 2h); SAVE_ALL keeps u.
+    Rng rng(test_seed(9957));
+    std::vector<int64_t> depths = {64, 2112};
+    if (!quick()) depths.push_back(576);
+    for (int64_t d : depths) {
+      for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_SILU}) {
+        for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_CHECKPOINT_RECOMPUTE,
+                             MOEBLAZE_CHECKPOINT_SAVE_ALL}) {
+          if (quick() && ckpt == MOEBLAZE_CHECKPOINT_SAVE_ALL) continue;
+          moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_BF16, d, 1000, 5, 2);
+          cfg.activation = act;
+          cfg.checkpoint = ckpt;
+          CAPTURE(describe(cfg));
+          CpuReference ref(cfg, 200, rng, "skewed");
+          LayerRun& rc = ref.run;
+          LayerRun want = rc;
+          MB_CHECK(rc.experts_forward());
+          MB_CHECK(rc.experts_backward());
+          std::vector<LayerRun> got;
+          for (const char* form : {"consumers", "warps", "neither"}) {  // "neither": the policy
+            const std::string form_name = form;  // CAPTURE prints a char pointer's address
+            CAPTURE(form_name);
+            setenv("MOEBLAZE_CUDA_F1_FORM", form, 1);
+            const LayerRun rg = gpu_experts_run(cfg, want, 0);
+            check_close("y", rg.y, rc.y, MOEBLAZE_DTYPE_BF16, 1000 * 2);
+            check_close("dx", rg.dx, rc.dx, MOEBLAZE_DTYPE_BF16, 2 * 1000 * 2);
+            check_close("dg", rg.dg, rc.dg, MOEBLAZE_DTYPE_BF16, 1000 + d);
+            check_close("dw_gate", rg.dw_gate, rc.dw_gate, MOEBLAZE_DTYPE_BF16, 200);
+            if (!got.empty()) check_experts_bitwise(rg, got.front());
+            got.push_back(rg);
+          }
+        }
+      }
+    }
+    unsetenv("MOEBLAZE_CUDA_F1_FORM");
+    Gpu reset;  // the next backend created reads the default policy again
+#endif
+  }
+
   TEST_CASE("cuda: the grouped GEMMs' tile rasterisation changes no bit") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)

@@ -33,6 +33,8 @@
 #include "cuda/sm90/f1_gemm.hpp"
 
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 
 #include "common/activation_math.hpp"
 #include "common/status.hpp"
@@ -53,6 +55,11 @@ constexpr int kConsumerWarps = 8;
 constexpr int kEpiWarps = 2;  // EPI_WARPS: warps 2 and 3
 // The form per call: epilogue warps when a tile has at most this many k-steps (see the top).
 constexpr int kEpiWarpsMaxKTiles = 32;
+// MOEBLAZE_CUDA_F1_FORM (sm90_set_f1_form): -1, the policy above; 0 the consumers' form; 1 the
+// epilogue warps. The threshold was measured in round 12, before F1's gather moved to the
+// consumers and its main loop lost a third of its instructions (v15): the switch lets one library
+// measure both forms again at 64 k-steps (mixtral).
+std::atomic<int> g_f1_form_override{-1};
 
 constexpr int kATileBytes = kBM * kBK * 2;       // 16 KB
 constexpr int kBBoxBytes = kBBoxRows * kBK * 2;  // 16 KB, two per stage
@@ -461,6 +468,17 @@ bool sm90_f1_prepare_kernels() {
   return true;
 }
 
+void sm90_set_f1_form(int form) {
+  g_f1_form_override.store(form == 0 || form == 1 ? form : -1, std::memory_order_relaxed);
+}
+
+int sm90_parse_f1_form(const char* value) {
+  if (value == nullptr) return -1;
+  if (std::strcmp(value, "consumers") == 0) return 0;
+  if (std::strcmp(value, "warps") == 0) return 1;
+  return -1;
+}
+
 bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const void* w_gate,
                        const void* w_up, const void* out_a, const void* out_b, const void* out_u,
                        int64_t ab_ld) {
@@ -496,7 +514,8 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 F1 launched on an unsupported device");
   const int64_t k_tiles = (desc.d + kBK - 1) / kBK;
-  const bool epi_warps = k_tiles <= kEpiWarpsMaxKTiles;
+  const int forced_form = g_f1_form_override.load(std::memory_order_relaxed);
+  const bool epi_warps = forced_form >= 0 ? forced_form == 1 : k_tiles <= kEpiWarpsMaxKTiles;
   const KernelFn kernel = kernel_for(desc.dtype, desc.activation, epi_warps);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 F1: unsupported dtype or activation");
 

@@ -43,6 +43,14 @@ bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const vo
                        const void* w_up, const void* out_a, const void* out_b, const void* out_u,
                        int64_t ab_ld);
 
+// F1's epilogue form: -1 = the policy (epilogue warps for tiles of at most 32 k-steps, the
+// consumers' form above); 0 forces the consumers' form and 1 the epilogue-warp form for every F1
+// launch after this call (a test and tuning switch, MOEBLAZE_CUDA_F1_FORM, set when a backend is
+// created). Both forms give the same bits.
+void sm90_set_f1_form(int form);
+// Parses MOEBLAZE_CUDA_F1_FORM's value ("consumers", "warps"; nullptr or anything else: -1).
+int sm90_parse_f1_form(const char* value);
+
 // Enqueues F1 on `stream`. x [T, d]; expert_offsets [E+1] and expert_token_indices [N] on the
 // device (N = T*k, an upper bound of expert_offsets[E]); w_gate, w_up [E, h, d] (w_up unused for
 // non-gated activations); out_a, out_b: row r at out + r * ab_ld (ab_ld 0 = h; the recompute
