@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One-call check of the CUDA backend on a GPU machine: build, the CUDA and CPU test suites,
 # compute-sanitizer (memcheck, racecheck) over the CUDA suite, SASS facts of the GEMM kernels, then
-# the benchmark (bench/run_bench.py) if it exists. Full logs go to $OUT (default ./device-check-out);
-# a short summary table is printed last.
+# the benchmark (bench/run_bench.py) if it exists. Full logs go to $OUT (default ./device-check-out),
+# packed into $OUT/logs.tar.gz at the end beside summary.txt and the benchmark's bench/*.json; a
+# short summary table is printed last.
 #
 # Usage: tools/device_check.sh [--no-bench] [--no-sanitizer] [--no-profile] [--no-sass] [--jobs N]
 #                              [-- <run_bench.py args>]
@@ -239,5 +240,10 @@ fi
   echo "==== device_check summary ($(date -u +%Y-%m-%dT%H:%M:%SZ)) ===="
   for line in "${SUMMARY[@]}"; do echo "$line"; done
 } | tee "$OUT/summary.txt"
+# The device tool returns at most 8 files from $OUT (session 14 lost a benchmark JSON that way):
+# keep the summary and the benchmark's JSON as files and pack every log into logs.tar.gz, so a
+# caller has room for its own files beside them.
+(cd "$OUT" && find . -type f ! -name summary.txt ! -name logs.tar.gz ! -path './bench/*.json' \
+  -print0 | tar --null -czf logs.tar.gz -T - --remove-files 2>/dev/null)
 grep -qE ' FAIL ' "$OUT/summary.txt" && exit 1
 exit 0
