@@ -283,6 +283,34 @@ LayerRun gpu_experts_run(const moeblaze_layer_config_t& cfg, const LayerRun& inp
   return rg;
 }
 
+// For a test/tuning switch that must not change results: one experts forward + backward on a
+// fresh backend per value of the environment variable `variable` (read when the backend is
+// created), each matched against the CPU's outputs `cpu` (T tokens) and bitwise against the first
+// value's run. Leaves the variable unset and the next backend reading the defaults.
+void check_switch_keeps_bits(const char* variable, const std::vector<const char*>& values,
+                             const moeblaze_layer_config_t& cfg, const LayerRun& inputs,
+                             const LayerRun& cpu, int64_t T, uint32_t backward_flags = 0) {
+  std::vector<LayerRun> got;
+  for (const char* value : values) {
+    const std::string value_text = std::string(variable) + "=" + value;  // CAPTURE: not a pointer
+    CAPTURE(value_text);
+    setenv(variable, value, 1);
+    const LayerRun rg = gpu_experts_run(cfg, inputs, backward_flags);
+    check_close("y", rg.y, cpu.y, cfg.dtype, cfg.d_ffn * 2);
+    check_close("dx", rg.dx, cpu.dx, cfg.dtype, 2 * cfg.d_ffn * 2);
+    check_close("dg", rg.dg, cpu.dg, cfg.dtype, cfg.d_ffn + cfg.d_model);
+    check_close("dw_down", rg.dw_down, cpu.dw_down, cfg.dtype, T);
+    check_close("dw_gate", rg.dw_gate, cpu.dw_gate, cfg.dtype, T);
+    if (rg.gated) check_close("dw_up", rg.dw_up, cpu.dw_up, cfg.dtype, T);
+    if (!got.empty()) check_experts_bitwise(rg, got.front());
+    got.push_back(rg);
+  }
+  unsetenv(variable);
+  // A backend reads the switches when it is created, into process-wide settings: one created now
+  // puts the defaults back for the tests after this one.
+  Context reset{MOEBLAZE_BACKEND_CUDA, 0};
+}
+
 struct Case {
   int32_t dtype;
   int64_t d, h, E, k, T;
@@ -679,26 +707,13 @@ TEST_SUITE("cuda") {
               LayerRun want = rc;  // the CPU's outputs land in rc
               MB_CHECK(rc.experts_forward());
               MB_CHECK(rc.experts_backward({}, flags));
-              std::vector<LayerRun> got;
-              for (const char* chunks : {"1", "0", "3"}) {
-                CAPTURE(chunks);
-                setenv("MOEBLAZE_CUDA_GU_CHUNKS", chunks, 1);
-                const LayerRun rg = gpu_experts_run(cfg, want, flags);
-                check_close("y", rg.y, rc.y, dtype, 1000 * 2);
-                check_close("dw_down", rg.dw_down, rc.dw_down, dtype, 150);
-                check_close("dw_gate", rg.dw_gate, rc.dw_gate, dtype, 150);
-                check_close("dx", rg.dx, rc.dx, dtype, 2 * 1000 * 2);
-                check_close("dg", rg.dg, rc.dg, dtype, 1000 + d);
-                if (!got.empty()) check_experts_bitwise(rg, got.front());
-                got.push_back(rg);
-              }
+              check_switch_keeps_bits("MOEBLAZE_CUDA_GU_CHUNKS", {"1", "0", "3"}, cfg, want, rc,
+                                      150, flags);
             }
           }
         }
       }
     }
-    unsetenv("MOEBLAZE_CUDA_GU_CHUNKS");
-    Gpu reset;  // the next backend created reads the default policy again
 #endif
   }
 
@@ -792,24 +807,12 @@ TEST_SUITE("cuda") {
           LayerRun want = rc;
           MB_CHECK(rc.experts_forward());
           MB_CHECK(rc.experts_backward());
-          std::vector<LayerRun> got;
-          for (const char* form : {"consumers", "warps", "neither"}) {  // "neither": the policy
-            const std::string form_name = form;  // CAPTURE prints a char pointer's address
-            CAPTURE(form_name);
-            setenv("MOEBLAZE_CUDA_F1_FORM", form, 1);
-            const LayerRun rg = gpu_experts_run(cfg, want, 0);
-            check_close("y", rg.y, rc.y, MOEBLAZE_DTYPE_BF16, 296 * 2);
-            check_close("dx", rg.dx, rc.dx, MOEBLAZE_DTYPE_BF16, 2 * 296 * 2);
-            check_close("dg", rg.dg, rc.dg, MOEBLAZE_DTYPE_BF16, 296 + d);
-            check_close("dw_gate", rg.dw_gate, rc.dw_gate, MOEBLAZE_DTYPE_BF16, 200);
-            if (!got.empty()) check_experts_bitwise(rg, got.front());
-            got.push_back(rg);
-          }
+          // "neither": any other value means the policy
+          check_switch_keeps_bits("MOEBLAZE_CUDA_F1_FORM", {"consumers", "warps", "neither"}, cfg,
+                                  want, rc, 200);
         }
       }
     }
-    unsetenv("MOEBLAZE_CUDA_F1_FORM");
-    Gpu reset;  // the next backend created reads the default policy again
 #endif
   }
 
@@ -840,22 +843,9 @@ TEST_SUITE("cuda") {
         LayerRun want = rc;
         MB_CHECK(rc.experts_forward());
         MB_CHECK(rc.experts_backward());
-        std::vector<LayerRun> got;
-        for (const char* band : bands) {
-          const std::string band_value = band;  // CAPTURE prints a char pointer's address
-          CAPTURE(band_value);
-          setenv("MOEBLAZE_CUDA_BAND_MTILES", band, 1);
-          const LayerRun rg = gpu_experts_run(cfg, want, 0);
-          check_close("y", rg.y, rc.y, MOEBLAZE_DTYPE_BF16, 1000 * 2);
-          check_close("dx", rg.dx, rc.dx, MOEBLAZE_DTYPE_BF16, 2 * 1000 * 2);
-          check_close("dg", rg.dg, rc.dg, MOEBLAZE_DTYPE_BF16, 1000 + d);
-          if (!got.empty()) check_experts_bitwise(rg, got.front());
-          got.push_back(rg);
-        }
+        check_switch_keeps_bits("MOEBLAZE_CUDA_BAND_MTILES", bands, cfg, want, rc, 350);
       }
     }
-    unsetenv("MOEBLAZE_CUDA_BAND_MTILES");
-    Gpu reset;  // the next backend created reads the default again
 #endif
   }
 
