@@ -101,13 +101,16 @@ case "${STAGE:-measure}" in
         "$work/$tool.log" | tail -n 1)"
     done
     wait "$before_pid" || { tail -20 "$work/build_before.log"; exit 1; }
+    digest_ok=1
     for side in before after; do
       side_lib=$lib
       [ "$side" = before ] && side_lib=/tmp/moeblaze_before/build-before/src/libmoeblaze.so
       MOEBLAZE_LIBRARY="$side_lib" timeout 120 python3 tools/output_digest.py \
-        >"$work/digest_$side.txt" 2>&1
+        >"$work/digest_$side.txt" 2>&1 || { digest_ok=0; echo "digests ($side): FAILED"; }
     done
-    if diff "$work/digest_before.txt" "$work/digest_after.txt" >"$work/digest.diff"; then
+    if [ "$digest_ok" = 0 ]; then
+      tail -5 "$work/digest_after.txt"
+    elif diff "$work/digest_before.txt" "$work/digest_after.txt" >"$work/digest.diff"; then
       echo "digests: $(wc -l <"$work/digest_after.txt") runs, bitwise identical to main"
     else
       echo "digests: DIFFER from main ($(grep -c '^>' "$work/digest.diff") of" \
