@@ -30,12 +30,8 @@ for tool in memcheck racecheck; do
   summary+=("$tool (B1 forms, quick): exit $? | $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
     "$out/$tool.log" | tail -n 1)")
 done
-FORMS_SHAPES="${FORMS_SHAPES:-conf3 swiglu|--act swiglu
-conf3 silu|--act silu
-conf2 swiglu|--T 65536 --d 1024 --h 4096 --E 8 --k 2 --act swiglu
-conf4 swiglu|--T 32768 --d 2048 --h 8192 --E 16 --k 4 --act swiglu
-qwen3 swiglu|--T 32768 --d 2048 --h 768 --E 128 --k 8 --act swiglu
-mixtral swiglu|--T 16384 --d 4096 --h 14336 --E 8 --k 2 --act swiglu}"
+FORMS_SHAPES="${FORMS_SHAPES:-$(python3 dev/cuda/shape_args.py --lines conf3:swiglu conf3:silu \
+  conf2:swiglu conf4:swiglu qwen3-30b-a3b:swiglu mixtral:swiglu)}"
 if [ -n "${AB_DIR:-}" ] && [ "$AB_DIR" != env ]; then
   CHECK=0 AB_DIR="$AB_DIR" PROFILE_SHAPES="$FORMS_SHAPES" OUT="$out" \
     bash dev/cuda/run_library_ab.sh >"$out/ab.log" 2>&1
