@@ -3,7 +3,7 @@
 # forward + backward, for one configuration: what limits each (tensor pipe, L2, DRAM, stalls).
 # Run from the repository root on a GPU machine with a built library:
 #   MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so bash tools/ncu_kernels.sh \
-#       [tests/cuda/profile_kernels.py arguments, e.g. --T 16384 --d 4096 --h 14336 --E 8 --k 2]
+#       [tests/cuda/profile_kernels.py arguments, e.g. $(python3 dev/cuda/shape_args.py mixtral)]
 # (about 1-2 minutes per configuration). profile_kernels.py runs 3 warm-up steps (18 sm90 kernel
 # launches), then the steps ncu profiles: the next 6 sm90 launches, one of each kernel. The table of
 # the metrics below is printed last; the report, its details page and the raw metrics are in
