@@ -241,9 +241,14 @@ fi
   for line in "${SUMMARY[@]}"; do echo "$line"; done
 } | tee "$OUT/summary.txt"
 # The device tool returns at most 8 files from $OUT (session 14 lost a benchmark JSON that way):
-# keep the summary and the benchmark's JSON as files and pack every log into logs.tar.gz, so a
-# caller has room for its own files beside them.
-(cd "$OUT" && find . -type f ! -name summary.txt ! -name logs.tar.gz ! -path './bench/*.json' \
-  -print0 | tar --null -czf logs.tar.gz -T - --remove-files 2>/dev/null)
+# keep the summary and the benchmark's files (bench/: the JSON) as they are and pack the logs into
+# logs.tar.gz, so a caller has room for its own files beside them.
+# Only the logs this script writes: $OUT may hold a caller's files too.
+(cd "$OUT" || exit 0
+  logs=()
+  for f in bench.log build.log profile.log sanitizer.log tests.log; do
+    if [ -f "$f" ]; then logs+=("$f"); fi
+  done
+  if [ ${#logs[@]} -gt 0 ]; then tar -czf logs.tar.gz --remove-files "${logs[@]}" 2>/dev/null; fi)
 grep -qE ' FAIL ' "$OUT/summary.txt" && exit 1
 exit 0

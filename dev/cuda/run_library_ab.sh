@@ -41,7 +41,9 @@ fi
 # Default shapes from bench/configs.json (dev/cuda/shape_args.py NAME:ACT[:EXTRA] makes such lines).
 shapes="${PROFILE_SHAPES:-$(python3 dev/cuda/shape_args.py --lines conf3:swiglu conf3:silu \
   mixtral:swiglu qwen3-30b-a3b:swiglu)}"
+[ -n "$shapes" ] || { echo "no shapes to profile" >&2; exit 2; }
 : >"$out/profile.log"
+profile_failures=0
 while IFS='|' read -r name args; do
   for which in before after; do
     [ "$which" = before ] && [ "$ab" = none ] && continue
@@ -56,7 +58,8 @@ while IFS='|' read -r name args; do
     { echo "=== $name $which"; echo "environment: ${assignments:-(none)}"; } >>"$out/profile.log"
     # shellcheck disable=SC2086  # args and assignments split on purpose
     env $assignments MOEBLAZE_LIBRARY="$lib" timeout 120 python3 tests/cuda/profile_kernels.py \
-      $args --rows 12 >>"$out/profile.log" 2>&1
+      $args --rows 12 >>"$out/profile.log" 2>&1 ||
+      { echo "profile failed: $name $which (exit $?)"; profile_failures=$((profile_failures + 1)); }
   done
 done <<<"$shapes"
 echo "== per-kernel CUDA time (ms a step, every call), before -> after"
@@ -93,3 +96,4 @@ for name, d in res.items():
                                                      ("%.2f" % a[t]) if t in a else "-")
                                        for t in tags)))
 PY
+[ "$profile_failures" = 0 ] || exit 1

@@ -7,7 +7,8 @@ Usage:
   dev/cuda/shape_args.py conf4                 -> --T 32768 --d 2048 --h 8192 --E 16 --k 4
   dev/cuda/shape_args.py --lines conf3:swiglu mixtral:silu:--policy=save_all
       -> one "conf3 swiglu|--T ... --act swiglu" line per NAME:ACT[:EXTRA], EXTRA's '=' and ','
-         turned into spaces (run_library_ab.sh's PROFILE_SHAPES format)
+         turned into spaces, its values appended to the label (run_library_ab.sh's PROFILE_SHAPES
+         format)
   dev/cuda/shape_args.py --self-test
 """
 import json
@@ -39,7 +40,9 @@ def line_for(spec, configs=None):
         raise SystemExit(f"shape_args: {spec!r} is not NAME:ACT[:EXTRA]")
     name, act = parts[0], parts[1]
     extra = parts[2].replace("=", " ").replace(",", " ") if len(parts) == 3 else ""
-    label = f"{name} {act}" + (f" {extra.split()[-1]}" if extra else "")
+    # The label names every EXTRA value (not the option names), so two lines never share one.
+    values = [w for w in extra.split() if not w.startswith("-")]
+    label = " ".join([name, act] + values)
     return f"{label}|{args_for(name, configs)} --act {act}" + (f" {extra}" if extra else "")
 
 
@@ -51,6 +54,8 @@ def self_test():
         "conf3 silu|--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act silu"
     assert line_for("conf3:swiglu:--policy=save_all", configs) == \
         "conf3 swiglu save_all|--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act swiglu --policy save_all"
+    assert line_for("conf3:swiglu:--routing=blocked,--policy=save_all", configs).split("|")[0] == \
+        "conf3 swiglu blocked save_all"
     try:
         args_for("conf99", configs)
     except SystemExit as e:
