@@ -29,10 +29,12 @@ def kernel_tag(name):
 
 # What a kernel of a profiled step does, by its name, for the split of a step's GPU time between
 # matrix work and the rest (tests/cuda/profile_kernels.py, whichever implementation it profiles).
-# First match wins: the library's GEMMs by tag, then cuBLAS / CUTLASS GEMMs (torch._grouped_mm,
-# torch.matmul), then the permutation work of the PyTorch dataflows, then elementwise kernels.
+# First match wins: the library's GEMMs (by tag, or by kernel name for the F16 instances, which
+# have no tag), then cuBLAS / CUTLASS GEMMs (torch._grouped_mm, torch.matmul), then the
+# permutation work of the PyTorch dataflows, then elementwise kernels.
 KERNEL_CLASSES = (
-    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "cublas")),
+    ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "cublas", "sm90_f1_kernel",
+              "sm90_rows_kernel", "sm90_wgrad_kernel")),
     ("sort/index/scatter", ("sort", "radix", "scan", "cumsum", "index", "gather", "scatter",
                             "histogram", "bincount")),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "fill")),
@@ -72,6 +74,7 @@ def self_test():
         assert kernel_tag(name) == tag, (name, kernel_tag(name), tag)
     classes = {
         "sm90_rows_kernel<__nv_bfloat16, 0, 0, 0>(Params)": "gemm",
+        "sm90_wgrad_kernel<__half, true>(CUtensorMap_st, Params)": "gemm",  # no tag: F16
         "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::"
         "kernel::GemmUniversal<...>>>": "gemm",
         "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN": "gemm",
