@@ -622,10 +622,13 @@ TEST_SUITE("cuda") {
       cases.push_back({dtype, 32, 32, 4, 4, 37});                          // k = E
       cases.push_back({dtype, 32, 48, 4, 2, 1});                           // T = 1
       cases.push_back({dtype, 32, 48, 4, 2, 0});                           // T = 0
-      // d > 2048 (more than 32 k-steps a tile): the Hopper F1's long-K form (4 stages, epilogue in
-      // the consumers); every other case here takes its short-K form (epilogue warps). B1 takes
-      // its epilogue-warp form here (33-64 k-steps do).
-      if (dtype != MOEBLAZE_DTYPE_F32) cases.push_back({dtype, 2112, 64, 3, 2, 40});
+      // d = 2112 (33 k-steps a tile): B1's epilogue-warp form (33-64 k-steps); F1 takes its
+      // epilogue-warp form up to 64 k-steps, like every smaller case here. d = 4160 (65 k-steps):
+      // both kernels' long-K forms (4 stages, epilogue in the consumers).
+      if (dtype != MOEBLAZE_DTYPE_F32) {
+        cases.push_back({dtype, 2112, 64, 3, 2, 40});
+        cases.push_back({dtype, 4160, 64, 3, 2, 24});
+      }
       // 512 <= d <= 2048 (8-32 k-steps): the Hopper B1's split forms (d = 512: the two-group
       // split, whose only size it is; d = 576: the split's lower bound); the cases with d < 512
       // take its 4-stage form. Odd h: a partial last column group; skewed: ragged rows.
@@ -795,10 +798,10 @@ TEST_SUITE("cuda") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
     // MOEBLAZE_CUDA_F1_FORM forces the Hopper F1's epilogue form (f1_gemm.cu) whatever the
-    // k-steps a tile: the consumers' form (the policy above 32 k-steps) and the epilogue warps
-    // (the policy up to 32) round a, b once and form u by the same arithmetic, so every output
-    // must keep its bits from one to the other. d = 64 (1 k-step), 576 (9) and 2112 (33, past the
-    // threshold: the epilogue warps with a long K); h = 296: a last tile of 40 columns. SAVE_PREACT
+    // k-steps a tile: the consumers' form (the policy above 64 k-steps) and the epilogue warps
+    // (the policy up to 64) round a, b once and form u by the same arithmetic, so every output
+    // must keep its bits from one to the other. d = 64 (1 k-step), 576 (9) and 2112 (33: the
+    // threshold until session 15); h = 296: a last tile of 40 columns. SAVE_PREACT
     // stores a, b (and u transiently); RECOMPUTE's backward runs F1 again into the rows of da|db
     // (ab_ld = 2h); SAVE_ALL keeps u.
     Rng rng(test_seed(9957));

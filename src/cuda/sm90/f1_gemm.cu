@@ -15,17 +15,20 @@
 // expert_offsets into a prefix of tile counts in shared memory; tile ids map to (expert, m-tile,
 // n-tile) by binary search, rasterised in bands of 8 m-tiles so concurrent CTAs share A rows and
 // B tiles in L2. Two forms of one kernel, chosen per call by the k-steps of a tile (d / 64):
-//   long K (> 32 k-steps, e.g. mixtral's d = 4096): 4 stages; the consumers run the epilogue
+//   long K (> 64 k-steps: no benchmark shape): 4 stages; the consumers run the epilogue
 //     after each tile's main loop: each consumer warp stages 16 rows x 64 columns of one output
 //     at a time in an XOR-swizzled 2 KB buffer and writes it with coalesced 16-byte stores;
-//   short K (<= 32 k-steps: every configuration with d <= 2048): EPILOGUE WARPS. 3 stages plus a
+//   short K (<= 64 k-steps: every configuration with d <= 4096): EPILOGUE WARPS. 3 stages plus a
 //     64 KB hand-off buffer; after a tile's last wgmma the consumers round a and b (or the 256
 //     columns of a) into the hand-off and go straight on to the next tile's main loop, while
 //     warps 2 and 3 of warpgroup 0 store a and b from it and form and store u (coalesced 16-byte
 //     stores, the same rounding and activation arithmetic: bitwise the same outputs).
 //   Measured on the H200 (dev/cuda round 12, F1 alone, L2 flushed): conf3 10.49 -> 8.77 ms, qwen3
 //   3.42 -> 3.11, but mixtral 14.37 -> 15.08 (its 64 k-steps a tile leave the epilogue a small
-//   share, and the third stage's lost lead costs more), hence the threshold.
+//   share, and the third stage's lost lead costs more), hence a threshold of 32 until session 15:
+//   after v15's leaner main loop the epilogue warps won on mixtral too (same process, one step
+//   after a synchronise, MOEBLAZE_CUDA_F1_FORM consumers -> warps: F1 12.19 -> 11.27 ms; conf4
+//   15.44 -> 12.98), so the threshold is now 64. Longer K has not been measured.
 //
 // The device code needs sm_90a (wgmma, setmaxnreg, TMA); the library is also compiled for other
 // architectures, whose image of the kernel only traps. sm90_f1_supported refuses to launch unless
@@ -54,7 +57,7 @@ constexpr int kThreads = 384;   // warpgroup 0: producer (+ epilogue warps); 1, 
 constexpr int kConsumerWarps = 8;
 constexpr int kEpiWarps = 2;  // EPI_WARPS: warps 2 and 3
 // The form per call: epilogue warps when a tile has at most this many k-steps (see the top).
-constexpr int kEpiWarpsMaxKTiles = 32;
+constexpr int kEpiWarpsMaxKTiles = 64;
 // MOEBLAZE_CUDA_F1_FORM (sm90_set_f1_form): -1, the policy above; 0 the consumers' form; 1 the
 // epilogue warps. The threshold was measured in round 12, before F1's gather moved to the
 // consumers and its main loop lost a third of its instructions (v15): the switch lets one library

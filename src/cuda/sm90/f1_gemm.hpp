@@ -43,7 +43,7 @@ bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const vo
                        const void* w_up, const void* out_a, const void* out_b, const void* out_u,
                        int64_t ab_ld);
 
-// F1's epilogue form: -1 = the policy (epilogue warps for tiles of at most 32 k-steps, the
+// F1's epilogue form: -1 = the policy (epilogue warps for tiles of at most 64 k-steps, the
 // consumers' form above); 0 forces the consumers' form and 1 the epilogue-warp form for every F1
 // launch after this call (a test and tuning switch, MOEBLAZE_CUDA_F1_FORM, set when a backend is
 // created). Both forms give the same bits.
