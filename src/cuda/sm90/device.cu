@@ -62,9 +62,12 @@ namespace {
 std::atomic<int> g_band_override{0};  // MOEBLAZE_CUDA_BAND_MTILES; 0: the per-kernel defaults
 }  // namespace
 
-int sm90_band_mtiles(Sm90Gemm gemm) {
+int sm90_band_mtiles(Sm90Gemm gemm, int n_tiles) {
   const int forced = g_band_override.load(std::memory_order_relaxed);
-  return forced > 0 ? forced : kSm90DefaultBandMTiles[static_cast<int>(gemm)];
+  if (forced > 0) return forced;
+  const bool narrow_rows_gemm =
+      (gemm == Sm90Gemm::F2 || gemm == Sm90Gemm::B4) && n_tiles <= kSm90NarrowOutputNTiles;
+  return narrow_rows_gemm ? 1 : kSm90DefaultBandMTiles;
 }
 
 void sm90_set_band_mtiles(int band) {

@@ -25,20 +25,27 @@ void sm90_prepare_device(int device);
 
 // Tile rasterisation of the persistent grouped GEMMs F1, F2, B4 and B1 (primitives.cuh's
 // decode_grouped_tile): inside an expert the n-tiles sweep bands of this many m-tiles. Each kernel
-// has its default (kSm90DefaultBandMTiles; the tile order decides how much of each operand is
-// still in L2 when the next tile needs it, and the kernels' operands differ: see
+// has its default, by how many n-tiles its output has (the tile order decides how much of each
+// operand is still in L2 when the next tile needs it, and the kernels' operands differ: see
 // dev/cuda/tile_order_dram_model.py); MOEBLAZE_CUDA_BAND_MTILES (read at backend creation:
 // sm90_set_band_mtiles) sets one band for all of them, 1..256, for tuning; any other value means
 // the defaults. Any band gives the same results bit for bit: it orders the tiles, not the
-// arithmetic. The defaults (session 14, conf3 SwiGLU, Nsight Compute, dev/cuda/results/
-// 2026-11-30-nvidia-h200-s14-lean-band.txt): F2 and B4 read their A rows once per m-tile at band 1
-// (F2 3.43 -> 2.70 GB, B4 9.04 -> 6.13 GB; 2.98 -> 2.94 and 5.80 -> 5.67 ms), and the model
-// predicts the same or better at band 1 on every benchmark shape. F1 reads less at 32 (3.95 ->
-// 2.64 GB) but is no faster (6.80 -> 6.84 ms), and B1 at band 1 gained 0.7 % on conf3 while the
-// model predicts up to 2.2x its reads on conf4, conf7 and mixtral: both keep 8.
+// arithmetic. The defaults, measured on the H200:
+//   - F2 and B4 with at most kSm90NarrowOutputNTiles n-tiles (N = d <= 2048): band 1. They read
+//     their A rows once per m-tile (session 14, conf3 SwiGLU, Nsight Compute: F2 3.43 -> 2.70 GB,
+//     B4 9.04 -> 6.13 GB; 2.98 -> 2.94 and 5.80 -> 5.67 ms; conf4's F2 5.87 -> 5.77 ms, its B4
+//     and conf7 flat, session 15);
+//   - wider outputs (mixtral, d = 4096: 16 n-tiles) keep band 8: there band 1 was ~10 % slower in
+//     both orders of a same-process A/B (session 15, dev/cuda/results/
+//     2026-11-30-nvidia-h200-s15-*.txt: SwiGLU F2 5.53 -> 5.00 ms and B4 11.54 -> 9.90 at band 8;
+//     SiLU 5.57 -> 4.99 and 5.87 -> 5.01);
+//   - F1 and B1: band 8. F1 reads less at 32 (3.95 -> 2.64 GB) but is no faster (6.80 -> 6.84 ms);
+//     B1 at band 1 gained 0.7 % on conf3 while the model predicts up to 2.2x its reads on conf4,
+//     conf7 and mixtral.
 enum class Sm90Gemm { F1, F2, B4, B1 };
-constexpr int kSm90DefaultBandMTiles[] = {8, 1, 1, 8};  // by Sm90Gemm
-int sm90_band_mtiles(Sm90Gemm gemm);
+constexpr int kSm90DefaultBandMTiles = 8;
+constexpr int kSm90NarrowOutputNTiles = 8;  // F2 and B4 at or below: band 1
+int sm90_band_mtiles(Sm90Gemm gemm, int n_tiles);
 void sm90_set_band_mtiles(int band);            // out of range: the defaults
 int sm90_parse_band_mtiles(const char* value);  // nullptr or not an integer in 1..256: 0
 

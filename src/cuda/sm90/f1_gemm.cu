@@ -536,7 +536,7 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
   const int cols = tile_cols(gated);
   p.n_tiles = int((desc.h + cols - 1) / cols);
   p.k_tiles = int((desc.d + kBK - 1) / kBK);
-  p.band_mtiles = sm90_band_mtiles(Sm90Gemm::F1);
+  p.band_mtiles = sm90_band_mtiles(Sm90Gemm::F1, p.n_tiles);
 
   CUtensorMap map_gate, map_second;
   if (desc.dtype == Dtype::BF16) {

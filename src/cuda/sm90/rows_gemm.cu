@@ -922,7 +922,8 @@ void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtenso
   RowsParams p = params;
   p.band_mtiles = sm90_band_mtiles(kind == kF2   ? Sm90Gemm::F2
                                    : kind == kB4 ? Sm90Gemm::B4
-                                                 : Sm90Gemm::B1);
+                                                 : Sm90Gemm::B1,
+                                   p.n_tiles);
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
   // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
