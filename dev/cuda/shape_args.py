@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """profile_kernels.py arguments for benchmark configurations, from bench/configs.json, so that the
-device runners (dev/cuda/run_library_ab.sh, dev/cuda/patches/run_patches.sh) name shapes instead
-of repeating their sizes.
+device runners (dev/cuda/run_library_ab.sh, a session's dev/cuda/patches/run_patches.sh) name
+shapes instead of repeating their sizes.
 
 Usage:
   dev/cuda/shape_args.py conf4                 -> --T 32768 --d 2048 --h 8192 --E 16 --k 4

@@ -37,8 +37,8 @@ void sm90_prepare_device(int device);
 //     and conf7 flat, session 15);
 //   - wider outputs (mixtral, d = 4096: 16 n-tiles) keep band 8: there band 1 was ~10 % slower in
 //     both orders of a same-process A/B (session 15, dev/cuda/results/
-//     2026-11-30-nvidia-h200-s15-*.txt: SwiGLU F2 5.53 -> 5.00 ms and B4 11.54 -> 9.90 at band 8;
-//     SiLU 5.57 -> 4.99 and 5.87 -> 5.01);
+//     2026-11-30-nvidia-h200-s15-f1-warps-dg-bands.txt: SwiGLU F2 5.53 -> 5.00 ms and B4 11.54 ->
+//     9.90 at band 8; SiLU 5.57 -> 4.99 and 5.87 -> 5.01);
 //   - F1 and B1: band 8. F1 reads less at 32 (3.95 -> 2.64 GB) but is no faster (6.80 -> 6.84 ms);
 //     B1 at band 1 gained 0.7 % on conf3 while the model predicts up to 2.2x its reads on conf4,
 //     conf7 and mixtral.
