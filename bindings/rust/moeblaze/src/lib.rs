@@ -271,6 +271,36 @@ pub struct Weights<'a, T> {
     pub w_down: &'a [T],
 }
 
+impl<'a, T> Weights<'a, T> {
+    /// The expert MLPs' weights alone, for [`Layer::experts_forward`] and
+    /// [`Layer::experts_backward`].
+    pub fn experts(&self) -> ExpertWeights<'a, T> {
+        ExpertWeights {
+            w_gate: self.w_gate,
+            w_up: self.w_up,
+            w_down: self.w_down,
+        }
+    }
+}
+
+/// The expert MLPs' weights as host slices, row-major: w_gate/w_up [E,h,d], w_down [E,d,h];
+/// `w_up` is `None` for non-gated activations. [`Weights::experts`] makes one from a layer's.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertWeights<'a, T> {
+    pub w_gate: &'a [T],
+    pub w_up: Option<&'a [T]>,
+    pub w_down: &'a [T],
+}
+
+/// Given routing for the experts-only calls, as host slices: `ids` [T,k] the expert of each
+/// token's slot (int32, each in 0..E), `g` [T,k] its weight in the combine (the routing dtype:
+/// f32 for f32/bf16/f16 layers, f64 for f64 ones).
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertRouting<'a, R> {
+    pub ids: &'a [i32],
+    pub g: &'a [R],
+}
+
 /// The opaque state a forward pass leaves for its backward pass.
 #[derive(Clone, Debug)]
 pub struct Saved {
@@ -564,15 +594,10 @@ impl Layer {
         Ok(x_len / d)
     }
 
-    fn check_expert_weights<T>(
-        &self,
-        w_gate: &[T],
-        w_up: Option<&[T]>,
-        w_down: &[T],
-    ) -> Result<()> {
+    fn check_expert_weights<T>(&self, weights: &ExpertWeights<T>) -> Result<()> {
         let (d, h, e, _) = self.dims();
-        expect_len("w_gate", w_gate.len(), e * h * d)?;
-        match (self.config.activation.is_gated(), w_up) {
+        expect_len("w_gate", weights.w_gate.len(), e * h * d)?;
+        match (self.config.activation.is_gated(), weights.w_up) {
             (true, Some(w_up)) => expect_len("w_up", w_up.len(), e * h * d)?,
             (true, None) => {
                 return Err(Error::invalid_argument(format!(
@@ -582,7 +607,14 @@ impl Layer {
             }
             (false, _) => {}
         }
-        expect_len("w_down", w_down.len(), e * d * h)
+        expect_len("w_down", weights.w_down.len(), e * d * h)
+    }
+
+    /// ids and g of `routing` for `t` tokens.
+    fn check_expert_routing<R>(&self, routing: &ExpertRouting<R>, t: usize) -> Result<()> {
+        let k = self.dims().3;
+        expect_len("ids", routing.ids.len(), t * k)?;
+        expect_len("g", routing.g.len(), t * k)
     }
 
     fn workspace(&self, pass: Pass, num_tokens: usize) -> Result<AlignedBytes> {
@@ -625,7 +657,7 @@ impl Layer {
         let (d, _, e, k) = self.dims();
         let t = self.num_tokens(x.len())?;
         expect_len("w_router", weights.w_router.len(), e * d)?;
-        self.check_expert_weights(weights.w_gate, weights.w_up, weights.w_down)?;
+        self.check_expert_weights(&weights.experts())?;
         let mut out = LayerOutput::<T> {
             y: vec![T::default(); t * d],
             logits: vec![T::Routing::default(); t * e],
@@ -685,7 +717,7 @@ impl Layer {
         let t = self.num_tokens(x.len())?;
         expect_len("dy", dy.len(), t * d)?;
         expect_len("w_router", weights.w_router.len(), e * d)?;
-        self.check_expert_weights(weights.w_gate, weights.w_up, weights.w_down)?;
+        self.check_expert_weights(&weights.experts())?;
         if saved.num_tokens != t {
             return Err(Error::invalid_argument(format!(
                 "saved state is for {} tokens, x has {t}",
@@ -731,23 +763,20 @@ impl Layer {
         Ok(grads)
     }
 
-    /// Expert MLPs and combine for given routing: ids [T,k] int32, g [T,k] routing dtype.
+    /// Expert MLPs and combine for given routing (x [T,d]); `training` keeps the state
+    /// [`Layer::experts_backward`] needs.
     pub fn experts_forward<T: Element>(
         &self,
         x: &[T],
-        ids: &[i32],
-        g: &[T::Routing],
-        w_gate: &[T],
-        w_up: Option<&[T]>,
-        w_down: &[T],
+        routing: &ExpertRouting<T::Routing>,
+        weights: &ExpertWeights<T>,
         training: bool,
     ) -> Result<ExpertsOutput<T>> {
         self.require_host::<T>()?;
-        let (d, _, e, k) = self.dims();
+        let (d, _, e, _) = self.dims();
         let t = self.num_tokens(x.len())?;
-        expect_len("ids", ids.len(), t * k)?;
-        expect_len("g", g.len(), t * k)?;
-        self.check_expert_weights(w_gate, w_up, w_down)?;
+        self.check_expert_routing(routing, t)?;
+        self.check_expert_weights(weights)?;
         let mut out = ExpertsOutput::<T> {
             y: vec![T::default(); t * d],
             expert_counts: vec![0; e],
@@ -764,11 +793,11 @@ impl Layer {
         let mut args = forward_args()?;
         args.num_tokens = t as i64;
         args.x = cptr(x);
-        args.ids = ids.as_ptr();
-        args.g = cptr(g);
-        args.w_gate = cptr(w_gate);
-        args.w_up = opt_cptr(self.gated_up(w_up));
-        args.w_down = cptr(w_down);
+        args.ids = routing.ids.as_ptr();
+        args.g = cptr(routing.g);
+        args.w_gate = cptr(weights.w_gate);
+        args.w_up = opt_cptr(self.gated_up(weights.w_up));
+        args.w_down = cptr(weights.w_down);
         args.y = mptr(&mut out.y);
         args.expert_counts = out.expert_counts.as_mut_ptr();
         if let Some(saved) = saved.as_mut() {
@@ -785,26 +814,22 @@ impl Layer {
         Ok(out)
     }
 
-    /// dx, dg and the expert weight gradients of [`Layer::experts_forward`].
-    #[allow(clippy::too_many_arguments)]
+    /// dx, dg and the expert weight gradients of [`Layer::experts_forward`], from its saved state
+    /// and the same x, routing and weights.
     pub fn experts_backward<T: Element>(
         &self,
         saved: &Saved,
         dy: &[T],
         x: &[T],
-        ids: &[i32],
-        g: &[T::Routing],
-        w_gate: &[T],
-        w_up: Option<&[T]>,
-        w_down: &[T],
+        routing: &ExpertRouting<T::Routing>,
+        weights: &ExpertWeights<T>,
     ) -> Result<ExpertsGradients<T>> {
         self.require_host::<T>()?;
         let (d, h, e, k) = self.dims();
         let t = self.num_tokens(x.len())?;
         expect_len("dy", dy.len(), t * d)?;
-        expect_len("ids", ids.len(), t * k)?;
-        expect_len("g", g.len(), t * k)?;
-        self.check_expert_weights(w_gate, w_up, w_down)?;
+        self.check_expert_routing(routing, t)?;
+        self.check_expert_weights(weights)?;
         if saved.num_tokens != t {
             return Err(Error::invalid_argument(format!(
                 "saved state is for {} tokens, x has {t}",
@@ -828,11 +853,11 @@ impl Layer {
         args.num_tokens = t as i64;
         args.dy = cptr(dy);
         args.x = cptr(x);
-        args.ids = ids.as_ptr();
-        args.g = cptr(g);
-        args.w_gate = cptr(w_gate);
-        args.w_up = opt_cptr(self.gated_up(w_up));
-        args.w_down = cptr(w_down);
+        args.ids = routing.ids.as_ptr();
+        args.g = cptr(routing.g);
+        args.w_gate = cptr(weights.w_gate);
+        args.w_up = opt_cptr(self.gated_up(weights.w_up));
+        args.w_down = cptr(weights.w_down);
         args.saved = saved.bytes.as_ptr() as *const c_void;
         args.saved_bytes = saved.bytes.len();
         args.dx = mptr(&mut grads.dx);

@@ -1,6 +1,7 @@
 //! The safe API against the CPU backend: runs, error mapping, gradients vs finite differences.
 use moeblaze::{
-    Activation, Backend, Bf16, Checkpoint, Context, Layer, LayerConfig, Pass, Status, Weights, F16,
+    Activation, Backend, Bf16, Checkpoint, Context, ExpertRouting, ExpertWeights, Layer,
+    LayerConfig, Pass, Status, Weights, F16,
 };
 
 /// xorshift64*: a dependency-free generator; the seed is printed so failures can be replayed.
@@ -289,33 +290,22 @@ fn experts_and_routing() {
         .flat_map(|i| [(i % e) as i32, ((i + 1) % e) as i32])
         .collect();
     let g: Vec<f64> = (0..t * k).map(|i| 0.25 + 0.05 * i as f64).collect();
+    let routing = ExpertRouting { ids: &ids, g: &g };
+    let weights = ExpertWeights {
+        w_gate: &p.w_gate,
+        w_up: p.w_up.as_deref(),
+        w_down: &p.w_down,
+    };
     let forward = |training: bool| {
         layer
-            .experts_forward(
-                &p.x,
-                &ids,
-                &g,
-                &p.w_gate,
-                p.w_up.as_deref(),
-                &p.w_down,
-                training,
-            )
+            .experts_forward(&p.x, &routing, &weights, training)
             .unwrap()
     };
     let out = forward(true);
     assert_eq!(out.expert_counts, vec![4, 4, 4]);
     let dy = vec![1.0; t * d];
     let grads = layer
-        .experts_backward(
-            out.saved.as_ref().unwrap(),
-            &dy,
-            &p.x,
-            &ids,
-            &g,
-            &p.w_gate,
-            p.w_up.as_deref(),
-            &p.w_down,
-        )
+        .experts_backward(out.saved.as_ref().unwrap(), &dy, &p.x, &routing, &weights)
         .unwrap();
     // y is linear in g: dg[t,j] = <dy_t, y2_(t,j)>, so sum_j g*dg = <dy_t, y_t>.
     for tok in 0..t {
@@ -337,6 +327,25 @@ fn experts_and_routing() {
         .unwrap();
     assert!(lean < layer.workspace_size(Pass::ExpertsForward, t).unwrap());
     assert_eq!(forward(false).y, out.y);
+    // Lengths are checked before the library is called, naming the argument.
+    let short = ExpertRouting {
+        ids: &ids[1..],
+        g: &g,
+    };
+    let err = layer
+        .experts_forward(&p.x, &short, &weights, false)
+        .unwrap_err();
+    assert_eq!(err.status, Status::INVALID_ARGUMENT);
+    assert!(err.message.contains("ids"), "{}", err.message);
+    let no_up = ExpertWeights {
+        w_up: None,
+        ..weights
+    };
+    let err = layer
+        .experts_backward(out.saved.as_ref().unwrap(), &dy, &p.x, &routing, &no_up)
+        .unwrap_err();
+    assert_eq!(err.status, Status::INVALID_ARGUMENT);
+    assert!(err.message.contains("w_up"), "{}", err.message);
     let indices = layer.routing_build(&ids).unwrap();
     assert_eq!(indices.expert_offsets, vec![0, 4, 8, 12]);
     for (pair, &row) in indices.token_index_map.iter().enumerate() {
@@ -471,7 +480,7 @@ fn raw_args_match_slice_api() {
     assert_eq!(y, expected);
 
     args.workspace_bytes = 0;
-    if workspace.len() > 0 {
+    if !workspace.is_empty() {
         let err = unsafe { layer.layer_forward_raw(&args, std::ptr::null_mut()) }.unwrap_err();
         assert_eq!(err.status, Status::INSUFFICIENT_WORKSPACE);
     }
