@@ -287,14 +287,39 @@ LayerRun gpu_experts_run(const moeblaze_layer_config_t& cfg, const LayerRun& inp
 // fresh backend per value of the environment variable `variable` (read when the backend is
 // created), each matched against the CPU's outputs `cpu` (T tokens) and bitwise against the first
 // value's run. Leaves the variable unset and the next backend reading the defaults.
+// One of the CUDA backend's environment switches (MOEBLAZE_CUDA_*, read when a backend is created
+// into process-wide settings), set for the guard's lifetime. On the way out, also when a REQUIRE
+// throws, it unsets the variable and creates a backend, which reads the defaults back, so the cases
+// after this one never run under a switch a failed case left set.
+class ScopedSwitch {
+ public:
+  explicit ScopedSwitch(const char* variable, const char* value = nullptr) : variable_(variable) {
+    if (value != nullptr) set(value);
+  }
+  ScopedSwitch(const ScopedSwitch&) = delete;
+  ScopedSwitch& operator=(const ScopedSwitch&) = delete;
+  ~ScopedSwitch() {
+    unsetenv(variable_);
+    moeblaze_context_t reset = nullptr;  // the C API directly: a destructor must not throw
+    if (moeblaze_context_create(&reset, MOEBLAZE_BACKEND_CUDA, 0) == MOEBLAZE_OK)
+      moeblaze_context_destroy(reset);
+  }
+  // Takes effect for the backends created after it.
+  void set(const char* value) const { setenv(variable_, value, 1); }
+
+ private:
+  const char* variable_;
+};
+
 void check_switch_keeps_bits(const char* variable, const std::vector<const char*>& values,
                              const moeblaze_layer_config_t& cfg, const LayerRun& inputs,
                              const LayerRun& cpu, int64_t T, uint32_t backward_flags = 0) {
   std::vector<LayerRun> got;
+  const ScopedSwitch setting(variable);
   for (const char* value : values) {
     const std::string value_text = std::string(variable) + "=" + value;  // CAPTURE: not a pointer
     CAPTURE(value_text);
-    setenv(variable, value, 1);
+    setting.set(value);
     const LayerRun rg = gpu_experts_run(cfg, inputs, backward_flags);
     check_close("y", rg.y, cpu.y, cfg.dtype, cfg.d_ffn * cfg.top_k);
     check_close("dx", rg.dx, cpu.dx, cfg.dtype, 2 * cfg.d_ffn * cfg.top_k);
@@ -305,10 +330,6 @@ void check_switch_keeps_bits(const char* variable, const std::vector<const char*
     if (!got.empty()) check_experts_bitwise(rg, got.front());
     got.push_back(rg);
   }
-  unsetenv(variable);
-  // A backend reads the switches when it is created, into process-wide settings: one created now
-  // puts the defaults back for the tests after this one.
-  Context reset{MOEBLAZE_BACKEND_CUDA, 0};
 }
 
 struct Case {
@@ -663,7 +684,7 @@ TEST_SUITE("cuda") {
       "cuda: experts match the CPU with every GEMM on the 2x2-warp (64x64) tensor-core layout") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
-    setenv("MOEBLAZE_CUDA_MMA_WARPS", "4", 1);
+    const ScopedSwitch warps("MOEBLAZE_CUDA_MMA_WARPS", "4");
     {
       Gpu ctx;
       Rng rng(test_seed(9707));
@@ -681,8 +702,6 @@ TEST_SUITE("cuda") {
         check_experts_case(ctx.cpu, ctx.gpu, {dtype, 64, 64, 8, 2, 300, 0, 1, "one_expert"}, rng);
       }
     }
-    unsetenv("MOEBLAZE_CUDA_MMA_WARPS");
-    Gpu reset;  // the next backend created reads the default layouts again
 #endif
   }
 
@@ -742,6 +761,7 @@ TEST_SUITE("cuda") {
     // arithmetic, so y, dx and the weight gradients must have the same bits (dg sums the
     // consumers' groups in another order). Without the Hopper kernels the switch changes nothing.
     Rng rng(test_seed(9818));
+    const ScopedSwitch form_switch("MOEBLAZE_CUDA_B1_FORM");
     struct Shape {
       int64_t d, h;
     };
@@ -767,7 +787,7 @@ TEST_SUITE("cuda") {
             for (const char* form : {"consumers", "warps", "split", "split2"}) {
               const std::string form_name = form;  // CAPTURE prints a char pointer's address
               CAPTURE(form_name);
-              setenv("MOEBLAZE_CUDA_B1_FORM", form, 1);
+              form_switch.set(form);
               const LayerRun rg = gpu_experts_run(cfg, want, 0);
               check_close("y", rg.y, rc.y, dtype, sh.h * 2);
               check_close("dx", rg.dx, rc.dx, dtype, 2 * sh.h * 2);
@@ -789,8 +809,6 @@ TEST_SUITE("cuda") {
         }
       }
     }
-    unsetenv("MOEBLAZE_CUDA_B1_FORM");
-    Gpu reset;  // the next backend created reads the default policy again
 #endif
   }
 
@@ -862,6 +880,7 @@ TEST_SUITE("cuda") {
     // CUDA drops without a host sync) leave a dropped token's y and dx rows exactly zero. BF16/F16
     // take the Hopper kernels where present, F32 the portable ones.
     Rng rng(test_seed(9909));
+    const ScopedSwitch direct_switch("MOEBLAZE_CUDA_DIRECT_ROWS");
     struct Shape {
       int64_t d, h, E, T;
     };
@@ -895,7 +914,7 @@ TEST_SUITE("cuda") {
             std::vector<LayerRun> got;
             for (const char* direct : {"0", "1"}) {
               CAPTURE(direct);
-              setenv("MOEBLAZE_CUDA_DIRECT_ROWS", direct, 1);
+              direct_switch.set(direct);
               // y and dx start at 7, not zero: the dropped rows must be written.
               const LayerRun rg = gpu_experts_run(cfg, want, 0, 7.0);
               if (!drop) {
@@ -922,8 +941,6 @@ TEST_SUITE("cuda") {
         }
       }
     }
-    unsetenv("MOEBLAZE_CUDA_DIRECT_ROWS");
-    Gpu reset;  // the next backend created reads the default again
 #endif
   }
 
@@ -1195,7 +1212,7 @@ TEST_SUITE("cuda") {
           CHECK(r.d_logits.bitwise_equal(r0.d_logits));
         };
         for (int legacy = 0; legacy <= 1; ++legacy) {
-          if (legacy) setenv("MOEBLAZE_CUDA_B1_EPILOGUE", "legacy", 1);
+          const ScopedSwitch epilogue("MOEBLAZE_CUDA_B1_EPILOGUE", legacy ? "legacy" : nullptr);
           Gpu variant;  // a fresh backend reads MOEBLAZE_CUDA_B1_EPILOGUE
           for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_SAVE_PREACT,
                                MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
@@ -1237,11 +1254,9 @@ TEST_SUITE("cuda") {
             run_layer(rc, MOEBLAZE_BACKWARD_CONSUME_SAVED);
             check_same(rc);
           }
-          if (legacy) unsetenv("MOEBLAZE_CUDA_B1_EPILOGUE");
         }
       }
     }
-    Gpu reset;  // the next backend created reads the default settings again
 #endif
   }
 
