@@ -283,10 +283,6 @@ LayerRun gpu_experts_run(const moeblaze_layer_config_t& cfg, const LayerRun& inp
   return rg;
 }
 
-// For a test/tuning switch that must not change results: one experts forward + backward on a
-// fresh backend per value of the environment variable `variable` (read when the backend is
-// created), each matched against the CPU's outputs `cpu` (T tokens) and bitwise against the first
-// value's run. Leaves the variable unset and the next backend reading the defaults.
 // One of the CUDA backend's environment switches (MOEBLAZE_CUDA_*, read when a backend is created
 // into process-wide settings), set for the guard's lifetime. On the way out, also when a REQUIRE
 // throws, it unsets the variable and creates a backend, which reads the defaults back, so the cases
@@ -311,6 +307,10 @@ class ScopedSwitch {
   const char* variable_;
 };
 
+// For a test/tuning switch that must not change results: one experts forward + backward on a
+// fresh backend per value of the environment variable `variable` (read when the backend is
+// created), each matched against the CPU's outputs `cpu` (T tokens) and bitwise against the first
+// value's run. Leaves the variable unset and the next backend reading the defaults.
 void check_switch_keeps_bits(const char* variable, const std::vector<const char*>& values,
                              const moeblaze_layer_config_t& cfg, const LayerRun& inputs,
                              const LayerRun& cpu, int64_t T, uint32_t backward_flags = 0) {
@@ -818,13 +818,14 @@ TEST_SUITE("cuda") {
     // MOEBLAZE_CUDA_F1_FORM forces the Hopper F1's epilogue form (f1_gemm.cu) whatever the
     // k-steps a tile: the consumers' form (the policy above 64 k-steps) and the epilogue warps
     // (the policy up to 64) round a, b once and form u by the same arithmetic, so every output
-    // must keep its bits from one to the other. d = 64 (1 k-step), 576 (9) and 2112 (33: the
-    // threshold until session 15); h = 296: a last tile of 40 columns. SAVE_PREACT
+    // must keep its bits from one to the other. d = 64 (1 k-step), 576 (9), 2112 (33: past the
+    // threshold until session 15) and 4160 (65: past today's, where the policy takes the
+    // consumers' form); h = 296: a last tile of 40 columns. SAVE_PREACT
     // stores a, b (and u transiently); RECOMPUTE's backward runs F1 again into the rows of da|db
     // (ab_ld = 2h); SAVE_ALL keeps u.
     Rng rng(test_seed(9957));
     std::vector<int64_t> depths = {64, 2112};
-    if (!quick()) depths.push_back(576);
+    if (!quick()) depths.insert(depths.end(), {576, 4160});
     for (int64_t d : depths) {
       for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_SILU}) {
         for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_CHECKPOINT_RECOMPUTE,

@@ -33,10 +33,10 @@ void sm90_prepare_device(int device);
 // arithmetic. The defaults, measured on the H200:
 //   - F2 and B4 with at most kSm90NarrowOutputNTiles n-tiles (N = d <= 2048): band 1. They read
 //     their A rows once per m-tile (session 14, conf3 SwiGLU, Nsight Compute: F2 3.43 -> 2.70 GB,
-//     B4 9.04 -> 6.13 GB; 2.98 -> 2.94 and 5.80 -> 5.67 ms; conf4's F2 5.87 -> 5.77 ms, its B4
-//     and conf7 flat, session 15);
-//   - wider outputs (mixtral, d = 4096: 16 n-tiles) keep band 8: there band 1 was ~10 % slower in
-//     both orders of a same-process A/B (session 15, dev/cuda/results/
+//     B4 9.04 -> 6.13 GB; 2.98 -> 2.94 and 5.80 -> 5.67 ms). On conf4 (8 n-tiles, session 15)
+//     it was neutral: F2 5.87 -> 5.76 ms, B4 11.88 -> 12.16, inside that call's noise; conf7 flat;
+//   - wider outputs (mixtral, d = 4096: 16 n-tiles) keep band 8: there band 1 was 10-17 % slower
+//     in both orders of a same-process A/B (session 15, dev/cuda/results/
 //     2026-11-30-nvidia-h200-s15-f1-warps-dg-bands.txt: SwiGLU F2 5.53 -> 5.00 ms and B4 11.54 ->
 //     9.90 at band 8; SiLU 5.57 -> 4.99 and 5.87 -> 5.01);
 //   - F1 and B1: band 8. F1 reads less at 32 (3.95 -> 2.64 GB) but is no faster (6.80 -> 6.84 ms);

@@ -59,9 +59,9 @@ constexpr int kEpiWarps = 2;  // EPI_WARPS: warps 2 and 3
 // The form per call: epilogue warps when a tile has at most this many k-steps (see the top).
 constexpr int kEpiWarpsMaxKTiles = 64;
 // MOEBLAZE_CUDA_F1_FORM (sm90_set_f1_form): -1, the policy above; 0 the consumers' form; 1 the
-// epilogue warps. The threshold was measured in round 12, before F1's gather moved to the
-// consumers and its main loop lost a third of its instructions (v15): the switch lets one library
-// measure both forms again at 64 k-steps (mixtral).
+// epilogue warps; for tuning and for the CUDA case that checks both forms keep every bit. With it
+// session 15 re-measured the old threshold (32, from round 12, before v15 cut the main loop by a
+// third) at 64 k-steps on mixtral: the epilogue warps now win there (the top comment).
 std::atomic<int> g_f1_form_override{-1};
 
 constexpr int kATileBytes = kBM * kBK * 2;       // 16 KB

@@ -279,8 +279,8 @@ __device__ __forceinline__ int stage_chunk_word(int row, int chunk) {
 // tile_start[e] = first tile id of expert e (the prefix of ceil(count_e / BM) * n_tiles; an empty
 // expert owns no id); inside an expert, tiles are rasterised in bands of `band` m-tiles that the
 // n-tiles sweep, so the CTAs running at one time share A rows and B tiles in L2 (sm90_band_mtiles:
-// a default per kernel unless MOEBLAZE_CUDA_BAND_MTILES says otherwise; every role of a kernel
-// decodes with the same).
+// a default by kernel and output width unless MOEBLAZE_CUDA_BAND_MTILES says otherwise; every
+// role of a kernel decodes with the same).
 struct GroupedTile {
   int e;
   int row0;    // first routed row

@@ -283,8 +283,9 @@ impl<'a, T> Weights<'a, T> {
     }
 }
 
-/// The expert MLPs' weights as host slices, row-major: w_gate/w_up [E,h,d], w_down [E,d,h];
-/// `w_up` is `None` for non-gated activations. [`Weights::experts`] makes one from a layer's.
+/// The expert MLPs' weights as host slices, row-major: `w_gate`/`w_up` `[E, h, d]`, `w_down`
+/// `[E, d, h]`; `w_up` is `None` for non-gated activations. [`Weights::experts`] makes one from
+/// a layer's.
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertWeights<'a, T> {
     pub w_gate: &'a [T],
@@ -292,9 +293,9 @@ pub struct ExpertWeights<'a, T> {
     pub w_down: &'a [T],
 }
 
-/// Given routing for the experts-only calls, as host slices: `ids` [T,k] the expert of each
-/// token's slot (int32, each in 0..E), `g` [T,k] its weight in the combine (the routing dtype:
-/// f32 for f32/bf16/f16 layers, f64 for f64 ones).
+/// Given routing for the experts-only calls, as host slices: `ids` `[T, k]` the expert of each
+/// token's slot (int32, each in `0..E`, distinct within a token), `g` `[T, k]` its weight in the
+/// combine (the routing dtype: f32 for f32/bf16/f16 layers, f64 for f64 ones).
 #[derive(Clone, Copy, Debug)]
 pub struct ExpertRouting<'a, R> {
     pub ids: &'a [i32],
@@ -763,7 +764,7 @@ impl Layer {
         Ok(grads)
     }
 
-    /// Expert MLPs and combine for given routing (x [T,d]); `training` keeps the state
+    /// Expert MLPs and combine for given routing (`x` `[T, d]`); `training` keeps the state
     /// [`Layer::experts_backward`] needs.
     pub fn experts_forward<T: Element>(
         &self,

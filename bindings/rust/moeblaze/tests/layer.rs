@@ -291,11 +291,13 @@ fn experts_and_routing() {
         .collect();
     let g: Vec<f64> = (0..t * k).map(|i| 0.25 + 0.05 * i as f64).collect();
     let routing = ExpertRouting { ids: &ids, g: &g };
-    let weights = ExpertWeights {
+    let weights = Weights {
+        w_router: &p.w_router,
         w_gate: &p.w_gate,
         w_up: p.w_up.as_deref(),
         w_down: &p.w_down,
-    };
+    }
+    .experts();
     let forward = |training: bool| {
         layer
             .experts_forward(&p.x, &routing, &weights, training)
