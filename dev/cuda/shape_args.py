@@ -24,13 +24,19 @@ def load_configs(path=CONFIGS):
         return {c["name"]: c for c in json.load(f)["configs"]}
 
 
-def args_for(name, configs=None):
+def shape(name, configs=None):
+    """(T, d, h, E, k) of a benchmark configuration."""
     configs = load_configs() if configs is None else configs
     if name not in configs:
         raise SystemExit(f"shape_args: unknown configuration {name!r} "
                          f"(bench/configs.json has {', '.join(sorted(configs))})")
     c = configs[name]
-    return f"--T {c['T']} --d {c['d']} --h {c['h']} --E {c['E']} --k {c['k']}"
+    return c["T"], c["d"], c["h"], c["E"], c["k"]
+
+
+def args_for(name, configs=None):
+    T, d, h, E, k = shape(name, configs)
+    return f"--T {T} --d {d} --h {h} --E {E} --k {k}"
 
 
 def line_for(spec, configs=None):
@@ -50,6 +56,7 @@ def self_test():
     configs = load_configs()
     assert args_for("conf4", configs) == "--T 32768 --d 2048 --h 8192 --E 16 --k 4"
     assert args_for("mixtral", configs) == "--T 16384 --d 4096 --h 14336 --E 8 --k 2"
+    assert shape("conf7", configs) == (8192, 2048, 8192, 8, 4)
     assert line_for("conf3:silu", configs) == \
         "conf3 silu|--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act silu"
     assert line_for("conf3:swiglu:--policy=save_all", configs) == \

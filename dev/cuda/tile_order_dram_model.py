@@ -27,17 +27,14 @@ Usage:
   dev/cuda/tile_order_dram_model.py --self-test      (CTest: small cases with known answers)
 """
 import argparse
+import os
 import sys
 from collections import OrderedDict
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shape_args import shape  # noqa: E402  (T, d, h, E, k) by name from bench/configs.json
+
 BM, BK = 128, 64
-CONFIGS = {  # bench/configs.json's shapes the band matters for (T, d, h, E, k)
-    "conf2": (65536, 1024, 4096, 8, 2),
-    "conf3": (65536, 1024, 4096, 16, 4),
-    "conf4": (32768, 2048, 8192, 16, 4),
-    "conf7": (8192, 2048, 8192, 8, 4),
-    "mixtral": (16384, 4096, 14336, 8, 2),
-}
 # Measured DRAM reads (GB, Nsight Compute, conf3 SwiGLU) by (config, kernel): band -> GB, for
 # comparison. Band 8: session 13 call 6 (--set full). Bands 1, 8, 16, 32: session 14's band sweep
 # (dev/cuda/results/2026-11-30-nvidia-h200-s14-lean-band.txt, three metrics only, one launch
@@ -122,7 +119,7 @@ def dram_reads(tiles, k_steps, a_bytes, b_bytes, l2_bytes, sms, epi_read=0, epi_
 
 
 def model(config, kernel, band, l2_mib=50, sms=132):
-    T, d, h, E, k = CONFIGS[config]
+    T, d, h, E, k = shape(config)
     cols, n_tiles, k_steps, a_bytes, b_bytes, _, epi_read, epi_write = kernels(d, h)[kernel]
     rows = [T * k // E] * E  # the benchmark's random routing is balanced to within a few %
     tiles = tile_list(rows, n_tiles, band)
@@ -170,7 +167,7 @@ def main():
     print(f"{'config':8s} {'kernel':6s} {'A operand':20s} " + " ".join(f"{'band ' + str(b):>9s}"
                                                                    for b in bands) + "  measured (GB)")
     for config in a.configs.split(","):
-        T, d, h, E, k = CONFIGS[config]
+        T, d, h, E, k = shape(config)
         for kernel in a.kernels.split(","):
             what = kernels(d, h)[kernel][5]
             gb = [model(config, kernel, b, a.l2_mib, a.sms) / 1e9 for b in bands]
