@@ -16,7 +16,12 @@ Shapes: x [T,d], ids [T,k] int32, g [T,k] fp32, w_gate/w_up [E,h,d], w_down [E,d
   -> activation -> weighted scatter_add dataflow (torchtitan's ``MoE.forward`` without padding),
   with no host synchronisation (offsets stay on the device).
 
-Both are written for this project; neither imports moeblaze. PyTorch autograd computes their
+``moe_layer`` adds the router in front of either: logits = x . w_router^T, top-k of the logits, a
+softmax over the k chosen (moeblaze's ``score_function="topk_softmax"``, SonicMoE's router), and
+the switch load-balancing loss ``E * sum_e P_e * f_e`` (P_e the mean router probability of expert
+e, f_e its share of the routed pairs).
+
+All are written for this project; none imports moeblaze. PyTorch autograd computes their
 backward. Works with torch 1.13 (CPU, Debian) and 2.x (CUDA).
 
 Nothing here comes from bindings/python/tests/reference.py, on purpose: that is the package tests'
@@ -203,3 +208,45 @@ def moe_dense_reference(x, ids, g, w_gate, w_up, w_down, activation="swiglu"):
     u = apply_activation(activation, a, b)
     y2 = torch.einsum("teh,edh->ted", u, w_down)
     return torch.einsum("ted,te->td", y2, dense_g.to(y2.dtype))
+
+
+def route_topk_softmax(logits, top_k):
+    """ids [T,k] int32 (top-k of the logits), g [T,k] = softmax over the chosen logits in the
+    accumulation dtype."""
+    top, ids = torch.topk(logits, top_k, dim=-1)
+    g = torch.softmax(top.to(_accumulation_dtype(logits.dtype)), dim=-1)
+    return ids.to(torch.int32), g
+
+
+def expert_fractions(ids, num_experts, dtype=torch.float32):
+    """f_e [E]: the share of routed pairs that went to expert e (no gradient)."""
+    return expert_counts(ids, num_experts).to(dtype) / ids.numel()
+
+
+def moe_layer(x, w_router, w_gate, w_up, w_down, top_k, activation="swiglu", experts=None,
+              fractions=None, num_tokens=None):
+    """Router + experts. Returns (y [T,d], switch loss).
+
+    `experts` is moe_loop (default) or moe_grouped_mm (or a partial of it). For a reference run
+    over chunks of tokens pass the whole batch's `fractions` (expert_fractions) and `num_tokens`:
+    the chunks' losses then sum to the whole batch's, and so do their gradients."""
+    experts = experts or moe_loop
+    E = w_router.shape[0]
+    logits = x @ w_router.t()
+    ids, g = route_topk_softmax(logits, top_k)
+    y = experts(x, ids, g.to(torch.float64 if x.dtype == torch.float64 else torch.float32),
+                w_gate, w_up, w_down, activation)
+    probs = torch.softmax(logits.to(_accumulation_dtype(logits.dtype)), dim=-1)
+    if fractions is None:
+        fractions = expert_fractions(ids, E, probs.dtype)
+    T = num_tokens or x.shape[0]
+    aux = E * (probs.sum(0) / T * fractions.to(probs.dtype)).sum()
+    return y, aux
+
+
+def moe_layer_grouped_mm(x, w_router, w_gate, w_up, w_down, top_k, activation="swiglu",
+                         grouped_mm=None):
+    """moe_layer over the grouped_mm dataflow (no host synchronisation on CUDA)."""
+    def experts(*args):
+        return moe_grouped_mm(*args, grouped_mm=grouped_mm)
+    return moe_layer(x, w_router, w_gate, w_up, w_down, top_k, activation, experts=experts)

@@ -70,7 +70,8 @@ def saved_bytes_model(impl, policy, cfg, activation, elem=2):
     / nothing (RECOMPUTE); non-gated: a, u / a / nothing. Excludes the buffer's small header.
     Baselines (bench/baselines.py under autograd): gathered x (N*d), an fp32 copy of the expert
     output for dg (N*4d), the activation's saved tensors (m * N*h) and int64 perm + token + fp32
-    g_sorted (20*N bytes); the loop also keeps index_add's fp32 source (N*4d)."""
+    g_sorted (20*N bytes); the loop also keeps index_add's fp32 source (N*4d). SonicMoE: its
+    pre-activation z (N*2h gated, N*h otherwise) and int32 indices (3N + E+1 + T+1)."""
     T, d, h, k = cfg["T"], cfg["d"], cfg["h"], cfg["k"]
     n = T * k
     gated = activation in GATED
@@ -88,6 +89,8 @@ def saved_bytes_model(impl, policy, cfg, activation, elem=2):
         if impl == "loop":
             return common + 4 * n * d  # index_add keeps its fp32 source (expand_as in backward)
         return common + 4 * cfg["E"]  # grouped_mm keeps the int32 offsets
+    if impl == "sonicmoe":
+        return elem * (2 if gated else 1) * n * h + 4 * (3 * n + cfg["E"] + 1 + T + 1)
     return None
 
 

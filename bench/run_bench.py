@@ -1,12 +1,16 @@
 #!/usr/bin/env python3
-"""Benchmark one MoE expert layer, forward + backward: moeblaze against two PyTorch baselines.
+"""Benchmark one MoE layer, forward + backward: moeblaze against PyTorch baselines and peers.
 
     python3 bench/run_bench.py --out DIR [--configs conf1,mixtral] [--acts swiglu,silu]
-                               [--impls grouped_mm,loop,moeblaze] [--quick] [--report]
+                               [--impls grouped_mm,loop,sonicmoe,moeblaze] [--mode experts|layer]
+                               [--quick] [--report]
 
-For every configuration in bench/configs.json x activation x implementation (moeblaze with each
-checkpoint policy, the per-expert loop, the sort -> torch._grouped_mm dataflow) it measures, on the
-same inputs and routing:
+--mode experts (the default) times the expert layer with the routing given (x, ids, g): moeblaze
+with each checkpoint policy, the per-expert loop, the sort -> torch._grouped_mm dataflow, and
+SonicMoE when it is importable (bench/peers.py; a visible skipped row otherwise). --mode layer times
+the whole layer as users call it, router included: moeblaze.torch.moe_layer, sonicmoe.MoE and a
+PyTorch router + grouped_mm layer, all with top-k-then-softmax routing. For every configuration in
+bench/configs.json x activation x implementation it measures, on the same inputs:
 
 * ms      median of CUDA-event-timed fwd+bwd (torch.autograd.grad of y against dy), after warm-up,
           L2 flushed before every repetition (triton do_bench style); the number of repetitions
@@ -17,9 +21,12 @@ same inputs and routing:
           inputs x, ids, g and the weights.
 * peak_bytes   max_memory_allocated during fwd+bwd minus memory_allocated before it (includes the
           outputs y, dx, dg, dw_*).
-* rel_err ||out - ref|| / ||ref|| for y, dx, dw_gate, dw_up, dw_down, dg; the reference is the loop
-          baseline in fp32 (CUDA, TF32 off) or fp64 (CPU) on upcast inputs, run over chunks of
-          tokens (exact: y, dx, dg are per token and dw sums over chunks). NaN/Inf is an error.
+* rel_err ||out - ref|| / ||ref|| for y, dx, dw_gate, dw_up, dw_down, dg (layer mode: dw_router
+          instead of dg); the reference is the loop baseline in fp32 (CUDA, TF32 off) or fp64 (CPU)
+          on upcast inputs, run over chunks of tokens (exact: y, dx, dg are per token and dw sums
+          over chunks). NaN/Inf is an error. In layer mode each implementation routes from its own
+          low-precision logits, so a near-tie may pick another expert than the reference does:
+          there rel_err is reported but not held to the tolerance.
 * bitwise_repeat  whether a second run gave bitwise identical outputs and gradients.
 
 Results: DIR/<YYYY-MM-DD>-<device>.json (rows as described in docs/performance.md). A summary table
@@ -51,12 +58,19 @@ import torch  # noqa: E402
 
 import baselines  # noqa: E402
 import gpu_clocks  # noqa: E402
+import peers  # noqa: E402
 import roofline  # noqa: E402
 
 GRAD_NAMES = ("dx", "dg", "dw_gate", "dw_up", "dw_down")
 ERR_NAMES = ("y",) + GRAD_NAMES
+# --mode layer: the leaves are x and all four weights; the routing comes from the router
+LAYER_GRAD_NAMES = ("dx", "dw_router", "dw_gate", "dw_up", "dw_down")
+LAYER_ERR_NAMES = ("y",) + LAYER_GRAD_NAMES
 ALL_POLICIES = ("save_preact", "save_all", "recompute")
+ALL_IMPLS = ("grouped_mm", "loop", "sonicmoe", "moeblaze")
+BASELINES = ("grouped_mm", "loop", "sonicmoe")  # timed before moeblaze, compared against
 BASELINE_POLICY = "autograd"
+PEER_POLICY = "default"  # a peer's own saving scheme (SonicMoE: x and the pre-activation)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp64": torch.float64}
 # rel_err above this flags a row (err_ok = false); bf16/fp16 operands land at 1e-3..1e-2.
@@ -85,7 +99,17 @@ def parse_args(argv=None):
     p.add_argument("--configs-file", default=os.path.join(HERE, "configs.json"))
     p.add_argument("--acts", default="swiglu,silu",
                    help=f"comma-separated activations among {','.join(baselines.ACTIVATIONS)}")
-    p.add_argument("--impls", default="grouped_mm,loop,moeblaze")
+    p.add_argument("--impls", default=",".join(ALL_IMPLS),
+                   help="comma-separated among " + ",".join(ALL_IMPLS) + " (a peer that cannot "
+                        "be imported gives skipped rows with the reason)")
+    p.add_argument("--mode", default="experts", choices=("experts", "layer"),
+                   help="experts: the expert layer with the routing given; layer: router + "
+                        "experts as users call them (loop is not run in this mode)")
+    p.add_argument("--parallel-warmup", default="auto", choices=("auto", "on", "off"),
+                   help="CUDA: start every configuration's child process at once, let each "
+                        "compile its JIT kernels (SonicMoE's take ~100 s a shape) on a tiny "
+                        "problem, wait until all have, then measure one at a time (a file lock); "
+                        "auto = on when sonicmoe is among --impls")
     p.add_argument("--policies", default=",".join(ALL_POLICIES),
                    help="moeblaze checkpoint policies (save_preact is the one compared for speed)")
     p.add_argument("--keep-saved", action="store_true",
@@ -130,6 +154,7 @@ def parse_args(argv=None):
                    help="CUDA: do not sample SM clock, power and clock-event reasons with "
                         "nvidia-smi during the run")
     p.add_argument("--child-state", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--gpu-lock", default=None, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -143,8 +168,10 @@ def parse_args(argv=None):
         baselines.is_gated(act)  # raises on unknown names
     args.impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     for impl in args.impls:
-        if impl not in ("grouped_mm", "loop", "moeblaze"):
+        if impl not in ALL_IMPLS:
             p.error(f"unknown impl {impl!r}")
+    if args.mode == "layer":
+        args.impls = [i for i in args.impls if i != "loop"]
     args.policies = [x.strip() for x in args.policies.split(",") if x.strip()]
     for policy in args.policies:
         if policy not in ALL_POLICIES:
@@ -168,14 +195,22 @@ def load_configs(args):
 def row_plan(args):
     """(impl, policy) in the order rows run: baselines first, so a moeblaze crash loses nothing."""
     plan = []
-    for impl in ("grouped_mm", "loop"):
+    for impl in BASELINES:
         if impl in args.impls:
-            plan.append((impl, BASELINE_POLICY))
+            plan.append((impl, PEER_POLICY if impl == "sonicmoe" else BASELINE_POLICY))
     if "moeblaze" in args.impls:
         for policy in ALL_POLICIES:
             if policy in args.policies:
                 plan.append(("moeblaze", policy))
     return plan
+
+
+def grad_names(args):
+    return LAYER_GRAD_NAMES if args.mode == "layer" else GRAD_NAMES
+
+
+def err_names(args):
+    return LAYER_ERR_NAMES if args.mode == "layer" else ERR_NAMES
 
 
 # ------------------------------------------------------------------------------------------------
@@ -264,26 +299,134 @@ def import_moeblaze(args):
     return result
 
 
-def make_impl(impl, policy, activation, args):
-    """A function (x, ids, g, w_gate, w_up, w_down) -> y for one row."""
+class Impl:
+    """One implementation as the harness drives it.
+
+    fn(x, ids, g, w_gate, w_up, w_down) -> y (experts mode) or fn(x, w_router, w_gate, w_up,
+    w_down) -> (y, aux_loss) (layer mode), on the tensors prepare() made; prepare(inputs) builds the
+    implementation's own weight layout once per row, outside the measured region; canonical(grads)
+    maps its gradients (a dict by gradient name) back to the canonical layout for the accuracy
+    check. leaves(native, args) gives the tensors to differentiate (by default fresh leaves over
+    the prepared inputs; a module's own parameters for a peer's nn.Module). `skip` is a reason not
+    to run the row at all (a peer that is not installed)."""
+
+    def __init__(self, fn=None, prepare=None, canonical=None, skip=None, leaves=None):
+        self.fn = fn
+        self.prepare = prepare or (lambda inputs: inputs)
+        self.canonical = canonical or (lambda grads: grads)
+        self.leaves = leaves or leaves_of
+        self.skip = skip
+
+
+def make_impl(impl, policy, activation, args, cfg):
+    """The Impl for one row."""
+    if args.mode == "layer":
+        return make_layer_impl(impl, policy, activation, args, cfg["k"])
     if impl == "loop":
-        return lambda x, ids, g, wg, wu, wd: baselines.moe_loop(x, ids, g, wg, wu, wd, activation)
+        return Impl(lambda x, ids, g, wg, wu, wd: baselines.moe_loop(x, ids, g, wg, wu, wd,
+                                                                     activation))
     if impl == "grouped_mm":
         if args.emulate_grouped_mm:
-            return lambda x, ids, g, wg, wu, wd: baselines.moe_grouped_mm(
-                x, ids, g, wg, wu, wd, activation, grouped_mm=baselines.grouped_mm_emulated)
+            return Impl(lambda x, ids, g, wg, wu, wd: baselines.moe_grouped_mm(
+                x, ids, g, wg, wu, wd, activation, grouped_mm=baselines.grouped_mm_emulated))
         if not baselines.grouped_mm_available():
-            raise NotImplementedError(
-                f"torch {torch.__version__} has no torch._grouped_mm / F.grouped_mm")
-        return lambda x, ids, g, wg, wu, wd: baselines.moe_grouped_mm(x, ids, g, wg, wu, wd,
-                                                                       activation)
+            return Impl(skip=f"torch {torch.__version__} has no torch._grouped_mm / "
+                             f"F.grouped_mm")
+        return Impl(lambda x, ids, g, wg, wu, wd: baselines.moe_grouped_mm(x, ids, g, wg, wu, wd,
+                                                                           activation))
+    if impl == "sonicmoe":
+        reason = peers.sonicmoe_unsupported(activation, DTYPES[args.dtype], args.device)
+        if reason:
+            return Impl(skip=reason)
+        gated = baselines.is_gated(activation)
+
+        def prepare(inputs):
+            native = dict(inputs)
+            native["w_gate"] = peers.fuse_up_projection(inputs["w_gate"], inputs["w_up"])
+            native["w_up"] = None
+            return native
+
+        def canonical(grads):
+            out = dict(grads)
+            out["dw_gate"], out["dw_up"] = peers.split_up_projection(grads["dw_gate"], gated)
+            return out
+
+        def fn(x, ids, g, w1, _w_up, wd):
+            # the routed pairs in (t, j) order: what SonicMoE's given-routing entry point takes
+            token_indices = peers.token_order_indices(ids.shape[0], ids.shape[1], ids.device)
+            return peers.sonicmoe_experts(x, g, w1, wd, ids, token_indices, activation)
+
+        return Impl(fn, prepare, canonical)
     if impl == "moeblaze":
         fn, source = import_moeblaze(args)
         if fn is None:
             raise RuntimeError(f"moeblaze unavailable: {source}")
         extra = {"consume_saved": False} if args.keep_saved else {}
-        return lambda x, ids, g, wg, wu, wd: fn(x, ids, g, wg, wu, wd, activation=activation,
-                                                checkpoint=policy, **extra)
+        return Impl(lambda x, ids, g, wg, wu, wd: fn(x, ids, g, wg, wu, wd, activation=activation,
+                                                     checkpoint=policy, **extra))
+    raise ValueError(impl)
+
+
+def make_layer_impl(impl, policy, activation, args, top_k):
+    """Layer mode: router + experts; every implementation routes top-k of the logits, then a
+    softmax over the k chosen, and returns its switch (load-balancing) loss, which the backward
+    includes."""
+    if impl == "grouped_mm":
+        if not baselines.grouped_mm_available() and not args.emulate_grouped_mm:
+            return Impl(skip=f"torch {torch.__version__} has no torch._grouped_mm / "
+                             f"F.grouped_mm")
+        gmm = baselines.grouped_mm_emulated if args.emulate_grouped_mm else None
+        return Impl(lambda x, wr, wg, wu, wd: baselines.moe_layer_grouped_mm(
+            x, wr, wg, wu, wd, top_k, activation, grouped_mm=gmm))
+    if impl == "sonicmoe":
+        reason = peers.sonicmoe_unsupported(activation, DTYPES[args.dtype], args.device)
+        if reason:
+            return Impl(skip=reason)
+        gated = baselines.is_gated(activation)
+        holder = {}
+
+        def prepare(inputs):
+            d, h, E = inputs["x"].shape[1], inputs["w_down"].shape[2], inputs["w_down"].shape[0]
+            layer = peers.sonicmoe_layer(d, h, E, top_k, activation,
+                                         inputs["w_router"], inputs["w_gate"], inputs["w_up"],
+                                         inputs["w_down"])
+            holder["layer"] = layer
+            native = dict(inputs)
+            native["w_router"] = layer.router.weight
+            native["w_gate"] = layer.c_fc.weight
+            native["w_up"] = None
+            native["w_down"] = layer.c_proj.weight
+            return native
+
+        def fn(x, _wr, _wg, _wu, _wd):
+            return holder["layer"](x)
+
+        def leaves(native, _args):
+            layer = holder["layer"]
+            return [native["x"].detach().requires_grad_(True), layer.router.weight,
+                    layer.c_fc.weight, None, layer.c_proj.weight]
+
+        def canonical(grads):
+            out = dict(grads)
+            out["dw_gate"], out["dw_up"] = peers.split_up_projection(grads["dw_gate"], gated)
+            return out
+
+        return Impl(fn, prepare, canonical, leaves=leaves)
+    if impl == "moeblaze":
+        fn, source = import_moeblaze(args)
+        if fn is None:
+            raise RuntimeError(f"moeblaze unavailable: {source}")
+        import moeblaze.torch as mbt
+        extra = {"consume_saved": False} if args.keep_saved else {}
+
+        def layer(x, wr, wg, wu, wd):
+            y, losses = mbt.moe_layer(x, wr, wg, wu, wd, top_k=top_k,
+                                      activation=activation, checkpoint=policy,
+                                      score_function="topk_softmax", aux_loss_coeff=1.0,
+                                      **extra)[:2]
+            return y, losses[0]
+
+        return Impl(layer)
     raise ValueError(impl)
 
 
@@ -320,15 +463,24 @@ def make_inputs(cfg, activation, args):
     w_up = randn(E, h, d, scale=d ** -0.5) if baselines.is_gated(activation) else None
     w_down = randn(E, d, h, scale=h ** -0.5)
     dy = randn(T, d)
+    # layer mode: a router whose logits x . w_router^T are ~ N(0, 1) like the ones drawn above
+    w_router = randn(E, d, scale=d ** -0.5) if args.mode == "layer" else None
     del logits, probs, top
     return {"x": x, "ids": ids, "g": g.contiguous(), "w_gate": w_gate, "w_up": w_up,
-            "w_down": w_down, "dy": dy, "seed": seed}
+            "w_down": w_down, "w_router": w_router, "dy": dy, "seed": seed}
 
 
-def leaves_of(inputs):
-    """Fresh leaf tensors that require grad, in GRAD_NAMES order (None for a missing w_up)."""
+def leaf_names(args):
+    """The differentiable inputs, in grad_names(args) order."""
+    if args.mode == "layer":
+        return ("x", "w_router", "w_gate", "w_up", "w_down")
+    return ("x", "g", "w_gate", "w_up", "w_down")
+
+
+def leaves_of(inputs, args=None):
+    """Fresh leaf tensors that require grad, in grad_names order (None for a missing w_up)."""
     out = []
-    for name in ("x", "g", "w_gate", "w_up", "w_down"):
+    for name in leaf_names(args) if args is not None else ("x", "g", "w_gate", "w_up", "w_down"):
         t = inputs[name]
         out.append(None if t is None else t.detach().requires_grad_(True))
     return out
@@ -337,6 +489,8 @@ def leaves_of(inputs):
 def reference(cfg, activation, inputs, args):
     """fp32 (CUDA, TF32 off) / fp64 (CPU) loop baseline on upcast inputs, over token chunks."""
     ref_dtype = torch.float64 if args.device == "cpu" else torch.float32
+    if args.mode == "layer":
+        return layer_reference(cfg, activation, inputs, args, ref_dtype)
     T, d, h, k = cfg["T"], cfg["d"], cfg["h"], cfg["k"]
     elem = torch.finfo(ref_dtype).bits // 8
     per_token = k * (d + 6 * h) * elem * 2  # autograd's saved tensors + transients, rough
@@ -360,6 +514,39 @@ def reference(cfg, activation, inputs, args):
     ref = {"y": torch.cat(ys), "dx": torch.cat(dxs), "dg": torch.cat(dgs),
            "dw_gate": weights[0].grad, "dw_up": None if weights[1] is None else weights[1].grad,
            "dw_down": weights[2].grad}
+    return ref, {"dtype": str(ref_dtype).replace("torch.", ""), "chunk_tokens": chunk,
+                 "chunks": math.ceil(T / chunk)}
+
+
+def layer_reference(cfg, activation, inputs, args, ref_dtype):
+    """Layer mode: baselines.moe_layer over the loop in ref_dtype, over token chunks; the switch
+    loss uses the whole batch's expert fractions, so the chunks' gradients sum to the batch's."""
+    T, d, h, k, E = cfg["T"], cfg["d"], cfg["h"], cfg["k"], cfg["E"]
+    elem = torch.finfo(ref_dtype).bits // 8
+    per_token = k * (d + 6 * h) * elem * 2
+    chunk = max(1, min(T, int(args.ref_chunk_gib * (1 << 30) // per_token)))
+    up = {name: (None if inputs[name] is None else inputs[name].detach().to(ref_dtype, copy=True))
+          for name in ("x", "w_router", "w_gate", "w_up", "w_down", "dy")}
+    with torch.no_grad():
+        ids = torch.cat([torch.topk(up["x"][s:s + chunk] @ up["w_router"].t(), k, dim=-1).indices
+                         for s in range(0, T, chunk)])
+        fractions = baselines.expert_fractions(ids, E, torch.float64 if ref_dtype == torch.float64
+                                               else torch.float32)
+    del ids
+    weights = [None if up[n] is None else up[n].requires_grad_(True)
+               for n in ("w_router", "w_gate", "w_up", "w_down")]
+    ys, dxs = [], []
+    for start in range(0, T, chunk):
+        end = min(T, start + chunk)
+        xc = up["x"][start:end].detach().requires_grad_(True)
+        yc, aux = baselines.moe_layer(xc, *weights, k, activation, fractions=fractions,
+                                      num_tokens=T)
+        torch.autograd.backward([yc, aux], [up["dy"][start:end], torch.ones_like(aux)])
+        ys.append(yc.detach())
+        dxs.append(xc.grad)
+    ref = {"y": torch.cat(ys), "dx": torch.cat(dxs), "dw_router": weights[0].grad,
+           "dw_gate": weights[1].grad, "dw_up": None if weights[2] is None else weights[2].grad,
+           "dw_down": weights[3].grad}
     return ref, {"dtype": str(ref_dtype).replace("torch.", ""), "chunk_tokens": chunk,
                  "chunks": math.ceil(T / chunk)}
 
@@ -431,15 +618,22 @@ def sync(args):
         torch.cuda.synchronize()
 
 
-def fwd_bwd(fn, inputs, leaves, hooks=None):
-    x, g, wg, wu, wd = leaves
-    if hooks is not None:
-        with hooks:
-            y = fn(x, inputs["ids"], g, wg, wu, wd)
-    else:
-        y = fn(x, inputs["ids"], g, wg, wu, wd)
+def fwd_bwd(fn, inputs, leaves, hooks=None, layer=False):
+    """One forward + backward: (y, gradients in leaf order). Experts mode: fn(x, ids, g, w_gate,
+    w_up, w_down) -> y, backward of y with dy. Layer mode: fn(x, w_router, w_gate, w_up, w_down)
+    -> (y, aux_loss), backward of y with dy plus aux_loss with 1."""
+    with hooks if hooks is not None else contextlib.nullcontext():
+        if layer:
+            y, aux = fn(*leaves)
+        else:
+            x, g, wg, wu, wd = leaves
+            y, aux = fn(x, inputs["ids"], g, wg, wu, wd), None
     wanted = [t for t in leaves if t is not None]
-    grads = torch.autograd.grad(y, wanted, inputs["dy"])
+    outputs, seeds = [y], [inputs["dy"]]
+    if aux is not None:
+        outputs.append(aux)
+        seeds.append(torch.ones_like(aux))
+    grads = torch.autograd.grad(outputs, wanted, seeds)
     it = iter(grads)
     return y.detach(), [None if t is None else next(it) for t in leaves]
 
@@ -488,34 +682,41 @@ def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s):
     row = {"config": cfg["name"], "act": activation, "impl": impl, "policy": policy,
            "T": T, "d": d, "h": h, "E": E, "k": k, "dtype": args.dtype, "flops": flops,
            "ms": None, "tflops": None, "saved_bytes": None, "peak_bytes": None,
-           "rel_err": {name: None for name in ERR_NAMES},
+           "rel_err": {name: None for name in err_names(args)},
            "saved_bytes_model": roofline.saved_bytes_model(impl, policy, cfg, activation, elem),
-           "seed": inputs["seed"], "error": None}
+           "seed": inputs["seed"], "error": None, "mode": args.mode}
     if impl == "moeblaze":
         row["impl_source"] = import_moeblaze(args)[1]
+    layer = args.mode == "layer"
     stage = "setup"
     try:
         _injected_fault(cfg, impl)
-        fn = make_impl(impl, policy, activation, args)
-        if impl == "moeblaze" and row["impl_source"].startswith("bindings"):
+        subject = make_impl(impl, policy, activation, args, cfg)
+        if subject.skip:
+            row["skipped"] = subject.skip
+            return row
+        if impl == "moeblaze" and row["impl_source"].startswith("bindings") and not layer:
             row["saved_bytes_library"] = library_saved_size(cfg, activation, policy, args)
+        native = subject.prepare(inputs)
+        fn = subject.fn
 
         stage = "warm-up"
-        leaves = leaves_of(inputs)
-        out = fwd_bwd(fn, inputs, leaves)
+        leaves = subject.leaves(native, args)
+        out = fwd_bwd(fn, native, leaves, layer=layer)
         del out
         sync(args)
 
         stage = "memory"
         gc.collect()
-        input_ptrs = [storage_key(t)[0] for t in (inputs["x"], inputs["ids"], inputs["g"],
-                                                  inputs["w_gate"], inputs["w_up"],
-                                                  inputs["w_down"], *leaves) if t is not None]
+        input_ptrs = [storage_key(t)[0] for t in
+                      (*[v for v in inputs.values() if isinstance(v, torch.Tensor)],
+                       *[v for v in native.values() if isinstance(v, torch.Tensor)], *leaves)
+                      if t is not None]
         recorder = SavedTensorRecorder(input_ptrs)
         if args.device == "cuda":
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-        y, grads = fwd_bwd(fn, inputs, leaves, hooks=recorder.hooks())
+        y, grads = fwd_bwd(fn, native, leaves, hooks=recorder.hooks(), layer=layer)
         sync(args)
         if args.device == "cuda":
             row["peak_bytes"] = torch.cuda.max_memory_allocated() - base
@@ -524,11 +725,11 @@ def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s):
         row["saved_storages"] = len(recorder.storages)
 
         stage = "accuracy"
-        outs = dict(zip(GRAD_NAMES, grads))
+        outs = subject.canonical(dict(zip(grad_names(args), grads)))
         outs["y"] = y
         nonfinite = []
         if ref is not None:
-            for name in ERR_NAMES:
+            for name in err_names(args):
                 err = relative_error(outs[name], ref[name])
                 row["rel_err"][name] = err
                 if err is not None and not math.isfinite(err):
@@ -537,15 +738,19 @@ def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s):
             finite = [e for e in row["rel_err"].values() if e is not None]
             row["max_rel_err"] = max(finite) if finite else None
             row["err_ok"] = not nonfinite and all(e <= tol for e in finite)
+            if layer:
+                # routing from low-precision logits may break a near-tie differently from the
+                # reference: the error is reported, not held to the tolerance
+                row["err_ok"] = not nonfinite
         else:
-            for name in ERR_NAMES:
+            for name in err_names(args):
                 t = outs[name]
                 if t is not None and not bool(torch.isfinite(t).all()):
                     nonfinite.append(name)
 
         stage = "repeat"
         t0 = time.perf_counter()
-        y2, grads2 = fwd_bwd(fn, inputs, leaves)
+        y2, grads2 = fwd_bwd(fn, native, leaves, layer=layer)
         sync(args)
         est_ms = (time.perf_counter() - t0) * 1e3
         row["bitwise_repeat"] = bool(torch.equal(y, y2)) and all(
@@ -564,7 +769,7 @@ def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s):
                    min(args.max_reps, reps))
 
         def step():
-            fwd_bwd(fn, inputs, leaves)
+            fwd_bwd(fn, native, leaves, layer=layer)
 
         if est_ms < 250:
             step()  # one more warm-up right before timing (slow rows are warm enough by now)
@@ -644,7 +849,36 @@ def error_row(cfg, activation, impl, policy, message, args):
             "T": cfg["T"], "d": cfg["d"], "h": cfg["h"], "E": cfg["E"], "k": cfg["k"],
             "dtype": args.dtype, "flops": roofline.flops(cfg, activation), "ms": None,
             "tflops": None, "saved_bytes": None, "peak_bytes": None,
-            "rel_err": {name: None for name in ERR_NAMES}, "error": message}
+            "rel_err": {name: None for name in err_names(args)}, "error": message,
+            "mode": args.mode}
+
+
+def warm_up(configs, args):
+    """Runs each row that compiles kernels on first use (SonicMoE: ~100 s a shape) once on a tiny
+    problem of the same d, h, E, k, so that the compile happens now, in parallel with the other
+    configurations' processes, and not inside the measured rows. Errors are left for the real
+    row to report."""
+    plan = [(impl, policy) for impl, policy in row_plan(args) if impl == "sonicmoe"]
+    for cfg in configs:
+        tiny = dict(cfg, T=max(128, 2 * cfg["E"]))
+        for activation in args.acts:
+            for impl, policy in plan:
+                t0 = time.time()
+                try:
+                    subject = make_impl(impl, policy, activation, args, tiny)
+                    if subject.skip:
+                        continue
+                    inputs = make_inputs(tiny, activation, args)
+                    native = subject.prepare(inputs)
+                    fwd_bwd(subject.fn, native, subject.leaves(native, args),
+                            layer=args.mode == "layer")
+                    sync(args)
+                    log(f"  warm-up {cfg['name']}/{activation}/{impl}: "
+                        f"{time.time() - t0:.0f} s")
+                except Exception as error:  # noqa: BLE001
+                    log(f"  warm-up {cfg['name']}/{activation}/{impl} failed: "
+                        f"{type(error).__name__}: {error}")
+                free_memory(args)
 
 
 def run_configs(configs, args, emit):
@@ -693,11 +927,6 @@ def run_configs(configs, args, emit):
                 if now > deadline:
                     row = error_row(cfg, activation, impl, policy,
                                     "skipped: time budget exhausted", args)
-                elif (impl == "grouped_mm" and not args.emulate_grouped_mm
-                      and not baselines.grouped_mm_available()):
-                    row = error_row(cfg, activation, impl, policy, None, args)
-                    row["skipped"] = (f"torch {torch.__version__} has no torch._grouped_mm / "
-                                      f"F.grouped_mm")
                 else:
                     # half of a row's share goes to timed repetitions; warm-up, memory,
                     # accuracy and repeat runs take the rest
@@ -766,6 +995,9 @@ def child_argv(args, configs, state_path, deadline):
             "--max-reps", str(args.max_reps), "--ref-chunk-gib", str(args.ref_chunk_gib),
             "--row-timing-s", repr(args.row_timing_s),
             "--deadline", repr(deadline), "--budget-s", repr(max(1.0, deadline - time.time()))]
+    argv += ["--mode", args.mode]
+    if args.keep_saved:
+        argv.append("--keep-saved")
     if args.config_timeout_s:
         argv += ["--config-timeout-s", repr(args.config_timeout_s)]
     if args.no_ref:
@@ -863,6 +1095,115 @@ def run_isolated(configs, args, on_rows):
     return rows
 
 
+def run_configs_in_turn(configs, args, emit):
+    """A child of run_parallel: warm up, say so, wait until every sibling has, then measure while
+    holding the GPU lock (one child measures at a time, so nothing else runs on the GPU)."""
+    import fcntl
+    warm_up(configs, args)
+    with open(args.child_state + ".ready", "w"):
+        pass
+    go = args.gpu_lock + ".go"
+    while not os.path.exists(go) and time.time() < (args.deadline or math.inf):
+        time.sleep(0.2)
+    with open(args.gpu_lock, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return run_configs(configs, args, emit)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def run_parallel(configs, args, on_rows):
+    """One child process per configuration x activation, all started at once: each warms up
+    (compiles), then they measure one at a time. Returns all rows; a crashed or hung child loses
+    only its own rows."""
+    plan = row_plan(args)
+    deadline = time.time() + args.budget_s
+    hard_stop = deadline + 45.0
+    tag = f"{os.getpid()}"
+    lock_path = os.path.join(args.out, f".bench-gpu-{tag}.lock")
+    go_path = lock_path + ".go"
+    children = []
+    for cfg in configs:
+        for activation in args.acts:
+            state_path = os.path.join(args.out,
+                                      f".bench-state-{tag}-{cfg['name']}-{activation}.jsonl")
+            for path in (state_path, state_path + ".ready"):
+                if os.path.exists(path):
+                    os.remove(path)
+            one = argparse.Namespace(**vars(args))
+            one.acts = [activation]
+            argv = child_argv(one, [cfg], state_path, deadline) + ["--gpu-lock", lock_path]
+            children.append({"cfg": cfg, "act": activation, "state": state_path, "seen": 0,
+                             "start": None, "killed": None,
+                             "proc": subprocess.Popen(argv, start_new_session=True)})
+    log(f"== {len(children)} child processes (compile in parallel, measure in turn)")
+    rows = []
+    while True:
+        alive = 0
+        for child in children:
+            rc = child["proc"].poll()
+            events = read_state(child["state"])
+            for event in events[child["seen"]:]:
+                if event["event"] == "config_start":
+                    child["start"] = time.time()
+                elif event["event"] == "row":
+                    rows.append(event["row"])
+                    on_rows(rows)
+            child["seen"] = len(events)
+            if rc is not None:
+                continue
+            alive += 1
+            now = time.time()
+            limit = args.config_timeout_s or max(90.0, 3.0 * args.budget_s / len(children))
+            reason = None
+            if now > hard_stop:
+                reason = "killed: past the run's hard stop"
+            elif child["start"] is not None and now - child["start"] > limit:
+                reason = f"killed: configuration ran over {limit:.0f} s"
+            if reason:
+                log(f"== {reason} ({child['cfg']['name']})")
+                os.killpg(child["proc"].pid, signal.SIGKILL)
+                child["proc"].wait()
+                child["killed"] = reason
+        if not os.path.exists(go_path) and all(
+                c["proc"].poll() is not None or os.path.exists(c["state"] + ".ready")
+                for c in children):
+            log("== every child process is warm: measuring one configuration at a time")
+            with open(go_path, "w"):
+                pass
+        if alive == 0:
+            break
+        time.sleep(0.5)
+    for child in children:
+        events = read_state(child["state"])
+        for event in events[child["seen"]:]:
+            if event["event"] == "row":
+                rows.append(event["row"])
+        cfg = child["cfg"]
+        if cfg["name"] not in done_configs(events):
+            reason = child["killed"] or f"child process exited with status " \
+                                        f"{child['proc'].returncode}"
+            have = {(r["act"], r["impl"], r["policy"]) for r in rows if r["config"] == cfg["name"]}
+            for impl, policy in plan:
+                if (child["act"], impl, policy) not in have:
+                    rows.append(error_row(cfg, child["act"], impl, policy,
+                                          f"not measured: {reason}", args))
+        for path in (child["state"], child["state"] + ".ready"):
+            if os.path.exists(path):
+                os.remove(path)
+    for path in (lock_path, go_path):
+        if os.path.exists(path):
+            os.remove(path)
+    order = {name: i for i, name in enumerate(c["name"] for c in configs)}
+    acts = {a: i for i, a in enumerate(args.acts)}
+    slots = {row: i for i, row in enumerate(plan)}
+    rows.sort(key=lambda r: (order.get(r["config"], 0), acts.get(r["act"], 0),
+                             slots.get((r["impl"], r["policy"]), 0)))
+    on_rows(rows)
+    return rows
+
+
 def done_configs(events):
     return [e["config"] for e in events if e["event"] == "config_done"]
 
@@ -885,8 +1226,9 @@ def annotate(rows):
     for r in rows:
         if r["impl"] != "moeblaze":
             continue
-        for base in ("grouped_mm", "loop"):
-            b = index.get((r["config"], r["act"], base, BASELINE_POLICY))
+        for base in BASELINES:
+            b = index.get((r["config"], r["act"], base,
+                           PEER_POLICY if base == "sonicmoe" else BASELINE_POLICY))
             if b is None:
                 continue
             if r.get("ms") and b.get("ms"):
@@ -902,6 +1244,16 @@ def annotate(rows):
         summary[act] = {
             "geomean_speedup_vs_grouped_mm": geomean([r.get("speedup_vs_grouped_mm") for r in mb]),
             "geomean_speedup_vs_loop": geomean([r.get("speedup_vs_loop") for r in mb]),
+            "geomean_speedup_vs_sonicmoe": geomean([r.get("speedup_vs_sonicmoe") for r in mb]),
+            "min_speedup_vs_sonicmoe": min(
+                [r["speedup_vs_sonicmoe"] for r in mb if "speedup_vs_sonicmoe" in r],
+                default=None),
+            "max_peak_ratio_vs_sonicmoe": max(
+                [r["peak_ratio_vs_sonicmoe"] for r in mb if "peak_ratio_vs_sonicmoe" in r],
+                default=None),
+            "max_saved_ratio_vs_sonicmoe": max(
+                [r["saved_ratio_vs_sonicmoe"] for r in mb if "saved_ratio_vs_sonicmoe" in r],
+                default=None),
             "max_saved_ratio_vs_grouped_mm": max(
                 [r["saved_ratio_vs_grouped_mm"] for r in mb if "saved_ratio_vs_grouped_mm" in r],
                 default=None),
@@ -964,31 +1316,38 @@ def summary_table(doc):
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    lines = ["config/act            gmm ms  loop ms    mb ms  x_gmm  x_loop  mb TF/s  "
-             "saved GiB mb/gmm  peak GiB mb/gmm  mb max_err  errs"]
+    lines = ["config/act            gmm ms  loop ms sonic ms    mb ms  x_gmm  x_loop x_sonic  "
+             "mb TF/s  saved GiB mb/gmm  peak GiB mb/gmm/sonic  mb max_err  errs"]
     for cfg, act in keys:
         g = index.get((cfg, act, "grouped_mm", BASELINE_POLICY))
         lp = index.get((cfg, act, "loop", BASELINE_POLICY))
+        sm = index.get((cfg, act, "sonicmoe", PEER_POLICY))
         mb = index.get((cfg, act, "moeblaze", "save_preact"))
         nerr = sum(1 for r in rows if r["config"] == cfg and r["act"] == act and r.get("error"))
         mbs = mb or {}
         saved = f"{fmt(_div(mbs.get('saved_bytes'), gib), '.2f')}/" \
                 f"{fmt(_div((g or {}).get('saved_bytes'), gib), '.2f')}"
         peak = f"{fmt(_div(mbs.get('peak_bytes'), gib), '.2f')}/" \
-               f"{fmt(_div((g or {}).get('peak_bytes'), gib), '.2f')}"
+               f"{fmt(_div((g or {}).get('peak_bytes'), gib), '.2f')}/" \
+               f"{fmt(_div((sm or {}).get('peak_bytes'), gib), '.2f')}"
         lines.append(
-            f"{cfg + '/' + act:<20} {ms(g):>8} {ms(lp):>8} {ms(mb):>8} "
+            f"{cfg + '/' + act:<20} {ms(g):>8} {ms(lp):>8} {ms(sm):>8} {ms(mb):>8} "
             f"{fmt(mbs.get('speedup_vs_grouped_mm'), '.2f'):>6} "
-            f"{fmt(mbs.get('speedup_vs_loop'), '.2f'):>7} {fmt(mbs.get('tflops'), '.0f'):>8}  "
-            f"{saved:>16}  {peak:>15}  {fmt(mbs.get('max_rel_err'), '.1e'):>10}  {nerr:>4}")
+            f"{fmt(mbs.get('speedup_vs_loop'), '.2f'):>7} "
+            f"{fmt(mbs.get('speedup_vs_sonicmoe'), '.2f'):>7} {fmt(mbs.get('tflops'), '.0f'):>8}  "
+            f"{saved:>16}  {peak:>21}  {fmt(mbs.get('max_rel_err'), '.1e'):>10}  {nerr:>4}")
     s = doc["summary"]
     for act, v in s.items():
         if isinstance(v, dict):
             lines.append(f"{act}: geomean speed-up vs grouped_mm "
                          f"{fmt(v['geomean_speedup_vs_grouped_mm'], '.2f')}, vs loop "
-                         f"{fmt(v['geomean_speedup_vs_loop'], '.2f')}; max saved ratio "
-                         f"{fmt(v['max_saved_ratio_vs_grouped_mm'], '.2f')}, max peak ratio "
-                         f"{fmt(v['max_peak_ratio_vs_grouped_mm'], '.2f')}")
+                         f"{fmt(v['geomean_speedup_vs_loop'], '.2f')}, vs sonicmoe "
+                         f"{fmt(v['geomean_speedup_vs_sonicmoe'], '.2f')} (min "
+                         f"{fmt(v['min_speedup_vs_sonicmoe'], '.2f')}); max saved ratio "
+                         f"{fmt(v['max_saved_ratio_vs_grouped_mm'], '.2f')} (sonicmoe "
+                         f"{fmt(v['max_saved_ratio_vs_sonicmoe'], '.2f')}), max peak ratio "
+                         f"{fmt(v['max_peak_ratio_vs_grouped_mm'], '.2f')} (sonicmoe "
+                         f"{fmt(v['max_peak_ratio_vs_sonicmoe'], '.2f')})")
     lines.append(f"rows with errors: {s['rows_with_errors']}; rows over the error tolerance: "
                  f"{s['rows_over_tolerance']}")
     lines += clock_lines(doc)
@@ -1027,6 +1386,14 @@ def _div(v, d):
     return None if v is None else v / d
 
 
+def parallel_warmup(args):
+    if args.no_isolate or args.parallel_warmup == "off":
+        return False
+    if args.parallel_warmup == "on":
+        return True
+    return args.device == "cuda" and "sonicmoe" in args.impls
+
+
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -1038,7 +1405,10 @@ def main(argv=None):
                 state.write(json.dumps(event, allow_nan=True, default=_json_default) + "\n")
                 state.flush()
                 os.fsync(state.fileno())
-            ok = run_configs(configs, args, emit)
+            if args.gpu_lock:
+                ok = run_configs_in_turn(configs, args, emit)
+            else:
+                ok = run_configs(configs, args, emit)
         return 0 if ok else EXIT_STICKY
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -1080,7 +1450,9 @@ def main(argv=None):
     sample_clocks = args.device == "cuda" and not args.no_clock_samples
     with (gpu_clocks.ClockSampler(interval_ms=500) if sample_clocks
           else contextlib.nullcontext()) as sampler:
-        if (args.device == "cuda" or args.isolate) and not args.no_isolate:
+        if parallel_warmup(args):
+            rows = run_parallel(configs, args, save)
+        elif (args.device == "cuda" or args.isolate) and not args.no_isolate:
             rows = run_isolated(configs, args, save)
         else:
             def emit(event):

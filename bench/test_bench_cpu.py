@@ -196,10 +196,13 @@ def test_harness_smoke(tmp_path):
     for key in ("device", "commit", "command", "rows", "summary", "environment"):
         assert key in doc
     rows = doc["rows"]
-    assert len(rows) == len(TINY) * 2 * 5
+    assert len(rows) == len(TINY) * 2 * 6  # grouped_mm, loop, sonicmoe (skipped on CPU), moeblaze x3
     have_moeblaze = doc["environment"]["moeblaze"].startswith("bindings")
     for r in rows:
         assert set(r["rel_err"]) == {"y", "dx", "dw_gate", "dw_up", "dw_down", "dg"}
+        if r["impl"] == "sonicmoe":  # a CUDA-only peer: a visible skip with the reason
+            assert r["error"] is None and "CUDA" in r["skipped"], r
+            continue
         if r["impl"] == "moeblaze" and not have_moeblaze:
             assert r["error"]
             continue
@@ -356,3 +359,93 @@ def test_dense_reference_defaults():
     assert run_bench.parse_args(["--device", "cpu", "--quick"]).dense_reference_s == 2.0
     assert run_bench.parse_args(["--device", "cpu", "--quick",
                                  "--dense-reference-s", "0"]).dense_reference_s == 0.0
+
+
+def test_sonicmoe_weight_layout_round_trip():
+    """SonicMoE's fused w1 puts gate row i at 2i and up row i at 2i+1, and computes
+    u = up * silu(gate): the fused layout must give moeblaze's SwiGLU, and the split must invert
+    the fusion (it is how the harness maps SonicMoE's dw1 back for the accuracy check)."""
+    import peers
+    p = random_problem(9, 8, 6, 3, 2, "swiglu", torch.float64, seed=41)
+    w1 = peers.fuse_up_projection(p["w_gate"], p["w_up"])
+    assert tuple(w1.shape) == (3, 12, 8)
+    z = torch.einsum("td,ehd->teh", p["x"], w1)  # every expert on every token
+    u_fused = z[..., 1::2] * torch.nn.functional.silu(z[..., 0::2])
+    a = torch.einsum("td,ehd->teh", p["x"], p["w_gate"])
+    b = torch.einsum("td,ehd->teh", p["x"], p["w_up"])
+    assert torch.allclose(u_fused, baselines.apply_activation("swiglu", a, b), rtol=1e-13, atol=0)
+    gate, up = peers.split_up_projection(w1, gated=True)
+    assert torch.equal(gate, p["w_gate"]) and torch.equal(up, p["w_up"])
+    assert peers.split_up_projection(p["w_gate"], gated=False) == (p["w_gate"], None)
+    tok = peers.token_order_indices(3, 2, "cpu")
+    assert tok.tolist() == [0, 0, 1, 1, 2, 2] and tok.dtype == torch.int32
+
+
+def test_sonicmoe_rows_skip_with_a_reason_on_cpu():
+    import peers
+    reason = peers.sonicmoe_unsupported("swiglu", torch.bfloat16, "cpu")
+    assert reason and "CUDA" in reason
+    assert "activation" in peers.sonicmoe_unsupported("swish", torch.bfloat16, "cuda")
+
+
+def test_layer_reference_over_chunks_equals_one_pass():
+    """The layer-mode reference runs over token chunks with the batch's expert fractions: its
+    output, switch loss and every gradient must equal one pass over the whole batch."""
+    T, d, h, E, k = 23, 8, 12, 5, 2
+    gen = torch.Generator().manual_seed(51)
+    print("seed=51")
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).requires_grad_(True)
+
+    x, wr, wg, wu, wd = randn(T, d), randn(E, d), randn(E, h, d), randn(E, h, d), randn(E, d, h)
+    dy = torch.randn(T, d, generator=gen, dtype=torch.float64)
+    y, aux = baselines.moe_layer(x, wr, wg, wu, wd, k, "swiglu")
+    whole = torch.autograd.grad([y, aux], [x, wr, wg, wu, wd], [dy, torch.ones_like(aux)])
+    with torch.no_grad():
+        fractions = baselines.expert_fractions(torch.topk(x @ wr.t(), k, dim=-1).indices, E,
+                                               torch.float64)
+    parts, auxes, grads = [], [], [torch.zeros_like(t) for t in (wr, wg, wu, wd)]
+    dx = torch.zeros_like(x)
+    for s in range(0, T, 7):
+        xc = x[s:s + 7].detach().requires_grad_(True)
+        yc, ac = baselines.moe_layer(xc, wr, wg, wu, wd, k, "swiglu", fractions=fractions,
+                                     num_tokens=T)
+        g = torch.autograd.grad([yc, ac], [xc, wr, wg, wu, wd], [dy[s:s + 7], torch.ones_like(ac)])
+        dx[s:s + 7] = g[0]
+        for acc, part in zip(grads, g[1:]):
+            acc += part
+        parts.append(yc.detach())
+        auxes.append(float(ac))
+    assert torch.allclose(torch.cat(parts), y.detach(), rtol=0, atol=1e-12)
+    assert abs(sum(auxes) - float(aux)) < 1e-12
+    for got, want in zip([dx] + grads, whole):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-12)
+    assert float(whole[1].abs().max()) > 0  # the router gets a gradient (the test can fail)
+
+
+def test_harness_layer_mode(tmp_path):
+    doc, stdout = _run_harness(tmp_path, ["--acts", "swiglu", "--mode", "layer",
+                                          "--dtype", "fp64"])
+    rows = doc["rows"]
+    have_moeblaze = doc["environment"]["moeblaze"].startswith("bindings")
+    impls = {r["impl"] for r in rows}
+    assert impls == {"grouped_mm", "sonicmoe", "moeblaze"}  # no loop in layer mode
+    for r in rows:
+        assert r["mode"] == "layer"
+        assert set(r["rel_err"]) == {"y", "dx", "dw_router", "dw_gate", "dw_up", "dw_down"}
+        if r["impl"] == "sonicmoe" or (r["impl"] == "moeblaze" and not have_moeblaze):
+            continue
+        assert r["error"] is None, r
+        # fp64: the same routing as the reference, so the errors are rounding only
+        assert max(v for v in r["rel_err"].values() if v is not None) < 1e-12, r
+
+
+def test_harness_parallel_warmup_measures_every_configuration(tmp_path):
+    doc, _ = _run_harness(tmp_path, ["--acts", "silu", "--impls", "loop,grouped_mm",
+                                     "--parallel-warmup", "on"])
+    rows = doc["rows"]
+    assert {(r["config"], r["impl"]) for r in rows} == {
+        (c["name"], i) for c in TINY for i in ("loop", "grouped_mm")}
+    assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
+    assert not list((tmp_path / "out").glob(".bench-*"))  # lock and state files cleaned up
