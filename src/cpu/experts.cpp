@@ -6,8 +6,10 @@
 //           -> per routed row: v = dy . w_down[e], dg = <v, u>, dU = g v, (da, db) = act'(a, b) dU
 //           -> dw_down = (g dy)^T u, dw_gate = da^T x, dw_up = db^T x (grouped, ascending rows)
 //           -> dx = sum_j da . w_gate[e] + db . w_up[e], reduced per token.
-// Rounding (the numerics contract): a, b, u, da, db are rounded to the storage dtype; the GEMM
-// outputs y2 and v stay in the accumulation type; y and dx are rounded once per element.
+// Rounding (the numerics contract, docs/design/routing.md): a, b, u, da, db are rounded to the
+// storage dtype; v stays in the accumulation type; each routed row of the second GEMM (times g)
+// and of dx is rounded to the storage dtype, and y and dx are their per-token sums over j
+// ascending in the accumulation type, rounded once: the expert-parallel layer's sums, bit for bit.
 #include <cstring>
 
 #include "common/activation_math.hpp"
@@ -132,8 +134,8 @@ void experts_forward_typed(const LayerDesc& desc, const ExpertsForwardCall& call
   first_gemm<S>(desc, index, N, x, static_cast<const S*>(call.w_gate),
                 static_cast<const S*>(call.w_up), a_saved, b_saved, saved.ab_ld, u, pool);
 
-  // Second GEMM and combine: y[t, c] = sum_j g[t, j] * (u[r_j] . w_down[e_j][c]), j ascending,
-  // the per-row products kept in Acc.
+  // Second GEMM and combine: y[t, c] = sum_j S(g[t, j] * (u[r_j] . w_down[e_j][c])), j
+  // ascending in Acc, each weighted row rounded to S first.
   pool.parallel_for(T, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t c = 0; c < d; ++c) {
@@ -141,7 +143,8 @@ void experts_forward_typed(const LayerDesc& desc, const ExpertsForwardCall& call
         for (int64_t j = 0; j < k; ++j) {
           const int64_t r = index_map[t * k + j];
           const int64_t e = call.ids[t * k + j];
-          acc += g[t * k + j] * dot<Acc>(u + r * h, w_down + (e * d + c) * h, h);
+          const Acc row = Acc(g[t * k + j]) * dot<Acc>(u + r * h, w_down + (e * d + c) * h, h);
+          acc += Acc(to_acc(from_acc<S>(row)));
         }
         y[t * d + c] = from_acc<S>(acc);
       }
@@ -319,10 +322,12 @@ void experts_backward_typed(const LayerDesc& desc, const ExpertsBackwardCall& ca
   }
 
   if (want_dx) {
-    // dx[t] = sum_j (da[r_j] . w_gate[e_j] + db[r_j] . w_up[e_j]), j then i ascending.
+    // dx[t] = sum_j S(da[r_j] . w_gate[e_j] + db[r_j] . w_up[e_j]), j ascending in Acc, each
+    // row (i ascending) rounded to S first.
     S* dx = static_cast<S*>(call.dx);
     pool.parallel_for(T, [&](int64_t begin, int64_t end) {
       Acc acc[kTile];
+      Acc row[kTile];
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t c0 = 0; c0 < d; c0 += kTile) {
           const int64_t width = std::min(kTile, d - c0);
@@ -330,15 +335,17 @@ void experts_backward_typed(const LayerDesc& desc, const ExpertsBackwardCall& ca
           for (int64_t j = 0; j < k; ++j) {
             const int64_t r = index.token_index_map[t * k + j];
             const int64_t e = call.ids[t * k + j];
+            std::fill(row, row + width, Acc(0));
             for (int64_t i = 0; i < h; ++i) {
               const Acc da_value = to_acc(da[r * h + i]);
               const S* gate_row = w_gate + (e * h + i) * d + c0;
-              for (int64_t c = 0; c < width; ++c) acc[c] += da_value * Acc(to_acc(gate_row[c]));
+              for (int64_t c = 0; c < width; ++c) row[c] += da_value * Acc(to_acc(gate_row[c]));
               if (!gated) continue;
               const Acc db_value = to_acc(db[r * h + i]);
               const S* up_row = w_up + (e * h + i) * d + c0;
-              for (int64_t c = 0; c < width; ++c) acc[c] += db_value * Acc(to_acc(up_row[c]));
+              for (int64_t c = 0; c < width; ++c) row[c] += db_value * Acc(to_acc(up_row[c]));
             }
+            for (int64_t c = 0; c < width; ++c) acc[c] += Acc(to_acc(from_acc<S>(row[c])));
           }
           for (int64_t c = 0; c < width; ++c) dx[t * d + c0 + c] = from_acc<S>(acc[c]);
         }

@@ -21,6 +21,7 @@
 #include "cuda/sm90/device.hpp"
 #include "cuda/sm90/f1_gemm.hpp"
 #include "cuda/sm90/rows_gemm.hpp"
+#include "cuda/tuning.hpp"
 
 #ifndef MOEBLAZE_CUDA_VERSION
 #define MOEBLAZE_CUDA_VERSION "unknown"
@@ -164,26 +165,11 @@ void lt_matmul(cublasLtHandle_t handle, LtPlanCache& cache, const LtGemm& g, voi
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int32_t device) : device_(device) {
+  explicit CudaBackend(int32_t device) : device_(device), tuning_(CudaTuning::from_environment()) {
     DeviceGuard guard(device_);
     check_lt(cublasLtCreate(&lt_), "cublasLtCreate");
     gemm_init_attributes();
     sm90_prepare_device(device_);  // Hopper kernel attributes, outside any graph capture
-    // Tuning switch (read here, never on an execute path): the tensor-core warp layout.
-    const char* warps = std::getenv("MOEBLAZE_CUDA_MMA_WARPS");
-    gemm_set_mma_warps(warps ? std::atoi(warps) : 0);
-    // Test/tuning switch: B1/B2's column chunks of h (experts.cu), 0 or unset = its policy.
-    const char* gu_chunks = std::getenv("MOEBLAZE_CUDA_GU_CHUNKS");
-    experts_set_gu_chunks(gu_chunks ? std::atoi(gu_chunks) : 0);
-    // Test switch: k = 1's direct rows (experts.cu); "0" routes them through the reduction.
-    const char* direct_rows = std::getenv("MOEBLAZE_CUDA_DIRECT_ROWS");
-    experts_set_direct_rows(!(direct_rows && std::strcmp(direct_rows, "0") == 0));
-    // Test/tuning switch: the Hopper B1's epilogue form (rows_gemm.cu's sm90_parse_b1_form).
-    sm90_set_b1_form(sm90_parse_b1_form(std::getenv("MOEBLAZE_CUDA_B1_FORM")));
-    // Test/tuning switch: the Hopper F1's epilogue form (f1_gemm.cu's sm90_parse_f1_form).
-    sm90_set_f1_form(sm90_parse_f1_form(std::getenv("MOEBLAZE_CUDA_F1_FORM")));
-    // Tuning switch: the grouped GEMMs' tile rasterisation (sm90/device.hpp).
-    sm90_set_band_mtiles(sm90_parse_band_mtiles(std::getenv("MOEBLAZE_CUDA_BAND_MTILES")));
   }
   ~CudaBackend() override {
     if (lt_) {
@@ -226,14 +212,14 @@ class CudaBackend final : public Backend {
         ExpertsForwardCall call;
         call.T = T;
         call.has_saved = (flags & MOEBLAZE_FORWARD_WITH_SAVED) != 0;
-        cuda::experts_forward(desc, call, measure, false);
+        cuda::experts_forward(desc, call, measure, false, tuning_);
         break;
       }
       case Pass::ExpertsBackward: {
         ExpertsBackwardCall call;
         call.T = T;
         call.consume_saved = (flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
-        cuda::experts_backward(desc, call, measure, false);
+        cuda::experts_backward(desc, call, measure, false, tuning_);
         break;
       }
       case Pass::LayerForward:
@@ -369,13 +355,13 @@ class CudaBackend final : public Backend {
   void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call) override {
     DeviceGuard guard(device_);
     Carver ws(call.workspace.ptr);
-    cuda::experts_forward(desc, call, ws, true);
+    cuda::experts_forward(desc, call, ws, true, tuning_);
   }
 
   void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call) override {
     DeviceGuard guard(device_);
     Carver ws(call.workspace.ptr);
-    cuda::experts_backward(desc, call, ws, true);
+    cuda::experts_backward(desc, call, ws, true, tuning_);
   }
 
   void copy(void* dst, const void* src, size_t bytes, void* stream) override {
@@ -412,6 +398,7 @@ class CudaBackend final : public Backend {
   }
 
   int32_t device_;
+  const CudaTuning tuning_;  // read once, at creation (tuning.hpp)
   cublasLtHandle_t lt_ = nullptr;
   LtPlanCache lt_plans_;  // descriptors only: independent of the lt_ handle's lifetime
 };

@@ -105,6 +105,14 @@ __device__ __forceinline__ float one_term_sum(float w, float v) {
   return __fadd_rn(0.f, __fmul_rn(w, v));
 }
 
+// A routed row's element as F2 / B4 store it (storage type T): w * v rounded to T, then + 0 (so a
+// -0 becomes +0, as the per-token sum that starts at +0 makes it). The per-token sum of rows gives
+// the same bits whether a row is stored and summed or (k = 1) is the token's output itself.
+template <typename T>
+__device__ __forceinline__ float row_value(float w, float v) {
+  return __fadd_rn(0.f, round_to<T>(one_term_sum(w, v)));
+}
+
 // Calls f.template operator()<T>() with T the storage type of `dtype` (F64 never reaches CUDA).
 #define MB_CUDA_DISPATCH_DTYPE(dtype, ...)                                                     \
   switch (dtype) {                                                                             \

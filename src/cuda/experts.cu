@@ -1,9 +1,10 @@
 // Expert MLP forward (F1, F2, combine) and backward (B1, B2, B3, B4, per-token dx and dg
 // reductions) on top of the grouped GEMM engine. Transients (never saved): u unless SAVE_ALL, the
-// fp32 [N,d] outputs of F2 and B4 (reduced per token in fixed j order and rounded once, so y and dx
-// are deterministic without atomics), da|db and g*u in the storage dtype, B1's per-n-tile dg
-// partials. In the backward, B4's fp32 rows reuse g*u's region, RECOMPUTE's a, b live in da|db's,
-// and B1 + B2 run over column chunks of h when g*u would be the larger region (see
+// [N, d] rows of F2 and B4 (each weighted and rounded once to the storage dtype, then summed per
+// token in fixed j order in fp32 and rounded again, so y and dx are deterministic without atomics
+// and equal the expert-parallel layer's bit for bit), da|db and g*u in the storage dtype, B1's
+// per-n-tile dg partials. In the backward, B4's rows share g*u's region, RECOMPUTE's a, b live in
+// da|db's, and B1 + B2 run over column chunks of h when g*u would be the larger region (see
 // experts_backward).
 #include "cuda/experts.hpp"
 
@@ -23,73 +24,48 @@ namespace {
 
 constexpr int kReduceThreads = 128;
 
-// y_t = round(sum_j g[t,j] * rows[tim[t,j]]) (weights == nullptr: plain sum), j in order. Each
-// product is rounded before it is added (__fmul_rn / __fadd_rn: never contracted to an FMA), as
-// the CPU reference does and as the expert-parallel layer does when an expert rank applies g to
-// its row and the home rank sums the returned rows: with F32 storage all three agree bitwise
-// (seen on two H200s: the contracted form differed from the EP layer by one ulp of y).
+// out_t = round(sum_j rows[tim[t,j]]), j ascending, in fp32 with every addition rounded
+// (__fadd_rn: never contracted): the expert-parallel home rank's sum of the rows its experts
+// return, so the one-device and the expert-parallel layer agree bitwise in every dtype.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
-    token_reduce_kernel(int64_t d, int k, const int32_t* token_index_map, const float* weights,
-                        const float* rows, T* out) {
+    token_reduce_kernel(int64_t d, int k, const int32_t* token_index_map, const T* rows, T* out) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
     float s = 0.f;
     for (int j = 0; j < k; ++j) {
       const int32_t r = token_index_map[t * k + j];
       if (r < 0) continue;
-      const float v = rows[int64_t(r) * d + c];
-      s = __fadd_rn(s, weights ? __fmul_rn(weights[t * k + j], v) : v);
+      s = __fadd_rn(s, to_f32<T>(rows[int64_t(r) * d + c]));
     }
     out[t * d + c] = from_f32<T>(s);
   }
 }
 
-// Four adjacent outputs (p 4-element aligned), each rounded by from_f32 as the scalar kernel does.
-template <typename T>
-__device__ __forceinline__ void store4(T* p, const float4& s) {
-  if constexpr (std::is_same<T, float>::value) {
-    *reinterpret_cast<float4*>(p) = s;
-  } else {
-    static_assert(sizeof(T) == 2, "store4: float, bf16 or half");
-    const T v[4] = {from_f32<T>(s.x), from_f32<T>(s.y), from_f32<T>(s.z), from_f32<T>(s.w)};
-    uint16_t bits[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) bits[i] = *reinterpret_cast<const uint16_t*>(&v[i]);
-    *reinterpret_cast<uint2*>(p) = make_uint2(uint32_t(bits[0]) | (uint32_t(bits[1]) << 16),
-                                              uint32_t(bits[2]) | (uint32_t(bits[3]) << 16));
-  }
-}
-
-// token_reduce_kernel four columns at a time, for d % 4 == 0 with rows 16-byte and out 4-element
-// aligned: one 16-byte load per row instead of four 4-byte ones, the same per-element arithmetic
-// in the same j order (bitwise the same outputs). Measured (session 8): mixtral's two calls
-// 0.595 -> 0.317 ms (3.4 TB/s), conf3 0.625 -> 0.557 ms for 2 x 1 GiB of rows (3.9 TB/s).
+// token_reduce_kernel 16 bytes at a time (d a multiple of the elements in 16 bytes, rows and out
+// 16-byte aligned): the same additions in the same order, so the same bits.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
-    token_reduce4_kernel(int64_t d, int k, const int32_t* token_index_map, const float* weights,
-                         const float* rows, T* out) {
+    token_reduce16_kernel(int64_t d, int k, const int32_t* token_index_map, const T* rows, T* out) {
+  constexpr int kVec = 16 / int(sizeof(T));
   const int64_t t = blockIdx.x;
-  for (int64_t c = 4 * int64_t(threadIdx.x); c < d; c += 4 * int64_t(blockDim.x)) {
-    float4 s = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (int64_t c = kVec * int64_t(threadIdx.x); c < d; c += kVec * int64_t(blockDim.x)) {
+    float s[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) s[i] = 0.f;
     for (int j = 0; j < k; ++j) {
       const int32_t r = token_index_map[t * k + j];
       if (r < 0) continue;
-      const float4 v = *reinterpret_cast<const float4*>(rows + int64_t(r) * d + c);
-      if (weights) {
-        const float w = weights[t * k + j];
-        s.x = __fadd_rn(s.x, __fmul_rn(w, v.x));
-        s.y = __fadd_rn(s.y, __fmul_rn(w, v.y));
-        s.z = __fadd_rn(s.z, __fmul_rn(w, v.z));
-        s.w = __fadd_rn(s.w, __fmul_rn(w, v.w));
-      } else {
-        s.x = __fadd_rn(s.x, v.x);
-        s.y = __fadd_rn(s.y, v.y);
-        s.z = __fadd_rn(s.z, v.z);
-        s.w = __fadd_rn(s.w, v.w);
-      }
+      const uint4 raw = *reinterpret_cast<const uint4*>(rows + int64_t(r) * d + c);
+      const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+      for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
     }
-    store4<T>(out + t * d + c, s);
+    uint4 packed;
+    T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) o[i] = from_f32<T>(s[i]);
+    *reinterpret_cast<uint4*>(out + t * d + c) = packed;
   }
 }
 
@@ -134,49 +110,38 @@ bool can_use_mma(const LayerDesc& desc, std::initializer_list<const void*> opera
 }
 
 template <typename T>
-void token_reduce(int64_t T_, const LayerDesc& desc, const int32_t* tim, const float* weights,
-                  const float* rows, void* out, cudaStream_t stream) {
-  const bool vec4 = desc.d % 4 == 0 && aligned16(rows) &&
-                    (reinterpret_cast<uintptr_t>(out) % (4 * sizeof(T))) == 0;
-  if (vec4) {
-    token_reduce4_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
-        desc.d, int(desc.k), tim, weights, rows, static_cast<T*>(out));
-    check_launch("token_reduce4_kernel");
+void token_reduce(int64_t T_, const LayerDesc& desc, const int32_t* tim, const void* rows,
+                  void* out, cudaStream_t stream) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  if (desc.d % kVec == 0 && aligned16(rows) && aligned16(out)) {
+    token_reduce16_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
+        desc.d, int(desc.k), tim, static_cast<const T*>(rows), static_cast<T*>(out));
+    check_launch("token_reduce16_kernel");
     return;
   }
   token_reduce_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
-      desc.d, int(desc.k), tim, weights, rows, static_cast<T*>(out));
+      desc.d, int(desc.k), tim, static_cast<const T*>(rows), static_cast<T*>(out));
   check_launch("token_reduce_kernel");
 }
 
-void token_reduce_any(int64_t T_, const LayerDesc& desc, const int32_t* tim, const float* weights,
-                      const float* rows, void* out, cudaStream_t stream) {
-  if (T_ == 0) return;
-  MB_CUDA_DISPATCH_DTYPE(desc.dtype,
-                         token_reduce<scalar_t>(T_, desc, tim, weights, rows, out, stream));
-}
-
-bool g_direct_rows = true;
-
 // k = 1: a token's output is its one routed row (times g), rounded once, so F2 and B4 write y and
-// dx themselves (one_term_sum: the reduction's bits) and neither the fp32 rows ([N, d]: 128 MiB
-// of workspace on conf1, the forward's peak there) nor the reduction pass exist. The expert side
-// of the expert-parallel layer runs with k = 1 too. Decided from the descriptor alone, so the
-// size query and the run carve the same regions; every F2 / B4 path (sm90, mma.sync, SIMT)
-// supports it.
-bool direct_rows(const LayerDesc& desc) {
-  return desc.k == 1 && g_direct_rows;
+// dx themselves (row_value: the reduction's bits) and neither the [N, d] rows nor the
+// reduction pass exist. The expert side of the expert-parallel layer runs with k = 1 too. Decided
+// from the descriptor alone, so the size query and the run carve the same regions; every F2 / B4
+// path (sm90, mma.sync, SIMT) supports it.
+bool direct_rows(const LayerDesc& desc, const CudaTuning& tuning) {
+  return desc.k == 1 && tuning.direct_rows;
 }
 
-// After F2 / B4: the per-token reduction of the fp32 rows, or (direct rows) the dropped tokens'
-// zero rows.
+// After F2 / B4: the per-token reduction of the rows, or (direct rows) the dropped tokens' zero
+// rows.
 void finish_rows(bool direct, int64_t T_, const LayerDesc& desc, const int32_t* tim,
-                 const float* weights, const float* rows, void* out, cudaStream_t stream) {
+                 const void* rows, void* out, cudaStream_t stream) {
+  if (T_ == 0) return;
   if (!direct) {
-    token_reduce_any(T_, desc, tim, weights, rows, out, stream);
+    MB_CUDA_DISPATCH_DTYPE(desc.dtype, token_reduce<scalar_t>(T_, desc, tim, rows, out, stream));
     return;
   }
-  if (T_ == 0) return;
   constexpr int kThreads = 256;  // 8 tokens a block
   const unsigned blocks = unsigned((T_ * 32 + kThreads - 1) / kThreads);
   MB_CUDA_DISPATCH_DTYPE(desc.dtype, zero_dropped_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
@@ -184,37 +149,36 @@ void finish_rows(bool direct, int64_t T_, const LayerDesc& desc, const int32_t* 
   check_launch("zero_dropped_kernel");
 }
 
-// MOEBLAZE_CUDA_GU_CHUNKS (read at backend creation): 0 = the policy of gu_chunk_cols, n > 0 =
-// n chunks (tests and tuning).
-int g_gu_chunks_override = 0;
-
 // Every B1 tile width (sm90 256, mma.sync 128, SIMT 64) divides a chunk's width, so each chunk's
 // n-tiles are exactly the unchunked kernel's and its dg partials keep their absolute index.
 constexpr int64_t kGuChunkAlign = 256;
 constexpr int64_t kMaxGuChunks = 4;
 
 // Width of B1/B2's column chunks of h (h itself: one chunk). g*u ([N, h], storage dtype) is the
-// backward's largest transient, and B4's fp32 rows ([N, d]) take its region once B2 has read it,
-// so the region can shrink to B4's size at no cost in memory: chunks = floor(h*es / (4d)), at
-// most 4 (conf4: h = 4d, bf16: two chunks, g*u's 2 GiB region becomes B4's 1 GiB). Each chunk
-// re-gathers dy for B1 and B2 (from L2 mostly) and adds a partial last wave to each, so this is
-// done only where it lowers the layer's peak: when the backward's transients (g*u and the weight
-// gradients it fills) are at least the forward's (u unless saved, and F2's fp32 rows). By that
-// rule the benchmark's conf4, conf6 and conf7 chunk and conf1, conf2, conf3, conf5 (whose
-// measured peak is the forward's) do not.
-int64_t gu_chunk_cols(const LayerDesc& desc, int64_t N) {
+// backward's largest transient; B4's rows ([N, d]) share its region once B2 has read it. The
+// layer's peak is the larger of the forward's transients (u unless saved, and F2's rows) and the
+// backward's (the weight gradients and dx it fills, and that region). Each chunk re-gathers dy
+// for B1 and B2 and adds a partial last wave to each, so h is chunked only as far as needed to
+// bring the backward down to the forward: the fewest chunks that do (at most 4), or, where no
+// number of chunks can, until g*u is no larger than B4's rows.
+int64_t gu_chunk_cols(const LayerDesc& desc, int64_t T, int64_t N, bool direct, int forced_chunks) {
   const int64_t h = desc.h, d = desc.d;
-  const int64_t es = int64_t(desc.elem_size()), f32 = int64_t(sizeof(float));
+  const int64_t es = int64_t(desc.elem_size());
   if (N == 0) return h;
-  int64_t chunks = g_gu_chunks_override;
+  int64_t chunks = forced_chunks > 0 ? forced_chunks : 0;
   if (chunks == 0) {
-    const int64_t weights = desc.gated() ? 3 : 2;
-    const int64_t forward_transients =
-        (desc.checkpoint == Checkpoint::SaveAll ? 0 : es * N * h) + f32 * N * d;
-    const int64_t backward_transients = es * N * h + es * desc.E * d * h * weights;
-    if (backward_transients < forward_transients) return h;
-    chunks = (h * es) / (d * f32);
-    if (chunks > kMaxGuChunks) chunks = kMaxGuChunks;
+    const int64_t rows = direct ? 0 : es * N * d;
+    const int64_t gu = es * N * h;
+    const int64_t forward = (desc.checkpoint == Checkpoint::SaveAll ? 0 : gu) + rows;
+    const int64_t outputs = es * desc.E * d * h * (desc.gated() ? 3 : 2) + es * T * d;
+    const auto backward = [&](int64_t c) {
+      const int64_t region = (gu + c - 1) / c;
+      return outputs + (region > rows ? region : rows);
+    };
+    if (backward(1) <= forward) return h;
+    chunks = 1;
+    while (chunks < kMaxGuChunks && backward(chunks) > forward && (gu + chunks - 1) / chunks > rows)
+      ++chunks;
   }
   if (chunks <= 1) return h;
   const int64_t cols =
@@ -260,7 +224,8 @@ GemmParams f1_params(const LayerDesc& desc, const int32_t* offsets, int32_t* mti
 
 // ---- forward ------------------------------------------------------------------------------------
 
-void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carver& ws, bool run) {
+void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carver& ws, bool run,
+                     const CudaTuning& tuning) {
   const int64_t T = call.T, N = T * desc.k, h = desc.h, d = desc.d, E = desc.E;
   const size_t es = desc.elem_size();
   // With a saved buffer (training; the size query's MOEBLAZE_FORWARD_WITH_SAVED) the routing
@@ -271,15 +236,16 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   int32_t* ws_offsets = ws.carve<int32_t>(saved ? 0 : sizeof(int32_t) * size_t(E + 1));
   int32_t* ws_eti = ws.carve<int32_t>(saved ? 0 : sizeof(int32_t) * size_t(N));
   int32_t* ws_tim = ws.carve<int32_t>(saved ? 0 : sizeof(int32_t) * size_t(N));
+  int32_t* row_pair = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
   int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
   void* ws_u = ws.carve(save_all ? 0 : es * size_t(N) * size_t(h));
-  const bool direct = direct_rows(desc);
-  float* y2 = ws.carve<float>(direct ? 0 : sizeof(float) * size_t(N) * size_t(d));
+  const bool direct = direct_rows(desc, tuning);
+  void* y2 = ws.carve(direct ? 0 : es * size_t(N) * size_t(d));
   cudaStream_t stream = as_stream(call.stream);
   int32_t* offsets = saved ? call.saved.expert_offsets : ws_offsets;
   int32_t* eti = saved ? call.saved.expert_token_indices : ws_eti;
   int32_t* tim = saved ? call.saved.token_index_map : ws_tim;
-  routing_build(desc, T, call.ids, offsets, eti, tim, nullptr, ws, run, stream);
+  routing_build(desc, T, call.ids, offsets, eti, tim, row_pair, ws, run, stream);
   if (!run) return;
 
   if (call.expert_counts) counts_from_offsets(E, offsets, call.expert_counts, stream);
@@ -299,58 +265,51 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   f1.ep.out_b = save_preact && desc.gated() ? call.saved.b : nullptr;
   if (save_preact) f1.ep.ab_ld = call.saved.ab_ld;  // the saved [N, 2h] a|b block (gated)
   f1.ep.out_u = u;
-  if (sm90_f1_supported(desc, T, call.x, call.w_gate, call.w_up, f1.ep.out_a, f1.ep.out_b,
-                        f1.ep.out_u, f1.ep.ab_ld)) {
+  if (tuning.sm90 && sm90_f1_supported(desc, T, call.x, call.w_gate, call.w_up, f1.ep.out_a,
+                                       f1.ep.out_b, f1.ep.out_u, f1.ep.ab_ld)) {
     sm90_f1_launch(desc, T, call.x, offsets, eti, call.w_gate, call.w_up, f1.ep.out_a, f1.ep.out_b,
-                   f1.ep.out_u, f1.ep.ab_ld, stream);
+                   f1.ep.out_u, f1.ep.ab_ld, tuning.sm90_forms, stream);
   } else {
-    launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), stream);
+    launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), tuning.mma_warps, stream);
   }
 
+  // F2: row r = g_r * (u_r . w_down[e]^T), rounded once: into y2, or (direct) straight into y.
   const float* g = static_cast<const float*>(call.g);
-  if (sm90_rows_supported(desc, T, {u, call.w_down, direct ? call.y : y2})) {
-    Sm90DirectRows to_y;
-    if (direct) to_y = {call.y, eti, g};
-    sm90_f2_launch(desc, T, u, offsets, call.w_down, y2, to_y, stream);
-    finish_rows(direct, T, desc, tim, g, y2, call.y, stream);
-    return;
+  Sm90RowsOut out;
+  out.rows = direct ? call.y : y2;
+  out.pair = row_pair;
+  out.weights = g;
+  out.by_pair = direct;
+  if (tuning.sm90 && sm90_rows_supported(desc, T, {u, call.w_down, out.rows})) {
+    sm90_f2_launch(desc, T, u, offsets, call.w_down, out, tuning.sm90_forms, stream);
+  } else {
+    GemmParams f2;
+    f2.E = int(E);
+    f2.N = int(d);
+    f2.K = int(h);
+    f2.offsets = offsets;
+    f2.mtile_start = mtile;
+    f2.A.p0 = u;
+    f2.A.ld = h;
+    f2.A.routed = true;
+    f2.B.p0 = call.w_down;
+    f2.B.ld = h;
+    f2.B.expert_stride = d * h;
+    f2.ep.d = d;
+    f2.ep.h = h;
+    f2.ep.out_rows = out.rows;
+    f2.ep.out_pair = out.pair;
+    f2.ep.out_w = out.weights;
+    f2.ep.out_by_pair = out.by_pair;
+    launch_gemm(desc.dtype, Epi::F2, mma, f2, int(N), tuning.mma_warps, stream);
   }
-  GemmParams f2;
-  f2.E = int(E);
-  f2.N = int(d);
-  f2.K = int(h);
-  f2.offsets = offsets;
-  f2.mtile_start = mtile;
-  f2.A.p0 = u;
-  f2.A.ld = h;
-  f2.A.routed = true;
-  f2.B.p0 = call.w_down;
-  f2.B.ld = h;
-  f2.B.expert_stride = d * h;
-  f2.ep.d = d;
-  f2.ep.h = h;
-  f2.ep.out_rows_f32 = y2;
-  if (direct) {
-    f2.ep.direct_out = call.y;
-    f2.ep.direct_token = eti;
-    f2.ep.direct_w = g;
-  }
-  launch_gemm(desc.dtype, Epi::F2, mma, f2, int(N), stream);
-  finish_rows(direct, T, desc, tim, g, y2, call.y, stream);
+  finish_rows(direct, T, desc, tim, y2, call.y, stream);
 }
 
 // ---- backward -----------------------------------------------------------------------------------
 
-void experts_set_gu_chunks(int chunks) {
-  g_gu_chunks_override = chunks > 0 ? chunks : 0;
-}
-
-void experts_set_direct_rows(bool enabled) {
-  g_direct_rows = enabled;
-}
-
-void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Carver& ws,
-                      bool run) {
+void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Carver& ws, bool run,
+                      const CudaTuning& tuning) {
   const int64_t T = call.T, N = T * desc.k, h = desc.h, d = desc.d, E = desc.E;
   const size_t es = desc.elem_size();
   const bool gated = desc.gated();
@@ -363,17 +322,15 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   int32_t* row_pair = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
   int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
   // g*u for one column chunk of h at a time (gu_chunk_cols; all of h when that is one chunk).
-  const int64_t gu_cols = gu_chunk_cols(desc, N);
+  const bool direct = direct_rows(desc, tuning);  // B4 writes dx itself: no rows
+  const int64_t gu_cols = gu_chunk_cols(desc, T, N, direct, tuning.gu_chunks);
   const size_t gu_bytes = es * size_t(N) * size_t(gu_cols);
-  const bool direct = direct_rows(desc);  // B4 writes dx itself: no fp32 rows
-  const size_t dxr_bytes = direct ? 0 : sizeof(float) * size_t(N) * size_t(d);
-  // B4's fp32 rows reuse g*u's region when they fit: g*u is written by B1 and last read by B2, and
-  // all kernels run in order on one stream. (RECOMPUTE's a, b need no region: see below.)
-  const bool dxr_in_gu = dxr_bytes <= gu_bytes;
+  const size_t dxr_bytes = direct ? 0 : es * size_t(N) * size_t(d);
+  // g*u and B4's rows share one region: g*u is written by B1 and last read by B2, B4 runs after
+  // both, and all kernels run in order on one stream. (RECOMPUTE's a, b need no region: below.)
   void* dadb = consume ? nullptr : ws.carve(es * size_t(N) * size_t(dadb_ld));
-  void* gu = ws.carve(gu_bytes);
+  void* gu = ws.carve(gu_bytes > dxr_bytes ? gu_bytes : dxr_bytes);
   float* dg_part = ws.carve<float>(sizeof(float) * size_t(b1_dg_parts) * size_t(N));
-  float* dxr_own = ws.carve<float>(dxr_in_gu ? 0 : dxr_bytes);
   if (!run) return;
   cudaStream_t stream = as_stream(call.stream);
   const SavedView& sv = call.saved;
@@ -402,12 +359,12 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
     f1.ep.out_a = a_ws;
     f1.ep.out_b = b_ws;
     f1.ep.ab_ld = dadb_ld;
-    if (sm90_f1_supported(desc, T, call.x, call.w_gate, call.w_up, a_ws, b_ws, nullptr,
-                          f1.ep.ab_ld)) {
+    if (tuning.sm90 && sm90_f1_supported(desc, T, call.x, call.w_gate, call.w_up, a_ws, b_ws,
+                                         nullptr, f1.ep.ab_ld)) {
       sm90_f1_launch(desc, T, call.x, sv.expert_offsets, sv.expert_token_indices, call.w_gate,
-                     call.w_up, a_ws, b_ws, nullptr, f1.ep.ab_ld, stream);
+                     call.w_up, a_ws, b_ws, nullptr, f1.ep.ab_ld, tuning.sm90_forms, stream);
     } else {
-      launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), stream);
+      launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), tuning.mma_warps, stream);
     }
     a_src = a_ws;
     b_src = b_ws;
@@ -422,9 +379,10 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   // of either kernel is the unchunked one, so the results do not depend on the chunking.
   const int64_t ab_ld_full = ab_ld != 0 ? ab_ld : h;
   const bool b1_sm90 =
+      tuning.sm90 &&
       sm90_rows_supported(desc, T, {call.dy, call.w_down, a_src, b_src, u_src, dadb, gu});
-  const bool b2_sm90 =
-      call.dw_down != nullptr && sm90_wgrad_supported(desc, T, {call.dy, gu, call.dw_down});
+  const bool b2_sm90 = call.dw_down != nullptr && tuning.sm90 &&
+                       sm90_wgrad_supported(desc, T, {call.dy, gu, call.dw_down});
   const int b1_tile_cols = b1_sm90 ? kSm90B1TileCols : (mma ? kMmaBN : kSimtBN);
   const int b1_parts_per_tile = b1_sm90 ? kSm90B1DgPartsPerTile : 1;
   const auto column = [es](const void* base, int64_t col) -> void* {
@@ -451,7 +409,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
       ep.col0 = h0;
       ep.cols = cols;
       sm90_b1_launch(desc, T, call.dy, sv.expert_offsets, sv.expert_token_indices, call.w_down, ep,
-                     stream);
+                     tuning.sm90_forms, stream);
     } else {
       GemmParams b1;
       b1.E = int(E);
@@ -483,7 +441,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
       b1.ep.db_offset = h;
       b1.ep.gu = gu;
       b1.ep.dg_part = dg_chunk;
-      launch_gemm(desc.dtype, Epi::B1, mma, b1, int(N), stream);
+      launch_gemm(desc.dtype, Epi::B1, mma, b1, int(N), tuning.mma_warps, stream);
     }
 
     if (b2_sm90) {
@@ -507,7 +465,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
       b2.ep.out_expert_stride = d * h;
       b2.ep.out_split = int32_t(d);
       b2.ep.accumulate = call.accumulate_wgrad;
-      launch_gemm(desc.dtype, Epi::Wgrad, mma, b2, int(N), stream);
+      launch_gemm(desc.dtype, Epi::Wgrad, mma, b2, int(N), tuning.mma_warps, stream);
     }
   }
 
@@ -520,7 +478,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
 
   // B3: [dw_gate; dw_up][e] [2h, d] = sum_r [da|db]_r^T x[tok_r].
   void* dw_up = gated ? call.dw_up : nullptr;
-  if ((call.dw_gate || dw_up) &&
+  if ((call.dw_gate || dw_up) && tuning.sm90 &&
       sm90_wgrad_supported(desc, T, {dadb, call.x, call.dw_gate, dw_up})) {
     sm90_b3_launch(desc, T, dadb, call.x, sv.expert_offsets, sv.expert_token_indices, call.dw_gate,
                    dw_up, call.accumulate_wgrad, stream);
@@ -543,17 +501,20 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
     b3.ep.out_expert_stride = h * d;
     b3.ep.out_split = int32_t(h);
     b3.ep.accumulate = call.accumulate_wgrad;
-    launch_gemm(desc.dtype, Epi::Wgrad, mma, b3, int(N), stream);
+    launch_gemm(desc.dtype, Epi::Wgrad, mma, b3, int(N), tuning.mma_warps, stream);
   }
 
   // B4: dx rows = [da|db]_r . [w_gate; w_up][e] (K = 2h), then the per-token reduction.
   if (call.dx) {
-    float* dxr = dxr_in_gu ? static_cast<float*>(gu) : dxr_own;
-    if (sm90_rows_supported(desc, T, {dadb, call.w_gate, call.w_up, direct ? call.dx : dxr})) {
-      Sm90DirectRows to_dx;
-      if (direct) to_dx = {call.dx, sv.expert_token_indices, nullptr};
-      sm90_b4_launch(desc, T, dadb, sv.expert_offsets, call.w_gate, call.w_up, dxr, to_dx, stream);
-      finish_rows(direct, T, desc, sv.token_index_map, nullptr, dxr, call.dx, stream);
+    void* dxr = gu;
+    Sm90RowsOut out;
+    out.rows = direct ? call.dx : dxr;
+    out.pair = row_pair;
+    out.by_pair = direct;
+    if (tuning.sm90 && sm90_rows_supported(desc, T, {dadb, call.w_gate, call.w_up, out.rows})) {
+      sm90_b4_launch(desc, T, dadb, sv.expert_offsets, call.w_gate, call.w_up, out,
+                     tuning.sm90_forms, stream);
+      finish_rows(direct, T, desc, sv.token_index_map, dxr, call.dx, stream);
       return;
     }
     GemmParams b4;
@@ -572,13 +533,11 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
     b4.B.expert_stride = h * d;
     b4.ep.d = d;
     b4.ep.h = h;
-    b4.ep.out_rows_f32 = dxr;
-    if (direct) {
-      b4.ep.direct_out = call.dx;
-      b4.ep.direct_token = sv.expert_token_indices;
-    }
-    launch_gemm(desc.dtype, Epi::B4, mma, b4, int(N), stream);
-    finish_rows(direct, T, desc, sv.token_index_map, nullptr, dxr, call.dx, stream);
+    b4.ep.out_rows = out.rows;
+    b4.ep.out_pair = out.pair;
+    b4.ep.out_by_pair = out.by_pair;
+    launch_gemm(desc.dtype, Epi::B4, mma, b4, int(N), tuning.mma_warps, stream);
+    finish_rows(direct, T, desc, sv.token_index_map, dxr, call.dx, stream);
   }
 }
 

@@ -1,22 +1,20 @@
-// Expert MLP forward/backward of the CUDA backend (carve-then-run, as in kernels.hpp).
+// Expert MLP forward/backward of the CUDA backend (carve-then-run, as in kernels.hpp): run = false
+// only carves the workspace regions (the size query), run = true carves the same regions and
+// enqueues the kernels. `tuning` is the backend's (tuning.hpp); the size query and the call it
+// sizes must see the same one, which a backend's never-changing tuning guarantees.
 #pragma once
 
 #include "common/backend.hpp"
 #include "common/carver.hpp"
+#include "cuda/tuning.hpp"
 
 namespace moeblaze {
 namespace cuda {
 
-void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carver& ws, bool run);
-void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Carver& ws, bool run);
-
-// The number of column chunks of h that B1 and B2 run in (0: experts.cu's policy). A tuning and
-// test switch: set once at backend creation (MOEBLAZE_CUDA_GU_CHUNKS), never between a workspace
-// query and the call it sizes.
-void experts_set_gu_chunks(int chunks);
-// k = 1: F2 / B4 write y and dx directly (default), or through fp32 rows and the per-token
-// reduction (false; the same bits). Read at backend creation from MOEBLAZE_CUDA_DIRECT_ROWS.
-void experts_set_direct_rows(bool enabled);
+void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carver& ws, bool run,
+                     const CudaTuning& tuning);
+void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Carver& ws, bool run,
+                      const CudaTuning& tuning);
 
 }  // namespace cuda
 }  // namespace moeblaze

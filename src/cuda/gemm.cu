@@ -33,11 +33,10 @@ __global__ void __launch_bounds__(1024)
   if (e == 0) mtile_start[0] = 0;
 }
 
-int g_mma_warps = 0;       // 0: per epilogue (see launch_typed); 4 or 8: forced
-bool g_b1_legacy = false;  // MOEBLAZE_CUDA_B1_EPILOGUE=legacy (read at backend creation)
-
+// mma_warps: 0 = per epilogue (below); 4 or 8 forced (CudaTuning::mma_warps).
 template <typename T, Epi EPI>
-void launch_typed(bool use_mma, const GemmParams& p, unsigned grid, cudaStream_t stream) {
+void launch_typed(bool use_mma, int mma_warps, const GemmParams& p, unsigned grid,
+                  cudaStream_t stream) {
   if constexpr (std::is_same<T, float>::value) {
     simt_gemm_kernel<T, EPI><<<grid, kSimtThreads, 0, stream>>>(p);
     check_launch("simt_gemm_kernel");
@@ -45,7 +44,7 @@ void launch_typed(bool use_mma, const GemmParams& p, unsigned grid, cudaStream_t
     if (use_mma) {
       // Measured on H200 (conf3, bf16): 2x4 warps of 64x32 is faster for every epilogue but F2's
       // plain fp32 store, where 2x2 warps of 64x64 win (5.4 vs 6.5 ms).
-      const bool wide_warps = g_mma_warps == 4 || (g_mma_warps == 0 && EPI == Epi::F2);
+      const bool wide_warps = mma_warps == 4 || (mma_warps != 8 && EPI == Epi::F2);
       if (wide_warps) {
         mma_gemm_kernel<T, EPI, 2><<<grid, MmaLayout<2>::threads, kMmaSmemBytes, stream>>>(p);
       } else {
@@ -60,13 +59,14 @@ void launch_typed(bool use_mma, const GemmParams& p, unsigned grid, cudaStream_t
 }
 
 template <typename T>
-void launch_epi(Epi epi, bool use_mma, const GemmParams& p, unsigned grid, cudaStream_t stream) {
+void launch_epi(Epi epi, bool use_mma, int mma_warps, const GemmParams& p, unsigned grid,
+                cudaStream_t stream) {
   switch (epi) {
-    case Epi::F1: launch_typed<T, Epi::F1>(use_mma, p, grid, stream); break;
-    case Epi::F2: launch_typed<T, Epi::F2>(use_mma, p, grid, stream); break;
-    case Epi::B1: launch_typed<T, Epi::B1>(use_mma, p, grid, stream); break;
-    case Epi::Wgrad: launch_typed<T, Epi::Wgrad>(use_mma, p, grid, stream); break;
-    case Epi::B4: launch_typed<T, Epi::B4>(use_mma, p, grid, stream); break;
+    case Epi::F1: launch_typed<T, Epi::F1>(use_mma, mma_warps, p, grid, stream); break;
+    case Epi::F2: launch_typed<T, Epi::F2>(use_mma, mma_warps, p, grid, stream); break;
+    case Epi::B1: launch_typed<T, Epi::B1>(use_mma, mma_warps, p, grid, stream); break;
+    case Epi::Wgrad: launch_typed<T, Epi::Wgrad>(use_mma, mma_warps, p, grid, stream); break;
+    case Epi::B4: launch_typed<T, Epi::B4>(use_mma, mma_warps, p, grid, stream); break;
   }
 }
 
@@ -96,10 +96,6 @@ int gemm_bm(bool use_mma) {
   return use_mma ? kMmaBM : kSimtBM;
 }
 
-void gemm_set_mma_warps(int warps) {
-  g_mma_warps = (warps == 4 || warps == 8) ? warps : 0;
-}
-
 size_t gemm_tile_scratch_ints(int64_t N, int64_t E) {
   const int64_t bm = kSimtBM < kMmaBM ? kSimtBM : kMmaBM;
   return size_t(E + 1) + size_t((N + bm - 1) / bm + E);
@@ -108,17 +104,13 @@ size_t gemm_tile_scratch_ints(int64_t N, int64_t E) {
 void gemm_init_attributes() {
   set_attributes<__nv_bfloat16>();
   set_attributes<__half>();
-  // Tuning/isolation switch, read here (backend creation), never on an execute path.
-  const char* b1 = std::getenv("MOEBLAZE_CUDA_B1_EPILOGUE");
-  g_b1_legacy = b1 != nullptr && std::strcmp(b1, "legacy") == 0;
 }
 
 // p.mtile_start must point at gemm_tile_scratch_ints(N, E) int32 of scratch for rows-M problems;
 // it is filled here.
-void launch_gemm(Dtype dtype, Epi epi, bool use_mma, GemmParams p, int rows_m_total,
+void launch_gemm(Dtype dtype, Epi epi, bool use_mma, GemmParams p, int rows_m_total, int mma_warps,
                  cudaStream_t stream) {
   if (dtype == Dtype::F32) use_mma = false;
-  p.ep.b1_legacy = g_b1_legacy;
   const int bm = use_mma ? kMmaBM : kSimtBM;
   const int bn = use_mma ? kMmaBN : kSimtBN;
   const int logical_bn = p.dual ? bn / 2 : bn;
@@ -140,9 +132,9 @@ void launch_gemm(Dtype dtype, Epi epi, bool use_mma, GemmParams p, int rows_m_to
   MB_REQUIRE(grid < (int64_t(1) << 31), MOEBLAZE_ERR_NOT_SUPPORTED, "grouped GEMM grid too large");
   const unsigned g = unsigned(grid);
   switch (dtype) {
-    case Dtype::F32: launch_epi<float>(epi, false, p, g, stream); break;
-    case Dtype::BF16: launch_epi<__nv_bfloat16>(epi, use_mma, p, g, stream); break;
-    case Dtype::F16: launch_epi<__half>(epi, use_mma, p, g, stream); break;
+    case Dtype::F32: launch_epi<float>(epi, false, mma_warps, p, g, stream); break;
+    case Dtype::BF16: launch_epi<__nv_bfloat16>(epi, use_mma, mma_warps, p, g, stream); break;
+    case Dtype::F16: launch_epi<__half>(epi, use_mma, mma_warps, p, g, stream); break;
     default: fail(MOEBLAZE_ERR_NOT_SUPPORTED, "dtype not supported by the CUDA backend");
   }
 }

@@ -61,14 +61,14 @@ struct EpilogueArgs {
   void* out_a = nullptr;
   void* out_b = nullptr;
   void* out_u = nullptr;
-  // F2 / B4: fp32 [N, d] transient
-  float* out_rows_f32 = nullptr;
-  // F2 / B4 with direct rows (k = 1, experts.cu): instead of out_rows_f32, routed row r goes
-  // straight to direct_out[direct_token[r]] ([T, d], storage dtype) as one_term_sum(w, v), w =
-  // direct_w[direct_token[r]] (F2's g) or 1 (B4, direct_w == nullptr).
-  void* direct_out = nullptr;
-  const int32_t* direct_token = nullptr;
-  const float* direct_w = nullptr;
+  // F2 / B4: routed row r of the result, weighted and rounded to the storage dtype
+  // (row_value(w, v), w = out_w[out_pair[r]] for F2's g, 1 when out_w is null), goes to row r
+  // of out_rows ([N, d]; the per-token reduction sums a token's k rows) or, with out_by_pair
+  // (k = 1), to row out_pair[r] ([T, d]: the token's output itself).
+  void* out_rows = nullptr;
+  const int32_t* out_pair = nullptr;  // [N] routed row -> (token, slot) pair index
+  const float* out_w = nullptr;       // [T*k]
+  bool out_by_pair = false;
   // B1
   const void* a_src = nullptr;
   const void* b_src = nullptr;
@@ -92,9 +92,6 @@ struct EpilogueArgs {
   int64_t out_ld = 0, out_expert_stride = 0;
   int32_t out_split = 0;
   bool accumulate = false;
-  // B1 on tensor cores: true selects tile_epilogue's row-at-a-time loop instead of the batched one
-  // (MOEBLAZE_CUDA_B1_EPILOGUE=legacy; the two give bitwise identical results).
-  bool b1_legacy = false;
 };
 
 struct GemmParams {
@@ -255,25 +252,15 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
       }
     } else if constexpr (EPI == Epi::F2 || EPI == Epi::B4) {
       const int64_t grow = int64_t(ti.off_e) + m;
-      const bool vec = (ep.d & 1) == 0;
-      if (ep.direct_out) {
-        const int64_t tok = ep.direct_token[grow];
-        const float w = ep.direct_w ? ep.direct_w[tok] : 1.f;
-        T* orow = static_cast<T*>(ep.direct_out) + tok * ep.d;
-        const bool vec_out =
-            vec && reinterpret_cast<uintptr_t>(ep.direct_out) % (2 * sizeof(T)) == 0;
-        for (int c = 2 * lane; c < logical_bn; c += 64) {
-          const int64_t n = n0 + c;
-          if (n >= ep.d) break;
-          store2(orow + n, n + 1 < ep.d, vec_out, one_term_sum(w, crow[c]),
-                 one_term_sum(w, crow[c + 1]));
-        }
-      } else {
-        for (int c = 2 * lane; c < logical_bn; c += 64) {
-          const int64_t n = n0 + c;
-          if (n >= ep.d) break;
-          store2(ep.out_rows_f32 + grow * ep.d + n, n + 1 < ep.d, vec, crow[c], crow[c + 1]);
-        }
+      const int64_t pair = ep.out_pair ? int64_t(ep.out_pair[grow]) : grow;
+      const float w = ep.out_w ? ep.out_w[pair] : 1.f;
+      T* orow = static_cast<T*>(ep.out_rows) + (ep.out_by_pair ? pair : grow) * ep.d;
+      const bool vec =
+          (ep.d & 1) == 0 && reinterpret_cast<uintptr_t>(ep.out_rows) % (2 * sizeof(T)) == 0;
+      for (int c = 2 * lane; c < logical_bn; c += 64) {
+        const int64_t n = n0 + c;
+        if (n >= ep.d) break;
+        store2(orow + n, n + 1 < ep.d, vec, row_value<T>(w, crow[c]), row_value<T>(w, crow[c + 1]));
       }
     } else if constexpr (EPI == Epi::B1) {
       const int64_t grow = int64_t(ti.off_e) + m;
@@ -818,20 +805,18 @@ __global__ void __launch_bounds__(MmaLayout<WARPS_N>::threads) mma_gemm_kernel(c
     }
   __syncthreads();
   if constexpr (EPI == Epi::B1) {
-    if (!p.ep.b1_legacy) {
-      b1_epilogue_batched<T, kMmaThreads / 32>(p, ti, cs);
-      return;
-    }
+    b1_epilogue_batched<T, kMmaThreads / 32>(p, ti, cs);
+    return;
   }
   tile_epilogue<T, EPI>(p, ti, cs, kMmaCsLd, kMmaBM, kMmaBN);
 }
 
 // Host side (gemm.cu).
 // use_mma: tensor cores (bf16/f16, aligned, d and h multiples of 8), else the SIMT engine.
-void launch_gemm(Dtype dtype, Epi epi, bool use_mma, GemmParams p, int rows_m_total,
+// mma_warps: the tensor-core warp layout, 4 (2x2 warps of 64x64), 8 (2x4 of 64x32), else the
+// per-GEMM default (CudaTuning::mma_warps).
+void launch_gemm(Dtype dtype, Epi epi, bool use_mma, GemmParams p, int rows_m_total, int mma_warps,
                  cudaStream_t stream);
-// The tensor-core warp layout: 4 (2x2 warps of 64x64), 8 (2x4 of 64x32), else the per-GEMM default.
-void gemm_set_mma_warps(int warps);
 void gemm_init_attributes();
 int gemm_bm(bool use_mma);
 // int32 scratch a rows-M launch needs at p.mtile_start (tile starts and the tile -> expert map).

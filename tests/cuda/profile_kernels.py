@@ -2,12 +2,13 @@
 
 Usage: MOEBLAZE_LIBRARY=build/src/libmoeblaze.so python3 tests/cuda/profile_kernels.py \
            [--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act swiglu --policy save_preact]
-           [--impl moeblaze|grouped_mm] [--routing random|blocked] [--host [--trace FILE]]
+           [--impl moeblaze|grouped_mm|sonicmoe] [--routing random|blocked] [--host [--trace FILE]]
            [--clocks SECONDS]
 Needs a GPU, PyTorch and the Python bindings (bindings/python, found relative to this file).
 --impl grouped_mm profiles the benchmark's sort -> torch._grouped_mm baseline (bench/baselines.py)
 on the same inputs instead, so that a shape where the two are close can be compared kernel by
-kernel; the step's GPU time split by kernel class (tools/kernel_tags.py) is printed for either.
+kernel; --impl sonicmoe does the same for SonicMoE when it is importable (bench/peers.py). The
+step's GPU time split by kernel class (tools/kernel_tags.py) is printed for each.
 """
 import argparse
 import os
@@ -21,6 +22,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "..", "bench"))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tools"))
 import baselines  # noqa: E402
 import gpu_clocks  # noqa: E402
+import peers  # noqa: E402
 import moeblaze.torch as mbt  # noqa: E402
 from kernel_tags import kernel_class, split_by_class  # noqa: E402
 
@@ -35,9 +37,9 @@ def main():
     p.add_argument("--act", default="swiglu")
     p.add_argument("--policy", default="save_preact")
     p.add_argument("--rows", type=int, default=25)
-    p.add_argument("--impl", choices=("moeblaze", "grouped_mm"), default="moeblaze",
-                   help="moeblaze (the library, --policy applies) or the benchmark's grouped_mm "
-                        "baseline on the same inputs (--policy ignored)")
+    p.add_argument("--impl", choices=("moeblaze", "grouped_mm", "sonicmoe"), default="moeblaze",
+                   help="moeblaze (the library, --policy applies), the benchmark's grouped_mm "
+                        "baseline or SonicMoE on the same inputs (--policy ignored)")
     p.add_argument("--host", action="store_true",
                    help="also time the host side: enqueue time per step, GPU idle time, the CPU "
                         "calls that take longest, and a Chrome trace (--trace)")
@@ -69,12 +71,21 @@ def main():
     dy = torch.randn(a.T, a.d, device=dev, dtype=dt)
 
     wanted = [t for t in (x, g, wg, wu, wd) if t is not None]
+    if a.impl == "sonicmoe":
+        reason = peers.sonicmoe_unsupported(a.act, dt, "cuda")
+        if reason:
+            raise SystemExit(reason)
+        w1 = peers.fuse_up_projection(wg, wu).requires_grad_(True)
+        tokens = peers.token_order_indices(a.T, a.k, dev)
+        wanted = [x, g, w1, wd]
 
     def step():
         # autograd.grad as the benchmark does: y.backward() would add every step's weight
         # gradients into .grad (a bf16 add kernel over all weights, ~2 ms a step on mixtral).
         if a.impl == "grouped_mm":
             y = baselines.moe_grouped_mm(x, ids, g, wg, wu, wd, activation=a.act)
+        elif a.impl == "sonicmoe":
+            y = peers.sonicmoe_experts(x, g, w1, wd, ids, tokens, a.act)
         else:
             y = mbt.moe_experts(x, ids, g, wg, wu, wd, activation=a.act, checkpoint=a.policy)
         torch.autograd.grad(y, wanted, dy)
@@ -90,7 +101,7 @@ def main():
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / 5
     flops = (18 if gated else 12) * a.T * a.k * a.d * a.h
-    what = a.policy if a.impl == "moeblaze" else "grouped_mm"
+    what = a.policy if a.impl == "moeblaze" else a.impl
     print(f"fwd+bwd {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s "
           f"(T={a.T} d={a.d} h={a.h} E={a.E} k={a.k} {a.act} {what} {a.routing})")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

@@ -876,7 +876,7 @@ TEST_SUITE("cuda") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
     // With k = 1, F2 and B4 write y and dx themselves (experts.cu, direct_rows);
-    // MOEBLAZE_CUDA_DIRECT_ROWS = 0 sends them through the fp32 rows and the per-token reduction.
+    // MOEBLAZE_CUDA_DIRECT_ROWS = 0 sends them through the rows and the per-token reduction.
     // Both must give the same bits for every output, match the CPU, and (ids out of range, which
     // CUDA drops without a host sync) leave a dropped token's y and dx rows exactly zero. BF16/F16
     // take the Hopper kernels where present, F32 the portable ones.
@@ -1169,11 +1169,9 @@ TEST_SUITE("cuda") {
 #endif
   }
 
-  // The batched B1 epilogue must give the legacy loop's bits, and RECOMPUTE (a, b recomputed into
-  // the da|db buffer) and SAVE_ALL must give SAVE_PREACT's bits.
-  TEST_CASE(
-      "cuda: B1 epilogue variants, checkpoint policies and a consumed saved buffer give bitwise "
-      "identical layers") {
+  // RECOMPUTE (a, b recomputed into the da|db buffer) and SAVE_ALL must give SAVE_PREACT's bits,
+  // with and without a consumed saved buffer.
+  TEST_CASE("cuda: checkpoint policies and a consumed saved buffer give bitwise identical layers") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
     Rng rng(test_seed(9808));
@@ -1212,12 +1210,10 @@ TEST_SUITE("cuda") {
           CHECK(r.dw_router.bitwise_equal(r0.dw_router));
           CHECK(r.d_logits.bitwise_equal(r0.d_logits));
         };
-        for (int legacy = 0; legacy <= 1; ++legacy) {
-          const ScopedSwitch epilogue("MOEBLAZE_CUDA_B1_EPILOGUE", legacy ? "legacy" : nullptr);
-          Gpu variant;  // a fresh backend reads MOEBLAZE_CUDA_B1_EPILOGUE
+        {
+          Gpu variant;
           for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_SAVE_PREACT,
                                MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
-            CAPTURE(legacy);
             CAPTURE(ckpt);
             moeblaze_layer_config_t c = base;
             c.checkpoint = ckpt;

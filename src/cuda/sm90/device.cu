@@ -1,9 +1,7 @@
 #include "cuda/sm90/device.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
-#include <cstring>
 #include <mutex>
 #include <unordered_map>
 
@@ -58,20 +56,11 @@ const Sm90Device& device_info(int device) {
 
 }  // namespace
 
-namespace {
-std::atomic<int> g_band_override{0};  // MOEBLAZE_CUDA_BAND_MTILES; 0: the per-kernel defaults
-}  // namespace
-
-int sm90_band_mtiles(Sm90Gemm gemm, int n_tiles) {
-  const int forced = g_band_override.load(std::memory_order_relaxed);
-  if (forced > 0) return forced;
+int sm90_band_mtiles(Sm90Gemm gemm, int n_tiles, int forced_band) {
+  if (forced_band >= 1 && forced_band <= 256) return forced_band;
   const bool narrow_rows_gemm =
       (gemm == Sm90Gemm::F2 || gemm == Sm90Gemm::B4) && n_tiles <= kSm90NarrowOutputNTiles;
   return narrow_rows_gemm ? 1 : kSm90DefaultBandMTiles;
-}
-
-void sm90_set_band_mtiles(int band) {
-  g_band_override.store(band >= 1 && band <= 256 ? band : 0, std::memory_order_relaxed);
 }
 
 int sm90_parse_band_mtiles(const char* value) {
@@ -79,14 +68,6 @@ int sm90_parse_band_mtiles(const char* value) {
   char* end = nullptr;
   const long band = std::strtol(value, &end, 10);
   return *end == '\0' && band >= 1 && band <= 256 ? int(band) : 0;
-}
-
-bool sm90_enabled() {
-  static const bool enabled = [] {
-    const char* v = std::getenv("MOEBLAZE_CUDA_SM90");
-    return !(v && std::strcmp(v, "0") == 0);
-  }();
-  return enabled;
 }
 
 const Sm90Device& sm90_current_device() {

@@ -4,10 +4,6 @@
 namespace moeblaze {
 namespace cuda {
 
-// False when the environment variable MOEBLAZE_CUDA_SM90 is "0" (read once per process): every
-// GEMM then runs on the portable mma.sync engine (gemm.cuh), as on sm_80.
-bool sm90_enabled();
-
 struct Sm90Device {
   int cc_major = 0, cc_minor = 0;
   int sms = 0;
@@ -27,10 +23,10 @@ void sm90_prepare_device(int device);
 // decode_grouped_tile): inside an expert the n-tiles sweep bands of this many m-tiles. Each kernel
 // has its default, by how many n-tiles its output has (the tile order decides how much of each
 // operand is still in L2 when the next tile needs it, and the kernels' operands differ: see
-// dev/cuda/tile_order_dram_model.py); MOEBLAZE_CUDA_BAND_MTILES (read at backend creation:
-// sm90_set_band_mtiles) sets one band for all of them, 1..256, for tuning; any other value means
-// the defaults. Any band gives the same results bit for bit: it orders the tiles, not the
-// arithmetic. The defaults, measured on the H200:
+// dev/cuda/tile_order_dram_model.py); a backend's Sm90Forms::band_mtiles
+// (MOEBLAZE_CUDA_BAND_MTILES, read when the backend is created) sets one band for all of
+// them, 1..256, for tuning; 0 means the defaults. Any band gives the same results bit for bit: it
+// orders the tiles, not the arithmetic. The defaults, measured on the H200:
 //   - F2 and B4 with at most kSm90NarrowOutputNTiles n-tiles (N = d <= 2048): band 1. They read
 //     their A rows once per m-tile (session 14, conf3 SwiGLU, Nsight Compute: F2 3.43 -> 2.70 GB,
 //     B4 9.04 -> 6.13 GB; 2.98 -> 2.94 and 5.80 -> 5.67 ms). On conf4 (8 n-tiles, session 15)
@@ -45,9 +41,16 @@ void sm90_prepare_device(int device);
 enum class Sm90Gemm { F1, F2, B4, B1 };
 constexpr int kSm90DefaultBandMTiles = 8;
 constexpr int kSm90NarrowOutputNTiles = 8;  // F2 and B4 at or below: band 1
-int sm90_band_mtiles(Sm90Gemm gemm, int n_tiles);
-void sm90_set_band_mtiles(int band);            // out of range: the defaults
+int sm90_band_mtiles(Sm90Gemm gemm, int n_tiles, int forced_band);
 int sm90_parse_band_mtiles(const char* value);  // nullptr or not an integer in 1..256: 0
+
+// A backend's choices between the Hopper kernels' equivalent forms (each keeps every bit): read
+// once when the backend is created (tuning.hpp) and passed to every launch.
+struct Sm90Forms {
+  int f1_form = -1;     // f1_gemm.hpp: -1 the policy, 0 consumers, 1 epilogue warps
+  int b1_form = -1;     // rows_gemm.hpp: -1 the policy, else a B1Form
+  int band_mtiles = 0;  // 0: the per-kernel defaults above, else 1..256 for every kernel
+};
 
 }  // namespace cuda
 }  // namespace moeblaze

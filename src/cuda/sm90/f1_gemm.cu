@@ -36,7 +36,6 @@
 #include "cuda/sm90/f1_gemm.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 
 #include "common/activation_math.hpp"
@@ -56,13 +55,9 @@ constexpr int kBBoxRows = 128;  // rows of one TMA weight box
 constexpr int kThreads = 384;   // warpgroup 0: producer (+ epilogue warps); 1, 2: consumers
 constexpr int kConsumerWarps = 8;
 constexpr int kEpiWarps = 2;  // EPI_WARPS: warps 2 and 3
-// The form per call: epilogue warps when a tile has at most this many k-steps (see the top).
+// The form per call: epilogue warps when a tile has at most this many k-steps (see the top);
+// Sm90Forms::f1_form can force either (both keep every bit).
 constexpr int kEpiWarpsMaxKTiles = 64;
-// MOEBLAZE_CUDA_F1_FORM (sm90_set_f1_form): -1, the policy above; 0 the consumers' form; 1 the
-// epilogue warps; for tuning and for the CUDA case that checks both forms keep every bit. With it
-// session 15 re-measured the old threshold (32, from round 12, before v15 cut the main loop by a
-// third) at 64 k-steps on mixtral: the epilogue warps now win there (the top comment).
-std::atomic<int> g_f1_form_override{-1};
 
 constexpr int kATileBytes = kBM * kBK * 2;       // 16 KB
 constexpr int kBBoxBytes = kBBoxRows * kBK * 2;  // 16 KB, two per stage
@@ -471,10 +466,6 @@ bool sm90_f1_prepare_kernels() {
   return true;
 }
 
-void sm90_set_f1_form(int form) {
-  g_f1_form_override.store(form == 0 || form == 1 ? form : -1, std::memory_order_relaxed);
-}
-
 int sm90_parse_f1_form(const char* value) {
   if (value == nullptr) return -1;
   if (std::strcmp(value, "consumers") == 0) return 0;
@@ -485,7 +476,6 @@ int sm90_parse_f1_form(const char* value) {
 bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const void* w_gate,
                        const void* w_up, const void* out_a, const void* out_b, const void* out_u,
                        int64_t ab_ld) {
-  if (!sm90_enabled()) return false;
   if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
   if (kernel_for(desc.dtype, desc.activation, false) == nullptr) return false;
   if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
@@ -509,7 +499,8 @@ bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const vo
 
 void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32_t* expert_offsets,
                     const int32_t* expert_token_indices, const void* w_gate, const void* w_up,
-                    void* out_a, void* out_b, void* out_u, int64_t ab_ld, cudaStream_t stream) {
+                    void* out_a, void* out_b, void* out_u, int64_t ab_ld, const Sm90Forms& forms,
+                    cudaStream_t stream) {
   const int64_t N = T * desc.k;
   const bool gated = desc.gated();
   if (!gated) out_b = nullptr;
@@ -517,8 +508,8 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 F1 launched on an unsupported device");
   const int64_t k_tiles = (desc.d + kBK - 1) / kBK;
-  const int forced_form = g_f1_form_override.load(std::memory_order_relaxed);
-  const bool epi_warps = forced_form >= 0 ? forced_form == 1 : k_tiles <= kEpiWarpsMaxKTiles;
+  const bool epi_warps =
+      forms.f1_form == 0 || forms.f1_form == 1 ? forms.f1_form == 1 : k_tiles <= kEpiWarpsMaxKTiles;
   const KernelFn kernel = kernel_for(desc.dtype, desc.activation, epi_warps);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 F1: unsupported dtype or activation");
 
@@ -536,7 +527,7 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
   const int cols = tile_cols(gated);
   p.n_tiles = int((desc.h + cols - 1) / cols);
   p.k_tiles = int((desc.d + kBK - 1) / kBK);
-  p.band_mtiles = sm90_band_mtiles(Sm90Gemm::F1, p.n_tiles);
+  p.band_mtiles = sm90_band_mtiles(Sm90Gemm::F1, p.n_tiles, forms.band_mtiles);
 
   CUtensorMap map_gate, map_second;
   if (desc.dtype == Dtype::BF16) {

@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "common/layer_desc.hpp"
+#include "cuda/sm90/device.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -34,8 +35,8 @@ size_t sm90_f1_max_smem_bytes();
 // image is the sm_90a one, after setting their shared-memory opt-in (sm90_prepare_device calls it).
 bool sm90_f1_prepare_kernels();
 
-// True when sm90_f1_launch can compute this F1: the sm90 kernels are enabled and usable on the
-// current device (device.hpp), dtype BF16 or F16, any of the 7 activations, d % 8 == 0,
+// True when sm90_f1_launch can compute this F1: the sm90 kernels are usable on the current device
+// (device.hpp), dtype BF16 or F16, any of the 7 activations, d % 8 == 0,
 // h % 8 == 0, 1 <= E <= 1024, 16-byte aligned tensors (nullptr outputs and, for non-gated
 // activations, w_up and out_b are ignored), ab_ld == 0 or (ab_ld >= h and ab_ld % 8 == 0), and
 // every count inside int range.
@@ -43,12 +44,10 @@ bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const vo
                        const void* w_up, const void* out_a, const void* out_b, const void* out_u,
                        int64_t ab_ld);
 
-// F1's epilogue form: -1 = the policy (epilogue warps for tiles of at most 64 k-steps, the
-// consumers' form above); 0 forces the consumers' form and 1 the epilogue-warp form for every F1
-// launch after this call (a test and tuning switch, MOEBLAZE_CUDA_F1_FORM, set when a backend is
-// created). Both forms give the same bits.
-void sm90_set_f1_form(int form);
-// Parses MOEBLAZE_CUDA_F1_FORM's value ("consumers", "warps"; nullptr or anything else: -1).
+// F1's epilogue form (Sm90Forms::f1_form): -1 = the policy (epilogue warps for tiles of at most 64
+// k-steps, the consumers' form above); 0 forces the consumers' form and 1 the epilogue-warp form.
+// Both forms give the same bits. Parses MOEBLAZE_CUDA_F1_FORM's value ("consumers", "warps";
+// nullptr or anything else: -1).
 int sm90_parse_f1_form(const char* value);
 
 // Enqueues F1 on `stream`. x [T, d]; expert_offsets [E+1] and expert_token_indices [N] on the
@@ -60,7 +59,8 @@ int sm90_parse_f1_form(const char* value);
 // Throws moeblaze::Error (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.
 void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32_t* expert_offsets,
                     const int32_t* expert_token_indices, const void* w_gate, const void* w_up,
-                    void* out_a, void* out_b, void* out_u, int64_t ab_ld, cudaStream_t stream);
+                    void* out_a, void* out_b, void* out_u, int64_t ab_ld, const Sm90Forms& forms,
+                    cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace moeblaze

@@ -17,20 +17,19 @@
 //   B, MN-major (B4: w_gate/w_up [E, h, d]; B1: w_down [E, d, h] read as k rows of n): four TMA
 //     boxes {64 n, 64 k}, the transposed-B wgmma with the MN-major descriptor of common.cuh. A box
 //     that starts past n_out is neither issued nor expected.
-// Epilogues: F2 / B4 store the fp32 accumulators as float2 straight from registers (a quad of
-// lanes writes one full 32-byte sector of a row). B1 works on 64 columns at a time through each
-// consumer warp's 2 KB staging buffer (common.cuh): a, b (and u under SAVE_ALL) in by coalesced
-// 16-byte loads, then da, db, g*u (rounded once) out by coalesced 16-byte stores, and the row's dg
-// partial for this 256-column tile (the quad's lanes hold the row's columns: two shuffles).
-// B1 with 8-64 k-steps a tile (448 < d <= 4096) takes a form with epilogue warps instead (B1Form,
-// kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16 and
-// warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on; with
+// Epilogues: F2 / B4 store each row weighted (F2: g) and rounded to the storage dtype straight
+// from registers, two elements a lane per 4-byte store. B1 works on 64 columns at a time through
+// each consumer warp's 2 KB staging buffer (common.cuh): a, b (and u under SAVE_ALL) in by
+// coalesced 16-byte loads, then da, db, g*u (rounded once) out by coalesced 16-byte stores, and the
+// row's dg partial for this 256-column tile (the quad's lanes hold the row's columns: two
+// shuffles). B1 with 8-64 k-steps a tile (448 < d <= 4096) takes a form with epilogue warps instead
+// (B1Form, kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16
+// and warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on; with
 // 9-32 k-steps (the split form) the consumers keep the tile's first 64 columns and run their
 // epilogue themselves after the hand-off, with 8 (the two-group split) its first 128.
 #include "cuda/sm90/rows_gemm.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 
 #include "common/activation_math.hpp"
@@ -173,12 +172,12 @@ struct RowsParams {
   const void* a_src;           // B1: dy [T, lda] (gathered rows)
   const int32_t* offsets;      // [E + 1]
   const int32_t* token_index;  // [N] (B1)
-  float* out;                  // F2 / B4: [N, n_out] fp32 rows
-  // F2 / B4 with direct rows (k = 1): row r to direct_out[direct_token[r]] ([T, n_out], storage
-  // dtype) as one_term_sum(w, v), w = direct_w[token] or 1; `out` unused.
-  void* direct_out;
-  const int32_t* direct_token;
-  const float* direct_w;
+  // F2 / B4: routed row r as row_value(w, v) in the storage dtype, w = out_w[row_pair[r]] (F2's
+  // g) or 1 (out_w null), to row r of out ([N, n_out]) or, out_by_pair (k = 1), to row
+  // row_pair[r] ([T, n_out]: the token's output row).
+  void* out;
+  const float* out_w;
+  bool out_by_pair;
   int n_out;   // output columns
   int k_half;  // K of one half (K = halves * k_half)
   int halves;  // 2 for gated B4, else 1
@@ -772,34 +771,22 @@ __global__ void __launch_bounds__(kThreads, 1)
           b1_epilogue<T, ACT, kConsumerGroups, true>(p, c, tile_row, lane, stg, acc);
       } else if constexpr (KIND == kB1) {
         b1_epilogue<T, ACT, 4, false>(p, c, tile_row, lane, stg, acc);
-      } else if (p.direct_out != nullptr) {
-        // Direct rows: each lane stores its column pairs of the row's token as one 4-byte word.
+      } else {
+        // Each lane stores its column pairs of a row as one 4-byte word (n_out % 8 == 0: a pair
+        // is all in or all out).
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int row = tile_row + g + 8 * rr;
           if (row < c.rows) {
-            const int64_t tok = p.direct_token[c.row0 + row];
-            const float w = p.direct_w != nullptr ? p.direct_w[tok] : 1.f;
-            T* orow = static_cast<T*>(p.direct_out) + tok * p.n_out + c.n0 + 2 * t4;
+            const int64_t r = int64_t(c.row0) + row;
+            const int64_t pair = p.row_pair != nullptr ? int64_t(p.row_pair[r]) : r;
+            const float w = p.out_w != nullptr ? p.out_w[pair] : 1.f;
+            T* orow = static_cast<T*>(p.out) + (p.out_by_pair ? pair : r) * p.n_out + c.n0 + 2 * t4;
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
               if (c.n0 + 8 * j < p.n_out)
                 *reinterpret_cast<uint32_t*>(orow + 8 * j) = pack2<T>(
-                    one_term_sum(w, acc[4 * j + 2 * rr]), one_term_sum(w, acc[4 * j + 2 * rr + 1]));
-            }
-          }
-        }
-      } else {
-#pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int row = tile_row + g + 8 * rr;
-          if (row < c.rows) {
-            float* orow = p.out + size_t(c.row0 + row) * p.n_out + c.n0 + 2 * t4;
-#pragma unroll
-            for (int j = 0; j < 32; ++j) {
-              if (c.n0 + 8 * j < p.n_out)  // n_out % 8 == 0: a pair is all in or all out
-                *reinterpret_cast<float2*>(orow + 8 * j) =
-                    make_float2(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+                    row_value<T>(w, acc[4 * j + 2 * rr]), row_value<T>(w, acc[4 * j + 2 * rr + 1]));
             }
           }
         }
@@ -847,17 +834,13 @@ KernelFn kernel_for(Dtype dtype, int kind, Activation act, int form) {
   return nullptr;
 }
 
-// MOEBLAZE_CUDA_B1_FORM (sm90_set_b1_form): -1, the policy below, or a forced B1Form.
-std::atomic<int> g_b1_form_override{-1};
-
 // B1's form for tiles of k_tiles k-steps (see B1Form and the measurements at
 // kB1EpiWarpsMinKTiles): the two-group split at 8 k-steps, where the main loop is short enough
 // that the consumers can take half the epilogue; the split for medium K, where the epilogue warps
 // alone would still be the slower side; the epilogue warps alone for long K; the consumers' form
-// below 8 and past 64 k-steps (unmeasured).
-int b1_form_for(int k_tiles) {
-  const int forced = g_b1_form_override.load(std::memory_order_relaxed);
-  if (forced >= 0) return forced;
+// below 8 and past 64 k-steps (unmeasured). forced (Sm90Forms::b1_form) >= 0 overrides it.
+int b1_form_for(int k_tiles, int forced) {
+  if (forced >= kB1Consumers && forced <= kB1Split2) return forced;
   if (k_tiles < kB1EpiWarpsMinKTiles || k_tiles > kB1EpiWarpsMaxKTiles) return kB1Consumers;
   if (k_tiles <= kB1Split2MaxKTiles) return kB1Split2;
   return k_tiles <= kB1SplitMaxKTiles ? kB1Split : kB1Warps;
@@ -917,20 +900,20 @@ RowsParams base_params(const LayerDesc& desc, const int32_t* offsets, int n_out,
 }
 
 void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtensorMap& b0,
-            const CUtensorMap& b1, const RowsParams& params, cudaStream_t stream,
-            const char* what) {
+            const CUtensorMap& b1, const RowsParams& params, const Sm90Forms& forms,
+            cudaStream_t stream, const char* what) {
   RowsParams p = params;
   p.band_mtiles = sm90_band_mtiles(kind == kF2   ? Sm90Gemm::F2
                                    : kind == kB4 ? Sm90Gemm::B4
                                                  : Sm90Gemm::B1,
-                                   p.n_tiles);
+                                   p.n_tiles, forms.band_mtiles);
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
   // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
   // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E).
   const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
   const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
-  const int form = kind == kB1 ? b1_form_for(p.halves * p.kt_half) : kB1Consumers;
+  const int form = kind == kB1 ? b1_form_for(p.halves * p.kt_half, forms.b1_form) : kB1Consumers;
   const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation, form);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
   kernel<<<grid, kThreads, smem_bytes(p.E, form), stream>>>(a, b0, b1, p);
@@ -958,11 +941,6 @@ bool sm90_rows_prepare_kernels() {
   return true;
 }
 
-void sm90_set_b1_form(int form) {
-  g_b1_form_override.store(form >= kB1Consumers && form <= kB1Split2 ? form : -1,
-                           std::memory_order_relaxed);
-}
-
 int sm90_parse_b1_form(const char* value) {
   if (value == nullptr) return -1;
   if (std::strcmp(value, "consumers") == 0) return kB1Consumers;
@@ -974,7 +952,6 @@ int sm90_parse_b1_form(const char* value) {
 
 bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
                          std::initializer_list<const void*> tensors) {
-  if (!sm90_enabled()) return false;
   if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
   if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
   if (desc.E < 1 || desc.E > kMaxExperts || desc.k < 1 || T < 0) return false;
@@ -988,44 +965,45 @@ bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
   return sm90_current_device().usable;
 }
 
+void set_rows_out(RowsParams& p, const Sm90RowsOut& out) {
+  p.out = out.rows;
+  p.row_pair = out.pair;
+  p.out_w = out.weights;
+  p.out_by_pair = out.by_pair;
+}
+
 void sm90_f2_launch(const LayerDesc& desc, int64_t T, const void* u, const int32_t* expert_offsets,
-                    const void* w_down, float* rows_out, const Sm90DirectRows& direct,
+                    const void* w_down, const Sm90RowsOut& out, const Sm90Forms& forms,
                     cudaStream_t stream) {
   const int64_t N = T * desc.k;
   if (N == 0) return;
   RowsParams p = base_params(desc, expert_offsets, int(desc.d), desc.h, 1, T);
-  p.out = rows_out;
-  p.direct_out = direct.out;
-  p.direct_token = direct.token;
-  p.direct_w = direct.weights;
+  set_rows_out(p, out);
   const CUtensorMap a = rows_map(desc.dtype, u, N, desc.h, 1, "F2");
   // w_down [E, d, h]: the GEMM's n runs over d (rows), k over h (contiguous): K-major.
   const CUtensorMap b = weight_map(desc.dtype, w_down, desc.E, desc.d, desc.h, false, "F2");
-  launch(desc, kF2, a, b, b, p, stream, "sm90_rows_kernel (F2)");
+  launch(desc, kF2, a, b, b, p, forms, stream, "sm90_rows_kernel (F2)");
 }
 
 void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
                     const int32_t* expert_offsets, const void* w_gate, const void* w_up,
-                    float* rows_out, const Sm90DirectRows& direct, cudaStream_t stream) {
+                    const Sm90RowsOut& out, const Sm90Forms& forms, cudaStream_t stream) {
   const int64_t N = T * desc.k;
   if (N == 0) return;
   const int halves = desc.gated() ? 2 : 1;
   RowsParams p = base_params(desc, expert_offsets, int(desc.d), desc.h, halves, T);
-  p.out = rows_out;
-  p.direct_out = direct.out;
-  p.direct_token = direct.token;
-  p.direct_w = direct.weights;
+  set_rows_out(p, out);
   const CUtensorMap a = rows_map(desc.dtype, dadb, N, desc.h, halves, "B4");
   // w_gate / w_up [E, h, d]: k runs over h (rows), n over d (contiguous): MN-major.
   const CUtensorMap b0 = weight_map(desc.dtype, w_gate, desc.E, desc.h, desc.d, true, "B4");
   const CUtensorMap b1 =
       desc.gated() ? weight_map(desc.dtype, w_up, desc.E, desc.h, desc.d, true, "B4") : b0;
-  launch(desc, kB4, a, b0, b1, p, stream, "sm90_rows_kernel (B4)");
+  launch(desc, kB4, a, b0, b1, p, forms, stream, "sm90_rows_kernel (B4)");
 }
 
 void sm90_b1_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
                     const int32_t* expert_token_indices, const void* w_down,
-                    const Sm90B1Epilogue& ep, cudaStream_t stream) {
+                    const Sm90B1Epilogue& ep, const Sm90Forms& forms, cudaStream_t stream) {
   const int64_t N = T * desc.k;
   if (N == 0) return;
   const int64_t cols = ep.cols != 0 ? ep.cols : desc.h;
@@ -1050,7 +1028,7 @@ void sm90_b1_launch(const LayerDesc& desc, int64_t T, const void* dy, const int3
   // gathered (no map; the kernel never reads tmap_a, the B map stands in for it).
   const CUtensorMap b =
       weight_map_range(desc.dtype, w_down, desc.E, desc.d, desc.h, ep.col0, cols, true, "B1");
-  launch(desc, kB1, b, b, b, p, stream, "sm90_rows_kernel (B1)");
+  launch(desc, kB1, b, b, b, p, forms, stream, "sm90_rows_kernel (B1)");
 }
 
 }  // namespace cuda

@@ -4,9 +4,10 @@
 // checkpoint policy).
 //
 // For expert e and routed rows r in [expert_offsets[e], expert_offsets[e+1]):
-//   F2: y2[r]  = u[r] . w_down[e]^T                     u [N, h] -> fp32 rows [N, d]
+//   F2: y2[r]  = g_r * (u[r] . w_down[e]^T)             u [N, h] -> rows [N, d]
 //   B4: dxr[r] = da[r] . w_gate[e] + db[r] . w_up[e]      da|db [N, 2h] (gated; [N, h] otherwise)
-//                                                       -> fp32 rows [N, d]
+//                                                       -> rows [N, d]
+//       (rows in the storage dtype, each element rounded once from the fp32 accumulator)
 //   B1: v[r]   = dy[tok_r] . w_down[e]                   dy [T, d] gathered by expert_token_indices
 //       and, in the epilogue, the activation backward of gemm.cuh's B1 (act_math, the same
 //       formulas): u from the saved u or recomputed from the rounded a, b; dg partial sums of
@@ -27,6 +28,7 @@
 #include <initializer_list>
 
 #include "common/layer_desc.hpp"
+#include "cuda/sm90/device.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -44,32 +46,33 @@ size_t sm90_rows_max_smem_bytes();
 bool sm90_rows_prepare_kernels();
 
 // True when the F2 / B4 / B1 kernels can run this layer on the current device: the sm90 kernels
-// are enabled and usable (device.hpp), dtype BF16 or F16, d % 8 == 0, h % 8 == 0,
+// are usable (device.hpp), dtype BF16 or F16, d % 8 == 0, h % 8 == 0,
 // 1 <= E <= 1024, every count inside int range and every non-null pointer in `tensors` 16-byte
 // aligned (TMA and 16-byte cp.async need it).
 bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
                          std::initializer_list<const void*> tensors);
 
-// Direct rows (k = 1): F2 / B4 write routed row r straight to out[token[r]] ([T, d], storage
-// dtype) as the per-token reduction of one term rounds it, times weights[token[r]] (nullptr: 1),
-// instead of fp32 rows. out == nullptr: the fp32 rows. out must be in the sm90_rows_supported
-// check's tensors.
-struct Sm90DirectRows {
-  void* out = nullptr;
-  const int32_t* token = nullptr;  // [N] expert_token_indices
-  const float* weights = nullptr;  // [T] (k = 1: a token's g)
+// Where F2 / B4 put routed row r, in the storage dtype: row r of `rows` ([N, d]), or with by_pair
+// (k = 1) row pair[r] of it ([T, d]: the token's output itself). Each element is
+// row_value(w, v) (cuda_util.cuh), w = weights[pair[r]] (F2's g) or 1 (weights null). rows must be
+// in the sm90_rows_supported check's tensors; pair is needed when weights or by_pair are set.
+struct Sm90RowsOut {
+  void* rows = nullptr;
+  const int32_t* pair = nullptr;   // [N] routed row -> (token, slot) pair index
+  const float* weights = nullptr;  // [T*k]
+  bool by_pair = false;
 };
 
-// F2: rows_out [N, d] fp32 (N = T*k), or direct rows. Precondition: sm90_rows_supported.
+// F2 (N = T*k routed rows). Precondition: sm90_rows_supported.
 void sm90_f2_launch(const LayerDesc& desc, int64_t T, const void* u, const int32_t* expert_offsets,
-                    const void* w_down, float* rows_out, const Sm90DirectRows& direct,
+                    const void* w_down, const Sm90RowsOut& out, const Sm90Forms& forms,
                     cudaStream_t stream);
 
-// B4: dadb [N, 2h] (da at [0, h), db at [h, 2h)) or [N, h] for non-gated activations;
-// rows_out [N, d] fp32, or direct rows. w_up is ignored for non-gated activations.
+// B4: dadb [N, 2h] (da at [0, h), db at [h, 2h)) or [N, h] for non-gated activations. w_up is
+// ignored for non-gated activations.
 void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
                     const int32_t* expert_offsets, const void* w_gate, const void* w_up,
-                    float* rows_out, const Sm90DirectRows& direct, cudaStream_t stream);
+                    const Sm90RowsOut& out, const Sm90Forms& forms, cudaStream_t stream);
 
 // B1's epilogue operands (as gemm.cuh's EpilogueArgs for Epi::B1).
 // B1 covers columns [col0, col0 + cols) of h (cols = 0: all of h). The activation pointers below
@@ -92,18 +95,16 @@ struct Sm90B1Epilogue {
   int64_t col0 = 0, cols = 0;
 };
 
-// B1's epilogue form (rows_gemm.cu, B1Form): -1 = the policy by k-steps a tile; 0, 1, 2, 3 force
-// the consumers', the epilogue warps', the split or the two-group split form for every B1 launch
-// after this call (a test and tuning switch, MOEBLAZE_CUDA_B1_FORM, set when a backend is created).
-void sm90_set_b1_form(int form);
-// Parses MOEBLAZE_CUDA_B1_FORM's value ("consumers", "warps", "split", "split2"; nullptr or
+// B1's epilogue form (Sm90Forms::b1_form; rows_gemm.cu, B1Form): -1 = the policy by k-steps a
+// tile; 0, 1, 2, 3 force the consumers', the epilogue warps', the split or the two-group split
+// form. Parses MOEBLAZE_CUDA_B1_FORM's value ("consumers", "warps", "split", "split2"; nullptr or
 // anything else: -1, the policy).
 int sm90_parse_b1_form(const char* value);
 
 // B1 on `stream`: dy [T, d]; w_down [E, d, h]. Precondition: sm90_rows_supported.
 void sm90_b1_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
                     const int32_t* expert_token_indices, const void* w_down,
-                    const Sm90B1Epilogue& epilogue, cudaStream_t stream);
+                    const Sm90B1Epilogue& epilogue, const Sm90Forms& forms, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace moeblaze

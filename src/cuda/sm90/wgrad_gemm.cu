@@ -644,7 +644,6 @@ bool sm90_wgrad_prepare_kernels() {
 
 bool sm90_wgrad_supported(const LayerDesc& desc, int64_t T,
                           std::initializer_list<const void*> tensors) {
-  if (!sm90_enabled()) return false;
   if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
   if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
   if (desc.E < 1 || desc.E > kMaxExperts || desc.k < 1 || T < 0) return false;

@@ -39,7 +39,7 @@ size_t sm90_wgrad_max_smem_bytes();
 bool sm90_wgrad_prepare_kernels();
 
 // True when the B2 / B3 kernels can run this layer on the current device: the sm90 kernels are
-// enabled and usable (device.hpp), dtype BF16 or F16, d % 8 == 0, h % 8 == 0, 1 <= E <= 1024,
+// usable (device.hpp), dtype BF16 or F16, d % 8 == 0, h % 8 == 0, 1 <= E <= 1024,
 // every count inside int range and every non-null pointer in `tensors` 16-byte aligned (TMA and
 // 16-byte cp.async need it).
 bool sm90_wgrad_supported(const LayerDesc& desc, int64_t T,

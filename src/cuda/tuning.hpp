@@ -1,0 +1,35 @@
+// A CUDA backend's tuning: choices between equivalent ways of running the same computation, read
+// once when the backend (a moeblaze context) is created and passed to every launch, so two
+// contexts in one process can differ and nothing is written while execute calls run. Every field
+// but `sm90` keeps the results bit for bit (the CUDA suite checks each); `sm90` picks the engine
+// (the portable engine accumulates in another order: last-bit differences).
+#pragma once
+
+#include "cuda/sm90/device.hpp"
+
+namespace moeblaze {
+namespace cuda {
+
+struct CudaTuning {
+  // MOEBLAZE_CUDA_SM90=0: every GEMM on the portable engines (gemm.cuh), as on sm_80.
+  bool sm90 = true;
+  // MOEBLAZE_CUDA_MMA_WARPS: the portable tensor-core engine's warp layout, 4 (2x2 warps of
+  // 64x64) or 8 (2x4 of 64x32); 0 = its per-GEMM default.
+  int mma_warps = 0;
+  // MOEBLAZE_CUDA_GU_CHUNKS: B1/B2's column chunks of h (experts.cu, gu_chunk_cols); 0 = its
+  // policy, n > 0 = n chunks.
+  int gu_chunks = 0;
+  // MOEBLAZE_CUDA_DIRECT_ROWS=0: with k = 1, y and dx through the rows and the per-token reduction
+  // instead of straight from F2 / B4's epilogue.
+  bool direct_rows = true;
+  // MOEBLAZE_CUDA_F1_FORM, MOEBLAZE_CUDA_B1_FORM, MOEBLAZE_CUDA_BAND_MTILES: the Hopper kernels'
+  // epilogue forms and tile rasterisation (sm90/device.hpp).
+  Sm90Forms sm90_forms;
+
+  // The defaults above, overridden by the MOEBLAZE_CUDA_* variables that are set (values that do
+  // not parse keep the default).
+  static CudaTuning from_environment();
+};
+
+}  // namespace cuda
+}  // namespace moeblaze
