@@ -26,37 +26,40 @@ constexpr int kReduceThreads = 128;
 
 // out_t = round(sum_j rows[tim[t,j]]), j ascending, in fp32 with every addition rounded
 // (__fadd_rn: never contracted): the expert-parallel home rank's sum of the rows its experts
-// return, so the one-device and the expert-parallel layer agree bitwise in every dtype.
+// return, so the one-device and the expert-parallel layer agree bitwise in every dtype. `width`
+// columns; rows and out are rows_ld and out_ld elements apart.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
-    token_reduce_kernel(int64_t d, int k, const int32_t* token_index_map, const T* rows, T* out) {
+    token_reduce_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k,
+                        const int32_t* token_index_map, const T* rows, T* out) {
   const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
     float s = 0.f;
     for (int j = 0; j < k; ++j) {
       const int32_t r = token_index_map[t * k + j];
       if (r < 0) continue;
-      s = __fadd_rn(s, to_f32<T>(rows[int64_t(r) * d + c]));
+      s = __fadd_rn(s, to_f32<T>(rows[int64_t(r) * rows_ld + c]));
     }
-    out[t * d + c] = from_f32<T>(s);
+    out[t * out_ld + c] = from_f32<T>(s);
   }
 }
 
-// token_reduce_kernel 16 bytes at a time (d a multiple of the elements in 16 bytes, rows and out
-// 16-byte aligned): the same additions in the same order, so the same bits.
+// token_reduce_kernel 16 bytes at a time (width, rows_ld and out_ld multiples of the elements in
+// 16 bytes, rows and out 16-byte aligned): the same additions in the same order, so the same bits.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
-    token_reduce16_kernel(int64_t d, int k, const int32_t* token_index_map, const T* rows, T* out) {
+    token_reduce16_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k,
+                          const int32_t* token_index_map, const T* rows, T* out) {
   constexpr int kVec = 16 / int(sizeof(T));
   const int64_t t = blockIdx.x;
-  for (int64_t c = kVec * int64_t(threadIdx.x); c < d; c += kVec * int64_t(blockDim.x)) {
+  for (int64_t c = kVec * int64_t(threadIdx.x); c < width; c += kVec * int64_t(blockDim.x)) {
     float s[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) s[i] = 0.f;
     for (int j = 0; j < k; ++j) {
       const int32_t r = token_index_map[t * k + j];
       if (r < 0) continue;
-      const uint4 raw = *reinterpret_cast<const uint4*>(rows + int64_t(r) * d + c);
+      const uint4 raw = *reinterpret_cast<const uint4*>(rows + int64_t(r) * rows_ld + c);
       const T* v = reinterpret_cast<const T*>(&raw);
 #pragma unroll
       for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
@@ -65,7 +68,7 @@ __global__ void __launch_bounds__(kReduceThreads)
     T* o = reinterpret_cast<T*>(&packed);
 #pragma unroll
     for (int i = 0; i < kVec; ++i) o[i] = from_f32<T>(s[i]);
-    *reinterpret_cast<uint4*>(out + t * d + c) = packed;
+    *reinterpret_cast<uint4*>(out + t * out_ld + c) = packed;
   }
 }
 
@@ -109,18 +112,20 @@ bool can_use_mma(const LayerDesc& desc, std::initializer_list<const void*> opera
   return true;
 }
 
+// Columns [col0, col0 + width) of out [T, d] from rows [N, width] (one column chunk's rows).
 template <typename T>
 void token_reduce(int64_t T_, const LayerDesc& desc, const int32_t* tim, const void* rows,
-                  void* out, cudaStream_t stream) {
+                  int64_t col0, int64_t width, void* out, cudaStream_t stream) {
   constexpr int kVec = 16 / int(sizeof(T));
-  if (desc.d % kVec == 0 && aligned16(rows) && aligned16(out)) {
+  T* out_cols = static_cast<T*>(out) + col0;
+  if (width % kVec == 0 && desc.d % kVec == 0 && aligned16(rows) && aligned16(out_cols)) {
     token_reduce16_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
-        desc.d, int(desc.k), tim, static_cast<const T*>(rows), static_cast<T*>(out));
+        width, width, desc.d, int(desc.k), tim, static_cast<const T*>(rows), out_cols);
     check_launch("token_reduce16_kernel");
     return;
   }
   token_reduce_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
-      desc.d, int(desc.k), tim, static_cast<const T*>(rows), static_cast<T*>(out));
+      width, width, desc.d, int(desc.k), tim, static_cast<const T*>(rows), out_cols);
   check_launch("token_reduce_kernel");
 }
 
@@ -133,15 +138,18 @@ bool direct_rows(const LayerDesc& desc, const CudaTuning& tuning) {
   return desc.k == 1 && tuning.direct_rows;
 }
 
-// After F2 / B4: the per-token reduction of the rows, or (direct rows) the dropped tokens' zero
-// rows.
-void finish_rows(bool direct, int64_t T_, const LayerDesc& desc, const int32_t* tim,
-                 const void* rows, void* out, cudaStream_t stream) {
+// After F2 / B4 over one column chunk: the per-token reduction of its rows into those columns.
+void reduce_rows(int64_t T_, const LayerDesc& desc, const int32_t* tim, const void* rows,
+                 int64_t col0, int64_t width, void* out, cudaStream_t stream) {
   if (T_ == 0) return;
-  if (!direct) {
-    MB_CUDA_DISPATCH_DTYPE(desc.dtype, token_reduce<scalar_t>(T_, desc, tim, rows, out, stream));
-    return;
-  }
+  MB_CUDA_DISPATCH_DTYPE(desc.dtype,
+                         token_reduce<scalar_t>(T_, desc, tim, rows, col0, width, out, stream));
+}
+
+// After F2 / B4 with direct rows: the dropped tokens' zero rows.
+void zero_dropped(int64_t T_, const LayerDesc& desc, const int32_t* tim, void* out,
+                  cudaStream_t stream) {
+  if (T_ == 0) return;
   constexpr int kThreads = 256;  // 8 tokens a block
   const unsigned blocks = unsigned((T_ * 32 + kThreads - 1) / kThreads);
   MB_CUDA_DISPATCH_DTYPE(desc.dtype, zero_dropped_kernel<scalar_t><<<blocks, kThreads, 0, stream>>>(
@@ -154,20 +162,50 @@ void finish_rows(bool direct, int64_t T_, const LayerDesc& desc, const int32_t* 
 constexpr int64_t kGuChunkAlign = 256;
 constexpr int64_t kMaxGuChunks = 4;
 
+// Every F2 / B4 tile width (sm90 256, mma.sync 128, SIMT 64) divides a column chunk's offset, so
+// each chunk's tiles are the unchunked launch's and give the same bits.
+constexpr int64_t kRowChunkAlign = 256;
+constexpr int64_t kMaxRowChunks = 2;
+
+int64_t chunk_width(int64_t total, int64_t chunks, int64_t align) {
+  if (chunks <= 1) return total;
+  const int64_t cols = ((total + chunks - 1) / chunks + align - 1) / align * align;
+  return cols < total ? cols : total;
+}
+
+// Width of F2's and B4's column chunks of d (d itself: one chunk). Their rows ([N, d], storage
+// dtype) are the layer's largest transient on fine-grained layers (d large against h: qwen3's are
+// 1 GiB against 0.75 GiB of saved a|b); in chunks of columns they shrink to [N, d / chunks], and
+// each further chunk re-reads the GEMM's A operand (u or da|db) once. So d is cut in two where
+// the rows would exceed the layer's [N, h]-sized activations (a|b, and B4's A operand da|db), and
+// not further: two chunks already put the rows below them.
+int64_t row_chunk_cols(const LayerDesc& desc, int64_t N, bool direct, int forced_chunks) {
+  const int64_t d = desc.d, es = int64_t(desc.elem_size());
+  if (direct || N == 0) return d;
+  int64_t chunks = forced_chunks;
+  if (chunks <= 0) {
+    const int64_t rows = es * N * d;
+    const int64_t activations = es * N * desc.h * (desc.gated() ? 2 : 1);
+    chunks = rows > activations ? kMaxRowChunks : 1;
+  }
+  return chunk_width(d, chunks, kRowChunkAlign);
+}
+
 // Width of B1/B2's column chunks of h (h itself: one chunk). g*u ([N, h], storage dtype) is the
 // backward's largest transient; B4's rows ([N, d]) share its region once B2 has read it. The
 // layer's peak is the larger of the forward's transients (u unless saved, and F2's rows) and the
 // backward's (the weight gradients and dx it fills, and that region). Each chunk re-gathers dy
 // for B1 and B2 and adds a partial last wave to each, so h is chunked only as far as needed to
 // bring the backward down to the forward: the fewest chunks that do (at most 4), or, where no
-// number of chunks can, until g*u is no larger than B4's rows.
-int64_t gu_chunk_cols(const LayerDesc& desc, int64_t T, int64_t N, bool direct, int forced_chunks) {
+// number of chunks can, until g*u is no larger than B4's rows (row_cols of d at a time).
+int64_t gu_chunk_cols(const LayerDesc& desc, int64_t T, int64_t N, int64_t row_cols, bool direct,
+                      int forced_chunks) {
   const int64_t h = desc.h, d = desc.d;
   const int64_t es = int64_t(desc.elem_size());
   if (N == 0) return h;
   int64_t chunks = forced_chunks > 0 ? forced_chunks : 0;
   if (chunks == 0) {
-    const int64_t rows = direct ? 0 : es * N * d;
+    const int64_t rows = direct ? 0 : es * N * row_cols;
     const int64_t gu = es * N * h;
     const int64_t forward = (desc.checkpoint == Checkpoint::SaveAll ? 0 : gu) + rows;
     const int64_t outputs = es * desc.E * d * h * (desc.gated() ? 3 : 2) + es * T * d;
@@ -180,10 +218,7 @@ int64_t gu_chunk_cols(const LayerDesc& desc, int64_t T, int64_t N, bool direct, 
     while (chunks < kMaxGuChunks && backward(chunks) > forward && (gu + chunks - 1) / chunks > rows)
       ++chunks;
   }
-  if (chunks <= 1) return h;
-  const int64_t cols =
-      ((h + chunks - 1) / chunks + kGuChunkAlign - 1) / kGuChunkAlign * kGuChunkAlign;
-  return cols < h ? cols : h;
+  return chunk_width(h, chunks, kGuChunkAlign);
 }
 
 // B1's dg partials per row, for whichever B1 kernel runs: one per tile of kSimtBN or kMmaBN
@@ -240,7 +275,8 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
   void* ws_u = ws.carve(save_all ? 0 : es * size_t(N) * size_t(h));
   const bool direct = direct_rows(desc, tuning);
-  void* y2 = ws.carve(direct ? 0 : es * size_t(N) * size_t(d));
+  const int64_t row_cols = row_chunk_cols(desc, N, direct, tuning.row_chunks);
+  void* y2 = ws.carve(direct ? 0 : es * size_t(N) * size_t(row_cols));
   cudaStream_t stream = as_stream(call.stream);
   int32_t* offsets = saved ? call.saved.expert_offsets : ws_offsets;
   int32_t* eti = saved ? call.saved.expert_token_indices : ws_eti;
@@ -273,37 +309,47 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
     launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), tuning.mma_warps, stream);
   }
 
-  // F2: row r = g_r * (u_r . w_down[e]^T), rounded once: into y2, or (direct) straight into y.
+  // F2 over column chunks of d: row r = g_r * (u_r . w_down[e]^T), rounded once, into y2 and
+  // summed per token into those columns of y; or (direct) straight into y.
   const float* g = static_cast<const float*>(call.g);
-  Sm90RowsOut out;
-  out.rows = direct ? call.y : y2;
-  out.pair = row_pair;
-  out.weights = g;
-  out.by_pair = direct;
-  if (tuning.sm90 && sm90_rows_supported(desc, T, {u, call.w_down, out.rows})) {
-    sm90_f2_launch(desc, T, u, offsets, call.w_down, out, tuning.sm90_forms, stream);
-  } else {
-    GemmParams f2;
-    f2.E = int(E);
-    f2.N = int(d);
-    f2.K = int(h);
-    f2.offsets = offsets;
-    f2.mtile_start = mtile;
-    f2.A.p0 = u;
-    f2.A.ld = h;
-    f2.A.routed = true;
-    f2.B.p0 = call.w_down;
-    f2.B.ld = h;
-    f2.B.expert_stride = d * h;
-    f2.ep.d = d;
-    f2.ep.h = h;
-    f2.ep.out_rows = out.rows;
-    f2.ep.out_pair = out.pair;
-    f2.ep.out_w = out.weights;
-    f2.ep.out_by_pair = out.by_pair;
-    launch_gemm(desc.dtype, Epi::F2, mma, f2, int(N), tuning.mma_warps, stream);
+  const bool f2_sm90 = tuning.sm90 && sm90_rows_supported(desc, T, {u, call.w_down, y2, call.y});
+  for (int64_t col0 = 0; col0 < d; col0 += row_cols) {
+    const int64_t cols = d - col0 < row_cols ? d - col0 : row_cols;
+    Sm90RowsOut out;
+    out.rows =
+        direct ? static_cast<void*>(static_cast<unsigned char*>(call.y) + es * size_t(col0)) : y2;
+    out.ld = direct ? d : cols;
+    out.pair = row_pair;
+    out.weights = g;
+    out.by_pair = direct;
+    if (f2_sm90) {
+      sm90_f2_launch(desc, T, u, offsets, call.w_down, {col0, cols}, out, tuning.sm90_forms,
+                     stream);
+    } else {
+      GemmParams f2;
+      f2.E = int(E);
+      f2.N = int(cols);
+      f2.K = int(h);
+      f2.offsets = offsets;
+      f2.mtile_start = mtile;
+      f2.A.p0 = u;
+      f2.A.ld = h;
+      f2.A.routed = true;
+      f2.B.p0 = static_cast<const unsigned char*>(call.w_down) + es * size_t(col0 * h);
+      f2.B.ld = h;
+      f2.B.expert_stride = d * h;
+      f2.ep.d = cols;
+      f2.ep.h = h;
+      f2.ep.out_rows = out.rows;
+      f2.ep.out_ld = out.ld;
+      f2.ep.out_pair = out.pair;
+      f2.ep.out_w = out.weights;
+      f2.ep.out_by_pair = out.by_pair;
+      launch_gemm(desc.dtype, Epi::F2, mma, f2, int(N), tuning.mma_warps, stream);
+    }
+    if (!direct) reduce_rows(T, desc, tim, y2, col0, cols, call.y, stream);
   }
-  finish_rows(direct, T, desc, tim, y2, call.y, stream);
+  if (direct) zero_dropped(T, desc, tim, call.y, stream);
 }
 
 // ---- backward -----------------------------------------------------------------------------------
@@ -323,9 +369,10 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
   // g*u for one column chunk of h at a time (gu_chunk_cols; all of h when that is one chunk).
   const bool direct = direct_rows(desc, tuning);  // B4 writes dx itself: no rows
-  const int64_t gu_cols = gu_chunk_cols(desc, T, N, direct, tuning.gu_chunks);
+  const int64_t row_cols = row_chunk_cols(desc, N, direct, tuning.row_chunks);
+  const int64_t gu_cols = gu_chunk_cols(desc, T, N, row_cols, direct, tuning.gu_chunks);
   const size_t gu_bytes = es * size_t(N) * size_t(gu_cols);
-  const size_t dxr_bytes = direct ? 0 : es * size_t(N) * size_t(d);
+  const size_t dxr_bytes = direct ? 0 : es * size_t(N) * size_t(row_cols);
   // g*u and B4's rows share one region: g*u is written by B1 and last read by B2, B4 runs after
   // both, and all kernels run in order on one stream. (RECOMPUTE's a, b need no region: below.)
   void* dadb = consume ? nullptr : ws.carve(es * size_t(N) * size_t(dadb_ld));
@@ -504,40 +551,52 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
     launch_gemm(desc.dtype, Epi::Wgrad, mma, b3, int(N), tuning.mma_warps, stream);
   }
 
-  // B4: dx rows = [da|db]_r . [w_gate; w_up][e] (K = 2h), then the per-token reduction.
+  // B4 over column chunks of d: dx rows = [da|db]_r . [w_gate; w_up][e] (K = 2h), then the
+  // per-token reduction into those columns of dx; or (direct) straight into dx.
   if (call.dx) {
-    void* dxr = gu;
-    Sm90RowsOut out;
-    out.rows = direct ? call.dx : dxr;
-    out.pair = row_pair;
-    out.by_pair = direct;
-    if (tuning.sm90 && sm90_rows_supported(desc, T, {dadb, call.w_gate, call.w_up, out.rows})) {
-      sm90_b4_launch(desc, T, dadb, sv.expert_offsets, call.w_gate, call.w_up, out,
-                     tuning.sm90_forms, stream);
-      finish_rows(direct, T, desc, sv.token_index_map, dxr, call.dx, stream);
-      return;
+    void* dxr = gu;  // the region g*u no longer needs
+    const bool b4_sm90 =
+        tuning.sm90 && sm90_rows_supported(desc, T, {dadb, call.w_gate, call.w_up, dxr, call.dx});
+    for (int64_t col0 = 0; col0 < d; col0 += row_cols) {
+      const int64_t cols = d - col0 < row_cols ? d - col0 : row_cols;
+      Sm90RowsOut out;
+      out.rows = direct
+                     ? static_cast<void*>(static_cast<unsigned char*>(call.dx) + es * size_t(col0))
+                     : dxr;
+      out.ld = direct ? d : cols;
+      out.pair = row_pair;
+      out.by_pair = direct;
+      if (b4_sm90) {
+        sm90_b4_launch(desc, T, dadb, sv.expert_offsets, call.w_gate, call.w_up, {col0, cols}, out,
+                       tuning.sm90_forms, stream);
+      } else {
+        GemmParams b4;
+        b4.E = int(E);
+        b4.N = int(cols);
+        b4.K = int(dadb_ld);
+        b4.offsets = sv.expert_offsets;
+        b4.mtile_start = mtile;
+        b4.A.p0 = dadb;
+        b4.A.ld = dadb_ld;
+        b4.A.routed = true;
+        // MN-major: row k (of h) is w_gate[e][k, col0:]
+        b4.B.p0 = static_cast<const unsigned char*>(call.w_gate) + es * size_t(col0);
+        b4.B.p1 =
+            gated ? static_cast<const unsigned char*>(call.w_up) + es * size_t(col0) : nullptr;
+        b4.B.split = int32_t(h);
+        b4.B.ld = d;
+        b4.B.expert_stride = h * d;
+        b4.ep.d = cols;
+        b4.ep.h = h;
+        b4.ep.out_rows = out.rows;
+        b4.ep.out_ld = out.ld;
+        b4.ep.out_pair = out.pair;
+        b4.ep.out_by_pair = out.by_pair;
+        launch_gemm(desc.dtype, Epi::B4, mma, b4, int(N), tuning.mma_warps, stream);
+      }
+      if (!direct) reduce_rows(T, desc, sv.token_index_map, dxr, col0, cols, call.dx, stream);
     }
-    GemmParams b4;
-    b4.E = int(E);
-    b4.N = int(d);
-    b4.K = int(dadb_ld);
-    b4.offsets = sv.expert_offsets;
-    b4.mtile_start = mtile;
-    b4.A.p0 = dadb;
-    b4.A.ld = dadb_ld;
-    b4.A.routed = true;
-    b4.B.p0 = call.w_gate;  // MN-major: row k (of h) is w_gate[e][k, :]
-    b4.B.p1 = gated ? call.w_up : nullptr;
-    b4.B.split = int32_t(h);
-    b4.B.ld = d;
-    b4.B.expert_stride = h * d;
-    b4.ep.d = d;
-    b4.ep.h = h;
-    b4.ep.out_rows = out.rows;
-    b4.ep.out_pair = out.pair;
-    b4.ep.out_by_pair = out.by_pair;
-    launch_gemm(desc.dtype, Epi::B4, mma, b4, int(N), tuning.mma_warps, stream);
-    finish_rows(direct, T, desc, sv.token_index_map, dxr, call.dx, stream);
+    if (direct) zero_dropped(T, desc, sv.token_index_map, call.dx, stream);
   }
 }
 

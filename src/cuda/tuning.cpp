@@ -21,6 +21,10 @@ CudaTuning CudaTuning::from_environment() {
     const int c = std::atoi(chunks);
     t.gu_chunks = c > 0 ? c : 0;
   }
+  if (const char* chunks = std::getenv("MOEBLAZE_CUDA_ROW_CHUNKS")) {
+    const int c = std::atoi(chunks);
+    t.row_chunks = c > 0 ? c : 0;
+  }
   t.direct_rows = !is_zero(std::getenv("MOEBLAZE_CUDA_DIRECT_ROWS"));
   t.sm90_forms.f1_form = sm90_parse_f1_form(std::getenv("MOEBLAZE_CUDA_F1_FORM"));
   t.sm90_forms.b1_form = sm90_parse_b1_form(std::getenv("MOEBLAZE_CUDA_B1_FORM"));

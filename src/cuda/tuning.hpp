@@ -19,6 +19,9 @@ struct CudaTuning {
   // MOEBLAZE_CUDA_GU_CHUNKS: B1/B2's column chunks of h (experts.cu, gu_chunk_cols); 0 = its
   // policy, n > 0 = n chunks.
   int gu_chunks = 0;
+  // MOEBLAZE_CUDA_ROW_CHUNKS: F2/B4's column chunks of d (experts.cu, row_chunk_cols); 0 = its
+  // policy, n > 0 = n chunks.
+  int row_chunks = 0;
   // MOEBLAZE_CUDA_DIRECT_ROWS=0: with k = 1, y and dx through the rows and the per-token reduction
   // instead of straight from F2 / B4's epilogue.
   bool direct_rows = true;

@@ -750,6 +750,32 @@ TEST_SUITE("cuda") {
 #endif
   }
 
+  TEST_CASE("cuda: F2/B4 in column chunks of d give bitwise the one-chunk results") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    // d = 1288 against h = 96: the rows ([N, d]) outweigh the activations ([N, 2h] or [N, h]), so
+    // the default policy runs F2 and B4 in two column chunks (768 + 520 columns);
+    // MOEBLAZE_CUDA_ROW_CHUNKS = 1 forces one, 3 asks for three (512 + 512 + 264). Every output
+    // must have the same bits in all three runs and match the CPU, on the Hopper kernels (bf16)
+    // and the SIMT engine (fp32), with skewed routing (nearly empty experts).
+    Rng rng(test_seed(9819));
+    for (int32_t dtype : {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F32}) {
+      for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_SILU}) {
+        for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+          if (quick() && (ckpt != MOEBLAZE_CHECKPOINT_SAVE_PREACT || dtype != MOEBLAZE_DTYPE_BF16))
+            continue;
+          moeblaze_layer_config_t cfg = make_config(dtype, 1288, 96, 5, 3);
+          cfg.activation = act;
+          cfg.checkpoint = ckpt;
+          CAPTURE(describe(cfg));
+          check_switch_keeps_bits_skewed("MOEBLAZE_CUDA_ROW_CHUNKS", {"1", "0", "3"}, cfg,
+                                         quick() ? 70 : 190, rng);
+        }
+      }
+    }
+#endif
+  }
+
   TEST_CASE("cuda: B1's epilogue forms match the CPU; those with epilogue warps agree") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)

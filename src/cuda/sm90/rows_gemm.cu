@@ -176,6 +176,7 @@ struct RowsParams {
   // g) or 1 (out_w null), to row r of out ([N, n_out]) or, out_by_pair (k = 1), to row
   // row_pair[r] ([T, n_out]: the token's output row).
   void* out;
+  int64_t out_ld;  // elements between rows of out
   const float* out_w;
   bool out_by_pair;
   int n_out;   // output columns
@@ -781,7 +782,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             const int64_t r = int64_t(c.row0) + row;
             const int64_t pair = p.row_pair != nullptr ? int64_t(p.row_pair[r]) : r;
             const float w = p.out_w != nullptr ? p.out_w[pair] : 1.f;
-            T* orow = static_cast<T*>(p.out) + (p.out_by_pair ? pair : r) * p.n_out + c.n0 + 2 * t4;
+            T* orow =
+                static_cast<T*>(p.out) + (p.out_by_pair ? pair : r) * p.out_ld + c.n0 + 2 * t4;
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
               if (c.n0 + 8 * j < p.n_out)
@@ -871,10 +873,14 @@ CUtensorMap weight_map_range(Dtype dtype, const void* w, int64_t E, int64_t rows
   return map_for<__half>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
 }
 
-// A whole weight operand [E, rows, cols].
-CUtensorMap weight_map(Dtype dtype, const void* w, int64_t E, int64_t rows, int64_t cols,
-                       bool mn_major, const char* what) {
-  return weight_map_range(dtype, w, E, rows, cols, 0, cols, mn_major, what);
+// Rows [row0, row0 + rows) of a K-major weight operand [E, total_rows, ld] (ld contiguous, the
+// GEMM's k): boxes {64 k, 128 rows}; rows past the range read as zeros.
+CUtensorMap weight_rows_map(Dtype dtype, const void* w, int64_t E, int64_t total_rows, int64_t ld,
+                            int64_t row0, int64_t rows, const char* what) {
+  const void* base = static_cast<const uint16_t*>(w) + row0 * ld;
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(base, ld, rows, E, ld, total_rows * ld, 64, kBKBoxRows, 1, what);
+  return map_for<__half>(base, ld, rows, E, ld, total_rows * ld, 64, kBKBoxRows, 1, what);
 }
 
 // A row operand [N, halves * k_half] as {k_half, halves, N}, box {64 k, 1, 128 rows}.
@@ -967,37 +973,45 @@ bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
 
 void set_rows_out(RowsParams& p, const Sm90RowsOut& out) {
   p.out = out.rows;
+  p.out_ld = out.ld != 0 ? out.ld : p.n_out;
   p.row_pair = out.pair;
   p.out_w = out.weights;
   p.out_by_pair = out.by_pair;
 }
 
 void sm90_f2_launch(const LayerDesc& desc, int64_t T, const void* u, const int32_t* expert_offsets,
-                    const void* w_down, const Sm90RowsOut& out, const Sm90Forms& forms,
-                    cudaStream_t stream) {
+                    const void* w_down, const Sm90Columns& range, const Sm90RowsOut& out,
+                    const Sm90Forms& forms, cudaStream_t stream) {
   const int64_t N = T * desc.k;
   if (N == 0) return;
-  RowsParams p = base_params(desc, expert_offsets, int(desc.d), desc.h, 1, T);
+  const int64_t cols = range.cols != 0 ? range.cols : desc.d;
+  RowsParams p = base_params(desc, expert_offsets, int(cols), desc.h, 1, T);
   set_rows_out(p, out);
   const CUtensorMap a = rows_map(desc.dtype, u, N, desc.h, 1, "F2");
-  // w_down [E, d, h]: the GEMM's n runs over d (rows), k over h (contiguous): K-major.
-  const CUtensorMap b = weight_map(desc.dtype, w_down, desc.E, desc.d, desc.h, false, "F2");
+  // w_down [E, d, h]: the GEMM's n runs over d (rows: those of the range), k over h
+  // (contiguous): K-major.
+  const CUtensorMap b =
+      weight_rows_map(desc.dtype, w_down, desc.E, desc.d, desc.h, range.col0, cols, "F2");
   launch(desc, kF2, a, b, b, p, forms, stream, "sm90_rows_kernel (F2)");
 }
 
 void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
                     const int32_t* expert_offsets, const void* w_gate, const void* w_up,
-                    const Sm90RowsOut& out, const Sm90Forms& forms, cudaStream_t stream) {
+                    const Sm90Columns& range, const Sm90RowsOut& out, const Sm90Forms& forms,
+                    cudaStream_t stream) {
   const int64_t N = T * desc.k;
   if (N == 0) return;
   const int halves = desc.gated() ? 2 : 1;
-  RowsParams p = base_params(desc, expert_offsets, int(desc.d), desc.h, halves, T);
+  const int64_t cols = range.cols != 0 ? range.cols : desc.d;
+  RowsParams p = base_params(desc, expert_offsets, int(cols), desc.h, halves, T);
   set_rows_out(p, out);
   const CUtensorMap a = rows_map(desc.dtype, dadb, N, desc.h, halves, "B4");
-  // w_gate / w_up [E, h, d]: k runs over h (rows), n over d (contiguous): MN-major.
-  const CUtensorMap b0 = weight_map(desc.dtype, w_gate, desc.E, desc.h, desc.d, true, "B4");
-  const CUtensorMap b1 =
-      desc.gated() ? weight_map(desc.dtype, w_up, desc.E, desc.h, desc.d, true, "B4") : b0;
+  // w_gate / w_up [E, h, d]: k runs over h (rows), n over the range's columns of d: MN-major.
+  const CUtensorMap b0 =
+      weight_map_range(desc.dtype, w_gate, desc.E, desc.h, desc.d, range.col0, cols, true, "B4");
+  const CUtensorMap b1 = desc.gated() ? weight_map_range(desc.dtype, w_up, desc.E, desc.h, desc.d,
+                                                         range.col0, cols, true, "B4")
+                                      : b0;
   launch(desc, kB4, a, b0, b1, p, forms, stream, "sm90_rows_kernel (B4)");
 }
 

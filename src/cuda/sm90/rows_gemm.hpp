@@ -52,27 +52,37 @@ bool sm90_rows_prepare_kernels();
 bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
                          std::initializer_list<const void*> tensors);
 
-// Where F2 / B4 put routed row r, in the storage dtype: row r of `rows` ([N, d]), or with by_pair
-// (k = 1) row pair[r] of it ([T, d]: the token's output itself). Each element is
-// row_value(w, v) (cuda_util.cuh), w = weights[pair[r]] (F2's g) or 1 (weights null). rows must be
-// in the sm90_rows_supported check's tensors; pair is needed when weights or by_pair are set.
+// Where F2 / B4 put routed row r of their column range, in the storage dtype: row r of `rows`
+// ([N, ld]), or with by_pair (k = 1) row pair[r] of it ([T, ld]: the token's output itself; rows
+// then points at the range's first column). Each element is row_value(w, v) (cuda_util.cuh),
+// w = weights[pair[r]] (F2's g) or 1 (weights null). rows must be in the sm90_rows_supported
+// check's tensors; pair is needed when weights or by_pair are set.
 struct Sm90RowsOut {
   void* rows = nullptr;
+  int64_t ld = 0;                  // elements between rows; 0 = the range's width
   const int32_t* pair = nullptr;   // [N] routed row -> (token, slot) pair index
   const float* weights = nullptr;  // [T*k]
   bool by_pair = false;
 };
 
+// The output columns [col0, col0 + cols) of d that one F2 / B4 launch computes (cols = 0: all of
+// d). col0 must be a multiple of kSm90B1TileCols, so each tile is one of the full launch's tiles
+// and gives the same bits.
+struct Sm90Columns {
+  int64_t col0 = 0, cols = 0;
+};
+
 // F2 (N = T*k routed rows). Precondition: sm90_rows_supported.
 void sm90_f2_launch(const LayerDesc& desc, int64_t T, const void* u, const int32_t* expert_offsets,
-                    const void* w_down, const Sm90RowsOut& out, const Sm90Forms& forms,
-                    cudaStream_t stream);
+                    const void* w_down, const Sm90Columns& range, const Sm90RowsOut& out,
+                    const Sm90Forms& forms, cudaStream_t stream);
 
 // B4: dadb [N, 2h] (da at [0, h), db at [h, 2h)) or [N, h] for non-gated activations. w_up is
 // ignored for non-gated activations.
 void sm90_b4_launch(const LayerDesc& desc, int64_t T, const void* dadb,
                     const int32_t* expert_offsets, const void* w_gate, const void* w_up,
-                    const Sm90RowsOut& out, const Sm90Forms& forms, cudaStream_t stream);
+                    const Sm90Columns& range, const Sm90RowsOut& out, const Sm90Forms& forms,
+                    cudaStream_t stream);
 
 // B1's epilogue operands (as gemm.cuh's EpilogueArgs for Epi::B1).
 // B1 covers columns [col0, col0 + cols) of h (cols = 0: all of h). The activation pointers below
