@@ -1,8 +1,8 @@
 # Randomised interleaving model of the barrier protocol of the Hopper kernels whose consumer
-# warpgroups gather their own A rows (session 5, round 11: src/cuda/sm90/f1_gemm.cu, rows_gemm.cu's
-# B1, wgrad_gemm.cu's B2/B3), optionally with round 12's epilogue warps and hand-off buffer
-# (f1_gemm.cu's short-K form, landed in session 6), and with round 13's producer share (probe v13:
-# the producer also gathers part of both halves after the slot's empty barrier).
+# warpgroups gather their own A rows (src/cuda/sm90/f1_gemm.cu, rows_gemm.cu's B1, wgrad_gemm.cu's
+# B2/B3), optionally with the epilogue warps and their hand-off buffer (F1's and B1's epilogue-warp
+# forms), and with a producer share (the producer also gathers part of both halves after the
+# slot's empty barrier; a variant the kernels do not use, kept as a checked alternative).
 #
 # Agents of one CTA:
 #   - the producer (thread 0): for every k-step it of the CTA's sequence, waits empty[s] (parity
@@ -26,16 +26,16 @@
 # no B landing, A landing or hand-off write goes into memory a reader still reads; the epilogue
 # reads tile n's hand-off; nothing is pending at the end.
 #
-#   /usr/bin/python3 dev/cuda/consumer_gather_protocol_model.py [trials]   (prints PASS / the error)
+#   python3 tools/models/consumer_gather_protocol_model.py [trials]   (prints PASS / the error)
 # Mutations (each must FAIL): --lag-S (gather S k-steps ahead: overwrites a live slot), --no-a-wait
 # (wgmma without waiting a_full), --no-handoff-wait (hand-off written without waiting
 # handoff_empty), --handoff-empty-1 (handoff_empty counts 1 of the 2 epilogue warps),
 # --share-no-empty-wait (the producer's share of A issued before the slot's empty barrier),
 # --early-lag-S1 (the gather issued before wait_group 1 with lead S - 1: into the slot of k-step
-# it - 1, whose wgmma may still run). "early" (session 6): the 4-stage kernels issue the gather
+# it - 1, whose wgmma may still run). "early": the 4-stage kernels issue the gather
 # between the commit and wait_group 1 with lead S - 2 (the slot of k-step it - 2).
 #   --self-test: the protocol must PASS and every mutation must FAIL (exit 0 only then); CTest
-#   runs this (tests/CMakeLists.txt, dev_consumer_gather_protocol_model).
+#   runs this (label tools: tools_consumer_gather_protocol_model).
 import random
 import sys
 

@@ -1,22 +1,21 @@
 #!/usr/bin/env python3
-"""profile_kernels.py arguments for benchmark configurations, from bench/configs.json, so that the
-device runners (dev/cuda/run_library_ab.sh, a session's dev/cuda/patches/run_patches.sh) name
-shapes instead of repeating their sizes.
+"""The shape arguments of tests/cuda/profile_kernels.py for a benchmark configuration, read from
+bench/configs.json, so that profiling commands name shapes instead of repeating their sizes.
 
 Usage:
-  dev/cuda/shape_args.py conf4                 -> --T 32768 --d 2048 --h 8192 --E 16 --k 4
-  dev/cuda/shape_args.py --lines conf3:swiglu mixtral:silu:--policy=save_all
+  tools/shape_args.py conf4                 -> --T 32768 --d 2048 --h 8192 --E 16 --k 4
+  tools/shape_args.py --lines conf3:swiglu mixtral:silu:--policy=save_all
       -> one "conf3 swiglu|--T ... --act swiglu" line per NAME:ACT[:EXTRA], EXTRA's '=' and ','
-         turned into spaces, its values appended to the label (run_library_ab.sh's PROFILE_SHAPES
-         format)
-  dev/cuda/shape_args.py --self-test
+         turned into spaces, its values appended to the label (a "label|arguments" list for
+         scripts that profile several shapes in a loop)
+  tools/shape_args.py --self-test
 """
 import json
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CONFIGS = os.path.join(HERE, "..", "..", "bench", "configs.json")
+CONFIGS = os.path.join(HERE, "..", "bench", "configs.json")
 
 
 def load_configs(path=CONFIGS):

@@ -15,30 +15,29 @@ hashing (--l2-mib 25 stands for one partition). LRU over lockstep waves has capa
 single bands can be far off; the trend across bands is what it is for. Where measured reads
 exceed it by much, the excess has another cause.
 
-Checked on the H200 (session 14, conf3, the `measured` column): the trend held for F2, B4 and F1
+Checked on the H200 (conf3, the `measured` column): the trend held for F2, B4 and F1
 above band 8 (F2 and B4 read least at band 1, F1 at 32), but at band 1 F1 read 3.14 GB where the
 model says 9.18: with one m-tile a band the CTAs drift apart and the weights stay in L2 longer
 than lockstep allows. Fewer bytes did not always mean less time (F1 at 32: 2.64 against 3.95 GB,
 6.84 against 6.80 ms), so a band is set by the measured time, not by this model.
 
 Usage:
-  dev/cuda/tile_order_dram_model.py [--configs conf3,conf4,mixtral] [--bands 4,8,16,32,64]
-                                    [--l2-mib 25] [--sms 132]
-  dev/cuda/tile_order_dram_model.py --self-test      (CTest: small cases with known answers)
+  tools/models/tile_order_dram_model.py [--configs conf3,conf4,mixtral] [--bands 4,8,16,32,64]
+                                        [--l2-mib 25] [--sms 132]
+  tools/models/tile_order_dram_model.py --self-test      (small cases with known answers)
 """
 import argparse
 import os
 import sys
 from collections import OrderedDict
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from shape_args import shape  # noqa: E402  (T, d, h, E, k) by name from bench/configs.json
 
 BM, BK = 128, 64
-# Measured DRAM reads (GB, Nsight Compute, conf3 SwiGLU) by (config, kernel): band -> GB, for
-# comparison. Band 8: session 13 call 6 (--set full). Bands 1, 8, 16, 32: session 14's band sweep
-# (dev/cuda/results/2026-11-30-nvidia-h200-s14-lean-band.txt, three metrics only, one launch
-# each after warm-up steps); its band-8 figures are 2-8 % under session 13's.
+# Measured DRAM reads (GB, Nsight Compute `dram__bytes_read.sum`, conf3 SwiGLU, one launch of each
+# kernel after warm-up steps, MOEBLAZE_CUDA_BAND_MTILES set per column) by (config, kernel):
+# band -> GB, printed next to the model's figures.
 MEASURED = {
     ("conf3", "F1"): {1: 3.14, 8: 3.95, 16: 3.10, 32: 2.64},
     ("conf3", "F2"): {1: 2.70, 8: 3.43, 16: 4.92, 32: 5.78},
@@ -156,7 +155,7 @@ def main():
     ap.add_argument("--kernels", default="F1,F2,B1,B4")
     ap.add_argument("--bands", default="4,8,16,32,64")
     ap.add_argument("--l2-mib", type=int, default=25,
-                    help="cache size: 25 MiB (one L2 partition) fits session 13's F1 and F2 reads")
+                    help="cache size: 25 MiB (one L2 partition) fits the measured F1 and F2 reads")
     ap.add_argument("--sms", type=int, default=132)
     ap.add_argument("--self-test", action="store_true")
     a = ap.parse_args()

@@ -8,7 +8,7 @@
 # own accumulator, where the kernel means it to go (B3: out[n][m]; B2: out[m][n]); that the
 # copy-out's 16-byte reads see exactly what stmatrix wrote; and that each stmatrix matrix (8 rows
 # of 16 bytes) covers all 32 banks once. --self-test: seeded mistakes must be caught.
-#   /usr/bin/python3 dev/cuda/wgrad_staged_epilogue_model.py --self-test
+#   python3 tools/models/wgrad_staged_epilogue_model.py --self-test
 import sys
 
 

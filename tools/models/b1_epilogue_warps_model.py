@@ -1,5 +1,6 @@
-# Index model of b1-epilogue-warps.patch (B1's epilogue run by warps 1-3 of the producer warpgroup
-# from a 64 KB bf16 hand-off of v). It checks the patch's bookkeeping, not the hardware:
+# Index model of B1's epilogue-warp form (src/cuda/sm90/rows_gemm.cu: B1's epilogue run by warps
+# 1-3 of the producer warpgroup from a 64 KB bf16 hand-off of v). It checks the kernel's
+# bookkeeping, not the hardware:
 #  - the consumers' hand-off writes (register 4j + q of lane (g, t4) of consumer warp w) and the
 #    epilogue warps' 16-byte reads agree: every element (row, col) of the 128 x 256 tile is read
 #    back from where it was written, and each warp store instruction of the hand-off (fixed j, rr)
@@ -8,12 +9,12 @@
 #    16-byte chunk) of the tile exactly once, each warp runs a warp-uniform number of iterations
 #    (the dg shuffles need all 32 lanes), and the 8 lanes of a row are consecutive and 8-aligned in
 #    one warp (so the xor-1/2/4 shuffles sum exactly that row's chunks);
-#  - b1-four-epilogue-warps.patch (session 12; refuted on the H200 in session 13, B1 26-57 %
-#    slower: dev/cuda/patches/b1-four-epilogue-warps.patch@89b04d4): the consumer thread's TMA
-#    schedule (issue_ahead) issues every (tile, k-step) of a CTA once, into the slot and phase of
-#    its loop position, before the loop reaches it, for k_tiles down to 1 (tma_schedule_errors).
-#    Kept: it is the schedule any consumer-issued lookahead (ping-pong consumers) must satisfy.
-#   /usr/bin/python3 dev/cuda/b1_epilogue_warps_model.py
+#  - a consumer-issued TMA schedule (issue_ahead: four epilogue warps, one consumer thread issuing
+#    the loads; slower on the H200, so not in the kernels) issues every (tile, k-step) of a CTA
+#    once, into the slot and phase of its loop position, before the loop reaches it, for k_tiles
+#    down to 1 (tma_schedule_errors). It is the schedule any consumer-issued lookahead (ping-pong
+#    consumers) must satisfy.
+#   python3 tools/models/b1_epilogue_warps_model.py
 import sys
 
 K_BM, SUB_WORDS = 128, 128 * 64 * 2 // 4
@@ -70,7 +71,7 @@ def run(epi_warps):
 
 
 def tma_schedule_errors(k_tiles, total_tiles, grid, cta, stages=3, one_tile_ahead=False):
-    """b1-four-epilogue-warps.patch: the consumer thread's TMA issues (issue_ahead) for one CTA.
+    """The consumer-issued TMA schedule (issue_ahead) of one CTA.
     Prologue: k-steps 0 .. lead - 1; at k-step it of tile t (k-step kt): k-step it + lead, which
     may lie `skip` tiles ahead. Every (tile, k-step) the CTA's main loop runs must be issued exactly
     once, as global k-step it' = its position in the loop (slot it' % stages, phase it' / stages),
@@ -130,7 +131,7 @@ def tma_schedule_check():
 
 
 if __name__ == "__main__":
-    # 3 epilogue warps (warps 1-3, until session 12) and 4 (the whole first warpgroup).
+    # 3 epilogue warps (warps 1-3, the kernel's form) and 4 (the whole first warpgroup).
     failed = False
     for warps in (3, 4):
         errs = run(warps)
