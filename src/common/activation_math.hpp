@@ -94,53 +94,47 @@ MB_HOST_DEVICE T relu_grad(T a) {
   return a > T(0) ? T(1) : T(0);
 }
 
-// u = act(a, b)
+template <typename T>
+MB_HOST_DEVICE T relu2(T a) {
+  return relu(a) * relu(a);
+}
+
+template <typename T>
+MB_HOST_DEVICE T relu2_grad(T a) {
+  return T(2) * relu(a);
+}
+
+// u = act(a, b). One case per line of activations.def: f(a) * b (gated) or f(a).
 template <typename T>
 MB_HOST_DEVICE T forward(Activation act, T a, T b) {
   switch (act) {
-    case Activation::SwiGLU: return silu(a) * b;
-    case Activation::GeGLU: return gelu(a) * b;
-    case Activation::ReGLU: return relu(a) * b;
-    case Activation::SiLU: return silu(a);
-    case Activation::GELU: return gelu(a);
-    case Activation::ReLU: return relu(a);
-    case Activation::ReLU2: return relu(a) * relu(a);
+// clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN)           \
+  case Activation::Name: return (GATED) ? FN(a) * b : FN(a);
+#include "common/activations.def"
+    // clang-format on
   }
   return T(0);
 }
 
-// Given du (dLoss/du), the gradients with respect to a and b (db = 0 for non-gated activations).
+// Given du (dLoss/du), the gradients with respect to a and b: gated da = du * b * f'(a) and
+// db = du * f(a); otherwise da = du * f'(a) and db = 0.
 template <typename T>
 MB_HOST_DEVICE void backward(Activation act, T a, T b, T du, T* da, T* db) {
   switch (act) {
-    case Activation::SwiGLU:
-      *da = du * b * silu_grad(a);
-      *db = du * silu(a);
-      return;
-    case Activation::GeGLU:
-      *da = du * b * gelu_grad(a);
-      *db = du * gelu(a);
-      return;
-    case Activation::ReGLU:
-      *da = du * b * relu_grad(a);
-      *db = du * relu(a);
-      return;
-    case Activation::SiLU:
-      *da = du * silu_grad(a);
-      *db = T(0);
-      return;
-    case Activation::GELU:
-      *da = du * gelu_grad(a);
-      *db = T(0);
-      return;
-    case Activation::ReLU:
-      *da = du * relu_grad(a);
-      *db = T(0);
-      return;
-    case Activation::ReLU2:
-      *da = du * T(2) * relu(a);
-      *db = T(0);
-      return;
+// clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
+  case Activation::Name:                           \
+    if (GATED) {                                   \
+      *da = du * b * FN##_grad(a);                 \
+      *db = du * FN(a);                            \
+    } else {                                       \
+      *da = du * FN##_grad(a);                     \
+      *db = T(0);                                  \
+    }                                              \
+    return;
+#include "common/activations.def"
+    // clang-format on
   }
   *da = T(0);
   *db = T(0);
