@@ -85,7 +85,7 @@ def run(seed, S, handoff, mut, share=False, early=False):
         lag = S - 1 if mut.get("early_lag_S1") else S - 2
     full = [Bar(1, "full%d" % s) for s in range(S)]
     empty = [Bar(2, "empty%d" % s) for s in range(S)]
-    # share (probe v13): the producer also gathers part of both halves, after the slot's empty
+    # share: the producer also gathers part of both halves, after the slot's empty
     # barrier (as its B boxes), arriving on both a_full barriers: CP_GROUPS more arrivals each.
     a_count = 2 * CP_GROUPS if share else CP_GROUPS
     a_full = [[Bar(a_count, "a_full%d.%d" % (w, s)) for s in range(S)] for w in range(2)]
