@@ -24,11 +24,11 @@ namespace act_math {
 //
 // On the GPU the float sigmoid is the MUFU form: ex2.approx for the exponential, an approximate
 // division (rcp.approx and one multiply) instead of IEEE division. Both are within a few ulp of
-// fp32 (far below the bf16/fp16 rounding that follows, and below the fp32 tests' 1e-4), and the
-// IEEE division's out-of-line slow path and expf's range reduction were the activation's whole cost
-// in the fused GEMM epilogues (measured on the H200, conf3 F1: 2.2 of 12.6 ms). Every CUDA engine
-// calls this one function, so they still agree bitwise with each other; the CPU reference keeps the
-// accurate form. For a < -87 the denominator passes 2^126 and the division returns 0, the limit.
+// fp32 (far below the bf16/fp16 rounding that follows, and below the fp32 tests' 1e-4), while the
+// IEEE division's out-of-line slow path and expf's range reduction would dominate the cost of the
+// activation in the fused GEMM epilogues. Every CUDA engine calls this one function, so they still
+// agree bitwise with each other; the CPU reference keeps the accurate form. For a < -87 the
+// denominator passes 2^126 and the division returns 0, the limit.
 #if defined(__CUDA_ARCH__)
 // 2^x by MUFU.EX2 with subnormal inputs and results flushed to zero. Against __expf's form (which
 // is ex2.approx without .ftz) this drops a range test and two rescaling multiplies. In sigmoid the
