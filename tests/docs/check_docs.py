@@ -51,14 +51,14 @@ JOURNAL = [
                 r"repetitions|configurations|processes|GPUs?|CTAs?|tiles?|rows?|columns?|"
                 r"cases?|tests?|iterations?|seconds?|minutes?|ms)\b)|\b[Rr]uns \d+[–-]\d+"),
      "run N"),
-    (re.compile(r"\b[Ss]ession\s+\d|\bs\d{1,2}-[a-z]"), "session tag"),
+    (re.compile(r"\bs\d{1,2}-[a-z]"), "session tag"),
     (re.compile(r"\bleases?\b|\bleased\b", re.I), "lease"),
     (re.compile(r"\b(?:what )?we tried\b|\bwe have tried\b", re.I), "we tried"),
     (re.compile(r"\bdevice calls?\b", re.I), "device call"),
     (re.compile(r"\bworkshops?\b", re.I), "workshop"),
     (re.compile(r"\bpatches/|[\w-]{3,}\.patch\b"), "patch file"),
     (re.compile(r"\b(?:[Ss]ince|[Aa]fter|[Uu]ntil|[Bb]efore|at|in|from) v\d{1,2}\b(?!\.)|"
-                r"\bv\d{1,2}'s\b|\(v\d{1,2}[,;)]|\bprobe v\d+"), "kernel version history"),
+                r"\bv\d{1,2}'s\b|\s\(v\d{1,2}[,;)]|\bprobe v\d+"), "kernel version history"),
     (re.compile(r"\bnext session\b|\bthis session\b|\bearlier session\b", re.I), "session"),
 ]
 
@@ -238,6 +238,7 @@ def self_test():
             "MOEBLAZE_NCCL_LIBRARY=/nonexistent/libnccl.so.2 and usr/tmp/x",
             "checkpoint policies: round trip",
             "NCCL version v.patch = code % 100; c.patch",
+            "v0 = round_to<T>(v0); f(v1, v2);",
             "done; v0 (ABI 0); first published in v0.1; not planned for v0; from v0.1.0 on",
         ]
         failed = False
