@@ -2,8 +2,8 @@
 and the sustained dense bf16 matmul rate of the card as found.
 
 Why this exists: an H200 held at its 700 W power limit runs its SMs well below the 1,980 MHz boost
-clock (session 13 measured a 1,440 MHz median under moeblaze's conf3 step, and an 8192^3 bf16
-matmul loop sustained 660 TFLOP/s at 1,470 MHz). A single step timed after an idle pause runs at
+clock (a median near 1,440 MHz under moeblaze's conf3 step, and an 8192^3 bf16 matmul loop
+sustains ~660 TFLOP/s at ~1,470 MHz). A single step timed after an idle pause runs at
 boost clock and is ~15 % faster than the same step back to back. So a TFLOP/s figure means little
 without the clock it ran at, and the fair ceiling for a long run is the sustained dense rate on the
 same card in the same process, not a burst figure.

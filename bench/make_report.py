@@ -1,21 +1,29 @@
 #!/usr/bin/env python3
 """Turns a results JSON of run_bench.py into markdown tables and PNG plots.
 
-    python3 bench/make_report.py bench/results/2026-11-29-nvidia-h200.json \
-        [--doc docs/performance.md] [--plots-dir bench/results] [--roofline]
+    python3 bench/make_report.py RESULTS.json [--out-dir DIR] [--doc docs/performance.md]
+    python3 bench/make_report.py RESULTS.json --publish
+    python3 bench/make_report.py --roofline --doc docs/performance.md
 
-* writes <plots-dir>/<stem>.md (the tables) and, when matplotlib is importable,
-  <plots-dir>/<stem>-time.png and <stem>-memory.png;
+* writes DIR/report.md (every table, accuracy included) and, when matplotlib is importable, the
+  plots DIR/time.png, DIR/saved.png and DIR/peak.png (DIR: --out-dir, default beside the JSON);
 * with --doc, replaces the text between the markers
-  <!-- BENCH-RESULTS:BEGIN --> and <!-- BENCH-RESULTS:END --> in that file;
+  <!-- BENCH-RESULTS:BEGIN --> and <!-- BENCH-RESULTS:END --> in that file with the summary, the
+  time and memory tables and the plots (the accuracy table stays in report.md);
+* --publish makes RESULTS.json the committed result set: copies it to bench/results/latest.json,
+  writes report.md and the plots there and refreshes docs/performance.md;
 * with --roofline (no results JSON needed), refreshes the block between
   <!-- ROOFLINE:BEGIN --> and <!-- ROOFLINE:END --> from bench/configs.json.
+
+Every implementation other than moeblaze in the JSON is a baseline and gets its own columns
+(grouped_mm, loop, and any added to bench/baselines.py, in that order).
 """
 
 import argparse
 import json
 import math
 import os
+import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,7 +38,15 @@ ROOFLINE_BEGIN = "<!-- ROOFLINE:BEGIN -->"
 ROOFLINE_END = "<!-- ROOFLINE:END -->"
 BASELINE_POLICY = "autograd"
 POLICIES = ("save_preact", "save_all", "recompute")
-# architecture.md section 7
+# The committed result set (bench/results/README.md) and the document that shows it.
+RESULTS_DIR = os.path.join(HERE, "results")
+LATEST_JSON = "latest.json"
+REPORT_MD = "report.md"
+PLOT_FILES = {"ms": "time.png", "saved_bytes": "saved.png", "peak_bytes": "peak.png"}
+PERFORMANCE_DOC = os.path.join(HERE, "..", "docs", "performance.md")
+# Baselines in the order their columns appear; others follow in the order of the JSON.
+BASELINE_ORDER = ("grouped_mm", "loop", "sonicmoe")
+# The targets of docs/performance.md ("Targets").
 TARGET_SPEEDUP = 1.3
 TARGET_SAVED_RATIO = 0.45
 TARGET_PEAK_RATIO = 0.6
@@ -63,63 +79,84 @@ def _ratio(a, b):
     return a / b
 
 
+def baselines(rows):
+    """The baseline implementations present in the rows, in column order."""
+    present = []
+    for r in rows:
+        if r["impl"] != "moeblaze" and r["impl"] not in present:
+            present.append(r["impl"])
+    known = [b for b in BASELINE_ORDER if b in present]
+    return known + [b for b in present if b not in known]
+
+
+def _baseline_row(rows, idx, cfg, act, impl):
+    """A baseline's row for (cfg, act): its autograd row, else its first row."""
+    row = idx.get((cfg, act, impl, BASELINE_POLICY))
+    if row is None:
+        row = next((r for r in rows if (r["config"], r["act"], r["impl"]) == (cfg, act, impl)),
+                   None)
+    return row or {}
+
+
 def speed_table(doc):
     rows = doc["rows"]
     idx = _index(rows)
-    # Runs from session 13 on also measure the dense rate the card sustains under its power limit
-    # (gpu_clocks.sustained_matmul); the share of that is the fair efficiency of a long run.
+    bases = baselines(rows)
+    # The dense rate the card sustains under its power limit (gpu_clocks.sustained_matmul): the
+    # share of that is the fair efficiency of a long run.
     dense = (doc.get("environment", {}).get("dense_reference") or {}).get("tflops")
-    dense_head = f" moeblaze % of sustained {dense:.0f} |" if dense else ""
-    out = ["| config | act | grouped_mm ms | loop ms | moeblaze ms | × vs grouped_mm | × vs loop "
-           "| moeblaze TFLOP/s | grouped_mm TFLOP/s | moeblaze % of 790 |" + dense_head +
-           " compute floor ms | recompute ms |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if dense else "") +
-           "---:|---:|"]
+    head = (["config", "act"] + [f"{b} ms" for b in bases] + ["moeblaze ms"]
+            + [f"× vs {b}" for b in bases] + ["moeblaze TFLOP/s"]
+            + [f"{b} TFLOP/s" for b in bases[:1]] + ["moeblaze % of 790"]
+            + ([f"moeblaze % of sustained {dense:.0f}"] if dense else [])
+            + ["compute floor ms", "recompute ms"])
+    out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for cfg, act in _keys(rows):
-        g = idx.get((cfg, act, "grouped_mm", BASELINE_POLICY)) or {}
-        lp = idx.get((cfg, act, "loop", BASELINE_POLICY)) or {}
+        base = [_baseline_row(rows, idx, cfg, act, b) for b in bases]
         mb = idx.get((cfg, act, "moeblaze", "save_preact")) or {}
         rc = idx.get((cfg, act, "moeblaze", "recompute")) or {}
-        any_row = g or lp or mb
+        any_row = next((r for r in [mb] + base if r.get("flops")), {})
         floor = None
         if any_row.get("flops"):
             floor = any_row["flops"] / (roofline.H200_BF16_TFLOPS * 1e12) * 1e3
-        out.append(
-            f"| {cfg} | {act} | {_fmt(g.get('ms'), '.3f')} | {_fmt(lp.get('ms'), '.3f')} "
-            f"| {_fmt(mb.get('ms'), '.3f')} | {_fmt(_ratio(g.get('ms'), mb.get('ms')), '.2f')} "
-            f"| {_fmt(_ratio(lp.get('ms'), mb.get('ms')), '.2f')} "
-            f"| {_fmt(mb.get('tflops'), '.0f')} "
-            f"| {_fmt(g.get('tflops'), '.0f')} "
-            f"| {_fmt(_ratio(mb.get('tflops'), roofline.H200_BF16_TFLOPS / 100), '.0f')} "
-            + (f"| {_fmt(_ratio(mb.get('tflops'), dense / 100), '.0f')} " if dense else "")
-            + f"| {_fmt(floor, '.2f')} | {_fmt(rc.get('ms'), '.3f')} |")
+        cells = ([cfg, act] + [_fmt(b.get("ms"), ".3f") for b in base] + [_fmt(mb.get("ms"), ".3f")]
+                 + [_fmt(_ratio(b.get("ms"), mb.get("ms")), ".2f") for b in base]
+                 + [_fmt(mb.get("tflops"), ".0f")]
+                 + [_fmt(b.get("tflops"), ".0f") for b in base[:1]]
+                 + [_fmt(_ratio(mb.get("tflops"), roofline.H200_BF16_TFLOPS / 100), ".0f")]
+                 + ([_fmt(_ratio(mb.get("tflops"), dense / 100), ".0f")] if dense else [])
+                 + [_fmt(floor, ".2f"), _fmt(rc.get("ms"), ".3f")])
+        out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 
 def memory_table(doc):
     rows = doc["rows"]
     idx = _index(rows)
-    out = ["| config | act | saved MiB grouped_mm / loop | saved MiB moeblaze preact / all / "
-           "recompute | preact ÷ grouped_mm | peak MiB grouped_mm / loop | peak MiB moeblaze "
-           "preact / all / recompute | preact ÷ grouped_mm |",
+    bases = baselines(rows)
+    names = " / ".join(bases)
+    first = bases[0] if bases else "baseline"
+    out = [f"| config | act | saved MiB {names} | saved MiB moeblaze preact / all / recompute "
+           f"| preact ÷ {first} | peak MiB {names} | peak MiB moeblaze preact / all / recompute "
+           f"| preact ÷ {first} |",
            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for cfg, act in _keys(rows):
-        g = idx.get((cfg, act, "grouped_mm", BASELINE_POLICY)) or {}
-        lp = idx.get((cfg, act, "loop", BASELINE_POLICY)) or {}
+        base = [_baseline_row(rows, idx, cfg, act, b) for b in bases]
         mbs = [idx.get((cfg, act, "moeblaze", p)) or {} for p in POLICIES]
+        first_row = base[0] if base else {}
 
-        def both(field, a, b):
-            return f"{_fmt(a.get(field), '.0f', MIB)} / {_fmt(b.get(field), '.0f', MIB)}"
+        def each(field):
+            return " / ".join(_fmt(b.get(field), ".0f", MIB) for b in base)
 
         def three(field):
             return " / ".join(_fmt(m.get(field), ".1f" if field == "saved_bytes" else ".0f", MIB)
                               for m in mbs)
 
         out.append(
-            f"| {cfg} | {act} | {both('saved_bytes', g, lp)} | {three('saved_bytes')} "
-            f"| {_fmt(_ratio(mbs[0].get('saved_bytes'), g.get('saved_bytes')), '.2f')} "
-            f"| {both('peak_bytes', g, lp)} | {three('peak_bytes')} "
-            f"| {_fmt(_ratio(mbs[0].get('peak_bytes'), g.get('peak_bytes')), '.2f')} |")
+            f"| {cfg} | {act} | {each('saved_bytes')} | {three('saved_bytes')} "
+            f"| {_fmt(_ratio(mbs[0].get('saved_bytes'), first_row.get('saved_bytes')), '.2f')} "
+            f"| {each('peak_bytes')} | {three('peak_bytes')} "
+            f"| {_fmt(_ratio(mbs[0].get('peak_bytes'), first_row.get('peak_bytes')), '.2f')} |")
     return "\n".join(out)
 
 
@@ -138,25 +175,64 @@ def accuracy_table(doc):
     return "\n".join(out)
 
 
+def accuracy_line(doc):
+    """The largest relative error of any output, per implementation (the summary of the table)."""
+    worst = {}
+    for r in doc["rows"]:
+        if r.get("error") or r.get("skipped"):
+            continue
+        values = [v for v in (r.get("rel_err") or {}).values()
+                  if isinstance(v, (int, float)) and math.isfinite(v)]
+        if values:
+            worst[r["impl"]] = max(worst.get(r["impl"], 0.0), max(values))
+    if not worst:
+        return None
+    order = ["moeblaze"] + baselines(doc["rows"])
+    parts = [f"{impl} {worst[impl]:.1e}" for impl in order if impl in worst]
+    return ("Accuracy: the largest ‖out − ref‖ / ‖ref‖ of any output (y, dx, dg, dw_*) against "
+            "the fp32 reference: " + ", ".join(parts) + ".")
+
+
+def _geomean(values):
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
 def target_lines(doc):
+    """Per activation: moeblaze's speed-up over each baseline (geometric mean and slowest row), and
+    its saved and peak bytes against the first baseline; then the error, tolerance and determinism
+    counts."""
     rows = doc["rows"]
+    idx = _index(rows)
+    bases = baselines(rows)
     lines = []
     for act in sorted({r["act"] for r in rows}):
         mb = [r for r in rows if r["act"] == act and r["impl"] == "moeblaze"
-              and r["policy"] == "save_preact" and not r.get("error")]
-        speedups = [r["speedup_vs_grouped_mm"] for r in mb if r.get("speedup_vs_grouped_mm")]
-        geo = (math.exp(sum(math.log(s) for s in speedups) / len(speedups))
-               if speedups else None)
-        saved = [r["saved_ratio_vs_grouped_mm"] for r in mb if "saved_ratio_vs_grouped_mm" in r]
-        peak = [r["peak_ratio_vs_grouped_mm"] for r in mb if "peak_ratio_vs_grouped_mm" in r]
-        slowest = min(speedups) if speedups else None
-        lines.append(
-            f"- **{act}**: geometric-mean speed-up over the grouped_mm dataflow "
-            f"**{_fmt(geo, '.2f')}×** (target ≥ {TARGET_SPEEDUP}×; slowest configuration "
-            f"{_fmt(slowest, '.2f')}×, {len(speedups)} configurations); saved bytes ÷ grouped_mm "
-            f"at most **{_fmt(max(saved) if saved else None, '.2f')}** "
-            f"(target ≤ {TARGET_SAVED_RATIO} for SwiGLU); peak ÷ grouped_mm at most "
-            f"**{_fmt(max(peak) if peak else None, '.2f')}** (target ≤ {TARGET_PEAK_RATIO}).")
+              and r["policy"] == "save_preact" and not r.get("error") and r.get("ms")]
+        speed = []
+        for b in bases:
+            ratios = [_ratio(_baseline_row(rows, idx, r["config"], act, b).get("ms"), r["ms"])
+                      for r in mb]
+            ratios = [x for x in ratios if x]
+            if ratios:
+                target = f", target ≥ {TARGET_SPEEDUP}×" if b == "grouped_mm" else ""
+                speed.append(f"**{_fmt(_geomean(ratios), '.2f')}×** over {b} (slowest "
+                             f"{_fmt(min(ratios), '.2f')}×, {len(ratios)} configurations{target})")
+        first = bases[0] if bases else None
+        memory = ""
+        if first:
+            saved, peak = [], []
+            for r in mb:
+                base = _baseline_row(rows, idx, r["config"], act, first)
+                saved.append(_ratio(r.get("saved_bytes"), base.get("saved_bytes")))
+                peak.append(_ratio(r.get("peak_bytes"), base.get("peak_bytes")))
+            saved = [x for x in saved if x is not None]
+            peak = [x for x in peak if x is not None]
+            memory = (f"; saved bytes ÷ {first} at most **{_fmt(max(saved) if saved else None, '.2f')}**"
+                      f" (target ≤ {TARGET_SAVED_RATIO} for SwiGLU); peak ÷ {first} at most "
+                      f"**{_fmt(max(peak) if peak else None, '.2f')}** (target ≤ "
+                      f"{TARGET_PEAK_RATIO})")
+        lines.append(f"- **{act}**: geometric-mean speed-up " + ("; ".join(speed) or "–")
+                     + memory + ".")
     n_err = sum(1 for r in rows if r.get("error"))
     n_tol = sum(1 for r in rows if r.get("err_ok") is False)
     n_nondet = sum(1 for r in rows if r["impl"] == "moeblaze" and r.get("bitwise_repeat") is False)
@@ -182,8 +258,8 @@ def error_lines(doc):
 
 
 def clock_lines(doc):
-    """The card's sustained dense rate and clocks, when the run recorded them (runs from session
-    13 on): under a power cap, TFLOP/s figures mean little without them."""
+    """The card's sustained dense rate and clocks, when the JSON records them: under a power cap,
+    TFLOP/s figures mean little without them."""
     env = doc.get("environment", {})
     dense = env.get("dense_reference") or {}
     lines = []
@@ -196,7 +272,10 @@ def clock_lines(doc):
     return lines
 
 
-def markdown(doc, plot_names=()):
+def markdown(doc, plot_names=(), image_dir="", accuracy=True):
+    """The report. image_dir prefixes the plots' file names (the path from the markdown file that
+    shows them to the plots); accuracy=False replaces the accuracy table by its one-line summary
+    (the block in docs/performance.md)."""
     env = doc.get("environment", {})
     parts = [
         f"Device **{doc.get('device')}**, commit `{doc.get('commit')}`, "
@@ -206,7 +285,7 @@ def markdown(doc, plot_names=()):
         + {True: "; backward consumes its saved buffer (consume_saved=True, the default).",
            False: "; backward keeps its saved buffer (--keep-saved).",
            None: "."}[env.get("moeblaze_consume_saved")],
-        f"Command: `{doc.get('command')}`",
+        f"Command: `{scrub_text(doc.get('command') or '')}`",
         *clock_lines(doc),
         "",
         *target_lines(doc),
@@ -220,21 +299,47 @@ def markdown(doc, plot_names=()):
         "max_memory_allocated during fwd+bwd above what was allocated before):",
         "",
         memory_table(doc),
-        "",
-        "**Accuracy** (‖out − ref‖ / ‖ref‖ against the fp32 loop reference):",
-        "",
-        accuracy_table(doc),
     ]
+    if accuracy:
+        parts += ["", "**Accuracy** (‖out − ref‖ / ‖ref‖ against the fp32 reference):", "",
+                  accuracy_table(doc)]
+    else:
+        line = accuracy_line(doc)
+        if line:
+            parts += ["", line]
     errors = error_lines(doc)
     if errors:
         parts += ["", "**Errors and skipped rows:**", ""] + errors
     for name in plot_names:
-        parts += ["", f"![{name}](../bench/results/{name})"]
+        parts += ["", f"![{name}]({image_dir}{name})"]
     return "\n".join(parts) + "\n"
 
 
-def plots(doc, out_dir, stem):
-    """PNG bar charts of time and memory per configuration; returns the file names written."""
+# Absolute paths of the machine a run came from (its --out folder, the library it loaded): the
+# committed result set names files, not machines.
+_MACHINE_PATH = re.compile(r"(?<![\w.$])/(?:work|tmp|root|home|scratch|mnt)/[^\s\"']*")
+
+
+def scrub_text(text):
+    text = re.sub(r"--out(\s+|=)(?:\"[^\"]*\"|\S+)", r'--out\1"$OUT"', text)
+    return _MACHINE_PATH.sub(lambda m: os.path.basename(m.group(0).rstrip("/")) or ".", text)
+
+
+def scrub_machine_paths(value):
+    """value with every machine path replaced (the --out folder by $OUT, other paths by their file
+    name), recursively through lists and dicts."""
+    if isinstance(value, str):
+        return scrub_text(value)
+    if isinstance(value, list):
+        return [scrub_machine_paths(v) for v in value]
+    if isinstance(value, dict):
+        return {k: scrub_machine_paths(v) for k, v in value.items()}
+    return value
+
+
+def plots(doc, out_dir):
+    """PNG bar charts of time and memory per configuration (PLOT_FILES); returns the file names
+    written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -248,22 +353,29 @@ def plots(doc, out_dir, stem):
     for r in rows:
         if r["act"] not in acts:
             acts.append(r["act"])
-    series = [("grouped_mm", BASELINE_POLICY, "grouped_mm dataflow"),
-              ("loop", BASELINE_POLICY, "per-expert loop")] + \
-             [("moeblaze", p, f"moeblaze {p}") for p in POLICIES]
+    labels = {"grouped_mm": "grouped_mm dataflow", "loop": "per-expert loop"}
+    series = [(b, labels.get(b, b)) for b in baselines(rows)] + \
+             [(("moeblaze", p), f"moeblaze {p}") for p in POLICIES]
     written = []
 
-    def bars(field, scale, ylabel, title, fname, log):
+    def value(cfg, act, impl, field):
+        if isinstance(impl, tuple):
+            row = idx.get((cfg, act) + impl) or {}
+        else:
+            row = _baseline_row(rows, idx, cfg, act, impl)
+        return row.get(field)
+
+    def bars(field, scale, ylabel, title, log):
         if not any(r.get(field) is not None for r in rows):
             return  # e.g. peak bytes of a CPU run
         fig, axes = plt.subplots(len(acts), 1, figsize=(12, 3.6 * len(acts)), squeeze=False)
         for ax, act in zip(axes[:, 0], acts):
             cfgs = [c for c, a in _keys(rows) if a == act]
             width = 0.8 / len(series)
-            for i, (impl, policy, label) in enumerate(series):
+            for i, (impl, label) in enumerate(series):
                 values = []
                 for c in cfgs:
-                    v = (idx.get((c, act, impl, policy)) or {}).get(field)
+                    v = value(c, act, impl, field)
                     values.append(float("nan") if v is None else v / scale)
                 if all(math.isnan(v) for v in values):
                     continue
@@ -280,16 +392,14 @@ def plots(doc, out_dir, stem):
                 ax.legend(fontsize=8)
         fig.suptitle(f"{doc.get('device')} · {doc.get('commit', '')[:12]}")
         fig.tight_layout()
-        path = os.path.join(out_dir, fname)
-        fig.savefig(path, dpi=110)
+        fname = PLOT_FILES[field]
+        fig.savefig(os.path.join(out_dir, fname), dpi=110)
         plt.close(fig)
         written.append(fname)
 
-    bars("ms", 1.0, "ms (log)", "fwd+bwd time", f"{stem}-time.png", True)
-    bars("saved_bytes", float(1 << 30), "GiB", "bytes saved for backward",
-         f"{stem}-saved.png", False)
-    bars("peak_bytes", float(1 << 30), "GiB", "peak memory above inputs",
-         f"{stem}-peak.png", False)
+    bars("ms", 1.0, "ms (log)", "fwd+bwd time", True)
+    bars("saved_bytes", float(1 << 30), "GiB", "bytes saved for backward", False)
+    bars("peak_bytes", float(1 << 30), "GiB", "peak memory above inputs", False)
     return written
 
 
@@ -304,23 +414,45 @@ def replace_block(path, begin, end, body):
         f.write(text)
 
 
-def report(json_path, out_dir=None, doc_path=None):
+def report(json_path, out_dir=None, doc_path=None, make_plots=True):
+    """Writes out_dir/report.md and the plots (PLOT_FILES) for a results JSON; with doc_path, also
+    refreshes that document's results block, its plot links relative to the document."""
     with open(json_path) as f:
         doc = json.load(f)
     out_dir = out_dir or os.path.dirname(os.path.abspath(json_path))
     os.makedirs(out_dir, exist_ok=True)
-    stem = os.path.splitext(os.path.basename(json_path))[0]
-    names = plots(doc, out_dir, stem)
+    if make_plots:
+        names = plots(doc, out_dir)
+    else:  # keep the plots already there
+        names = [n for n in PLOT_FILES.values() if os.path.exists(os.path.join(out_dir, n))]
     text = markdown(doc, names)
-    md_path = os.path.join(out_dir, f"{stem}.md")
+    md_path = os.path.join(out_dir, REPORT_MD)
     with open(md_path, "w") as f:
         f.write(text)
     print(f"make_report: wrote {md_path}" + (f" and {', '.join(names)}" if names else ""),
           flush=True)
     if doc_path:
-        replace_block(doc_path, RESULTS_BEGIN, RESULTS_END, text)
+        image_dir = os.path.relpath(os.path.abspath(out_dir),
+                                    os.path.dirname(os.path.abspath(doc_path)))
+        block = markdown(doc, names, image_dir=image_dir.replace(os.sep, "/") + "/",
+                         accuracy=False)
+        replace_block(doc_path, RESULTS_BEGIN, RESULTS_END, block)
         print(f"make_report: updated {doc_path}", flush=True)
     return text
+
+
+def publish(json_path, results_dir=RESULTS_DIR, doc_path=PERFORMANCE_DOC, make_plots=True):
+    """Makes json_path the committed result set: results_dir/latest.json (machine paths replaced),
+    report.md and the plots beside it, and the results block of doc_path."""
+    with open(json_path) as f:
+        doc = scrub_machine_paths(json.load(f))
+    os.makedirs(results_dir, exist_ok=True)
+    latest = os.path.join(results_dir, LATEST_JSON)
+    with open(latest, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    print(f"make_report: wrote {latest}", flush=True)
+    return report(latest, results_dir, doc_path, make_plots)
 
 
 def main():
@@ -328,21 +460,32 @@ def main():
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", nargs="?", help="results JSON from run_bench.py")
     parser.add_argument("--doc", default=None, help="markdown file with the markers to fill")
-    parser.add_argument("--plots-dir", default=None,
-                        help="where the .md and .png go (default: beside the JSON)")
+    parser.add_argument("--out-dir", "--plots-dir", dest="out_dir", default=None,
+                        help="where report.md and the plots go (default: beside the JSON)")
+    parser.add_argument("--publish", action="store_true",
+                        help="make RESULTS the committed result set (bench/results/latest.json, "
+                             "report.md, plots) and refresh docs/performance.md")
+    parser.add_argument("--no-plots", action="store_true",
+                        help="leave the plots as they are (e.g. without matplotlib)")
     parser.add_argument("--roofline", action="store_true",
                         help="refresh the roofline block of --doc from bench/configs.json")
     args = parser.parse_args()
     if not args.results and not args.roofline:
         parser.error("give a results JSON, --roofline, or both")
+    if args.publish and not args.results:
+        parser.error("--publish needs a results JSON")
     if args.roofline:
-        if not args.doc:
+        doc_path = args.doc or (PERFORMANCE_DOC if args.publish else None)
+        if not doc_path:
             parser.error("--roofline needs --doc")
-        replace_block(args.doc, ROOFLINE_BEGIN, ROOFLINE_END,
+        replace_block(doc_path, ROOFLINE_BEGIN, ROOFLINE_END,
                       roofline.markdown_table(roofline.load_configs()))
-        print(f"make_report: roofline block of {args.doc} refreshed", flush=True)
-    if args.results:
-        report(args.results, args.plots_dir, args.doc)
+        print(f"make_report: roofline block of {doc_path} refreshed", flush=True)
+    if args.publish:
+        publish(args.results, doc_path=args.doc or PERFORMANCE_DOC,
+                make_plots=not args.no_plots)
+    elif args.results:
+        report(args.results, args.out_dir, args.doc, make_plots=not args.no_plots)
 
 
 if __name__ == "__main__":

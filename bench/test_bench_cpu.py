@@ -167,7 +167,8 @@ def test_roofline_formulas():
     c = cfgs["conf1"]
     assert roofline.flops(c, "swiglu") == 18 * c["T"] * c["k"] * c["d"] * c["h"]
     assert roofline.flops(c, "silu") == 12 * c["T"] * c["k"] * c["d"] * c["h"]
-    # peers.md section 3.4: Mixtral at T=16384 22.3 GB; Qwen3-30B-A3B at T=32768 9.9 GB
+    # the fused design's bytes worked by hand: Mixtral at T=16384 22.3 GB; Qwen3-30B-A3B at T=32768
+    # 9.9 GB
     assert abs(roofline.fused_bytes(cfgs["mixtral"], "swiglu") / 1e9 - 22.3) < 0.05
     assert abs(roofline.fused_bytes(cfgs["qwen3-30b-a3b"], "swiglu") / 1e9 - 9.93) < 0.05
     assert roofline.strict_min_bytes(c, "swiglu") < roofline.fused_bytes(c, "swiglu")
@@ -254,6 +255,57 @@ def test_make_report_fills_markers(tmp_path):
     make_report.report(str(path), str(tmp_path), str(md))
     text = md.read_text()
     assert "old" not in text and "tail" in text and "| tiny_a | swiglu |" in text
+
+
+def _report_rows():
+    """Rows of two implementations besides moeblaze for one configuration: what make_report needs."""
+    rows = []
+    for impl, policy, ms in (("grouped_mm", "autograd", 4.0), ("sonicmoe", "autograd", 2.5),
+                             ("moeblaze", "save_preact", 2.0), ("moeblaze", "save_all", 2.1),
+                             ("moeblaze", "recompute", 2.4)):
+        rows.append({"config": "c1", "act": "swiglu", "impl": impl, "policy": policy, "ms": ms,
+                     "tflops": 100.0 / ms, "flops": 1e11, "saved_bytes": 1 << 20,
+                     "peak_bytes": (4 << 20) if impl == "grouped_mm" else (2 << 20),
+                     "rel_err": {"y": 1e-3, "dx": 2e-3}, "bitwise_repeat": True, "error": None})
+    return rows
+
+
+def test_make_report_gives_every_baseline_its_columns():
+    import make_report
+    doc = {"device": "cpu", "commit": "abc", "command": "x", "environment": {}, "rows": _report_rows()}
+    table = make_report.speed_table(doc).splitlines()
+    assert "| grouped_mm ms | sonicmoe ms | moeblaze ms | × vs grouped_mm | × vs sonicmoe |" in table[0]
+    assert table[2].startswith("| c1 | swiglu | 4.000 | 2.500 | 2.000 | 2.00 | 1.25 |")
+    assert table[0].count("|") == table[2].count("|")
+    lines = make_report.target_lines(doc)
+    assert "**2.00×** over grouped_mm" in lines[0] and "**1.25×** over sonicmoe" in lines[0]
+    memory = make_report.memory_table(doc).splitlines()
+    assert "peak MiB grouped_mm / sonicmoe" in memory[0] and "| 4 / 2 |" in memory[2]
+
+
+def test_make_report_publish_writes_the_result_set(tmp_path):
+    import make_report
+    doc = {"device": "cpu", "commit": "abc", "rows": _report_rows(),
+           "command": "python3 bench/run_bench.py --out /" + "root/out/bench --budget-s 200",
+           "environment": {"moeblaze_library": "/" + "work/x/build/src/libmoeblaze.so.0"}}
+    run = tmp_path / "2026-01-01-cpu.json"
+    run.write_text(json.dumps(doc))
+    results = tmp_path / "bench" / "results"
+    results.mkdir(parents=True)
+    for name in make_report.PLOT_FILES.values():
+        (results / name).write_bytes(b"png")
+    perf = tmp_path / "docs" / "performance.md"
+    perf.parent.mkdir()
+    perf.write_text(f"# x\n{make_report.RESULTS_BEGIN}\nold\n{make_report.RESULTS_END}\n")
+    make_report.publish(str(run), str(results), str(perf), make_plots=False)
+    latest = json.loads((results / "latest.json").read_text())
+    assert latest["command"] == 'python3 bench/run_bench.py --out "$OUT" --budget-s 200'
+    assert latest["environment"]["moeblaze_library"] == "libmoeblaze.so.0"
+    report = (results / "report.md").read_text()
+    assert "![time.png](time.png)" in report and "**Accuracy**" in report
+    block = perf.read_text()
+    assert "![time.png](../bench/results/time.png)" in block and "old" not in block
+    assert "**Accuracy**" not in block and "largest ‖out − ref‖ / ‖ref‖" in block
 
 
 def test_clock_samples_parse_and_summarise():

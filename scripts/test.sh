@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # THE test command: installs what the tests need (only what is missing), configures with every
 # component (CUDA when nvcc exists, bindings, docs), builds, and runs the whole CTest suite:
-# labels api, cpu, cuda (skips visibly without a GPU), bindings, examples.
+# labels api, cpu, cuda and ep (the GPU parts skip visibly without a GPU), bindings, examples,
+# bench, docs. The tools' self-tests (label tools) are not registered here: tools/README.md.
 #
 #   bash scripts/test.sh [extra ctest arguments, e.g. -L cpu]
 #

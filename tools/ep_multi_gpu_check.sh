@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Expert parallelism on a machine with several GPUs, in one device call, after a build by
+# Expert parallelism on a machine with several GPUs, in one script run, after a build by
 # tools/device_check.sh (which also runs the C suite moeblaze_tests_ep_cuda at every world size the
 # visible GPUs allow):
 #   1. the PyTorch NCCL test (bindings/python/tests/test_distributed.py) at the world sizes

@@ -3,7 +3,7 @@
 # forward + backward, for one configuration: what limits each (tensor pipe, L2, DRAM, stalls).
 # Run from the repository root on a GPU machine with a built library:
 #   MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so bash tools/ncu_kernels.sh \
-#       [tests/cuda/profile_kernels.py arguments, e.g. $(python3 dev/cuda/shape_args.py mixtral)]
+#       [tests/cuda/profile_kernels.py arguments, e.g. $(python3 tools/shape_args.py mixtral)]
 # (about 1-2 minutes per configuration). profile_kernels.py runs 3 warm-up steps (18 sm90 kernel
 # launches), then the steps ncu profiles: the next 6 sm90 launches, one of each kernel. The table of
 # the metrics below is printed last; the report, its details page and the raw metrics are in
@@ -43,8 +43,8 @@ for i in sorted(cols, key=lambda i: header[i]):
     label = "%s (%s)" % (header[i], units[i]) if units[i] else header[i]
     print("%-62s %s" % (label[:62], " ".join("%12s" % r[i][:12] for r in data)))
 EOF
-# Where each kernel's warps stall, by SASS instruction (the source page with its sampling columns;
-# session 5 found the gathered-A gap this way: the consumers' full-barrier wait loop).
+# Where each kernel's warps stall, by SASS instruction (the source page with its sampling columns:
+# e.g. the consumers' full-barrier wait loop in a gathered kernel).
 ncu --import "$out/kernels.ncu-rep" --page source --csv --print-source sass >"$out/source.csv" \
   2>/dev/null
 echo "== top stall locations per kernel (warp-state samples, SASS)"

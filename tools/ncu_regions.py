@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Where a Hopper kernel's warps stall, by code region, from Nsight Compute's SASS source page.
 
-Session 12 mapped ncu's hottest stall PCs of B1 onto the kernel's roles by hand (the branch
-targets' distances against cuobjdump's SASS). This does it for every kernel of a profile: it
+It maps ncu's hottest stall PCs onto the kernel's roles (by the branch targets' distances, as in
+cuobjdump's SASS) for every kernel of a profile: it
 reads the source page that tools/ncu_kernels.sh exports (`ncu --import R --page source --csv
 --print-source sass`, inside ncu_kernels.tgz as source.csv) and splits each kernel's warp-state
 samples over

@@ -1,9 +1,8 @@
 #!/usr/bin/env python3
 """Instruction counts of the Hopper kernels' hot loops, from SASS.
 
-The method behind v14 and the session-9 patches (docs/performance.md): the gathered main loops and
-the activation epilogues answer to instruction count, so a change to them is predicted from the
-SASS before it is timed. For every kernel with HGMMA instructions this prints
+The gathered main loops and the activation epilogues answer to instruction count, so a change to
+them is predicted from the SASS before it is timed (docs/performance.md, "Where the time goes"). For every kernel with HGMMA instructions this prints
 
   loop    the instructions of the loop around the first HGMMA (its backward branch);
   steady  the k-step a warp runs when the tile does not end: the loop minus the block that the
@@ -19,8 +18,8 @@ Usage:
   tools/sass_loops.py --self-test
 
 cuobjdump comes with the CUDA toolkit; on a machine without one, the PyPI wheel works:
-  python3 -m venv /tmp/sass && /tmp/sass/bin/pip install nvidia-cuda-cuobjdump
-  (the binary is then under /tmp/sass/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump)
+  python3 -m venv VENV && VENV/bin/pip install nvidia-cuda-cuobjdump
+  (the binary is then under VENV/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump)
 """
 import argparse
 import os

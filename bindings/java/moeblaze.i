@@ -1,6 +1,6 @@
 /* SWIG interface: the JNI module (Java package com.moeblaze.internal, native library moeblaze_jni).
  *
- * Conventions (bindings-notes.md section 3): every moeblaze_status_t is checked in C and a failure
+ * Conventions (bindings/README.md): every moeblaze_status_t is checked in C and a failure
  * throws com.moeblaze.MoeblazeException(status, message) with the library's message; pointers,
  * handles and streams are Java longs (0 = NULL); out-parameters are one-element arrays; versioned
  * structs are constructed already initialised by moeblaze_*_init(p, sizeof *p). No finalizers:

@@ -1,6 +1,6 @@
 /* SWIG interface: the 1:1 low-level Python module `moeblaze_swig` (extension `_moeblaze_swig`).
  *
- * Conventions (bindings-notes.md section 3):
+ * Conventions (bindings/README.md):
  * - every moeblaze_status_t is checked: a failure raises ValueError (INVALID_ARGUMENT),
  *   NotImplementedError (NOT_SUPPORTED), MemoryError (OUT_OF_MEMORY) or RuntimeError (others)
  *   carrying the library's message and a `status` attribute; success returns None or the outputs;

@@ -5,9 +5,10 @@
 #   regenerate.sh           rewrite moeblaze-sys/src/bindings.rs
 #   regenerate.sh --check   exit 1 (and show the diff) if the checked-in file is out of date
 #
-# Flags (see /work/shared/design/bindings-notes.md section 4): constants as plain consts in one
-# module per enum (never Rust enums: an unknown value returned by C would be undefined behaviour),
-# size_t as usize, #[must_use] on every moeblaze_status_t.
+# Flags: constants as plain consts in one module per enum (never Rust enums: an unknown value
+# returned by C would be undefined behaviour), size_t as usize, #[must_use] on every
+# moeblaze_status_t, no layout tests (bindings/python/tests/test_layout.py and the safe crate's
+# tests check the layout against the C compiler).
 set -eu
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)

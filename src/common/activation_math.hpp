@@ -24,11 +24,11 @@ namespace act_math {
 //
 // On the GPU the float sigmoid is the MUFU form: ex2.approx for the exponential, an approximate
 // division (rcp.approx and one multiply) instead of IEEE division. Both are within a few ulp of
-// fp32 (far below the bf16/fp16 rounding that follows, and below the fp32 tests' 1e-4), and the
-// IEEE division's out-of-line slow path and expf's range reduction were the activation's whole cost
-// in the fused GEMM epilogues (measured on the H200, conf3 F1: 2.2 of 12.6 ms). Every CUDA engine
-// calls this one function, so they still agree bitwise with each other; the CPU reference keeps the
-// accurate form. For a < -87 the denominator passes 2^126 and the division returns 0, the limit.
+// fp32 (far below the bf16/fp16 rounding that follows, and below the fp32 tests' 1e-4), while the
+// IEEE division's out-of-line slow path and expf's range reduction would dominate the cost of the
+// activation in the fused GEMM epilogues. Every CUDA engine calls this one function, so they still
+// agree bitwise with each other; the CPU reference keeps the accurate form. For a < -87 the
+// denominator passes 2^126 and the division returns 0, the limit.
 #if defined(__CUDA_ARCH__)
 // 2^x by MUFU.EX2 with subnormal inputs and results flushed to zero. Against __expf's form (which
 // is ex2.approx without .ftz) this drops a range test and two rescaling multiplies. In sigmoid the
@@ -94,53 +94,47 @@ MB_HOST_DEVICE T relu_grad(T a) {
   return a > T(0) ? T(1) : T(0);
 }
 
-// u = act(a, b)
+template <typename T>
+MB_HOST_DEVICE T relu2(T a) {
+  return relu(a) * relu(a);
+}
+
+template <typename T>
+MB_HOST_DEVICE T relu2_grad(T a) {
+  return T(2) * relu(a);
+}
+
+// u = act(a, b). One case per line of activations.def: f(a) * b (gated) or f(a).
 template <typename T>
 MB_HOST_DEVICE T forward(Activation act, T a, T b) {
   switch (act) {
-    case Activation::SwiGLU: return silu(a) * b;
-    case Activation::GeGLU: return gelu(a) * b;
-    case Activation::ReGLU: return relu(a) * b;
-    case Activation::SiLU: return silu(a);
-    case Activation::GELU: return gelu(a);
-    case Activation::ReLU: return relu(a);
-    case Activation::ReLU2: return relu(a) * relu(a);
+// clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN)           \
+  case Activation::Name: return (GATED) ? FN(a) * b : FN(a);
+#include "common/activations.def"
+    // clang-format on
   }
   return T(0);
 }
 
-// Given du (dLoss/du), the gradients with respect to a and b (db = 0 for non-gated activations).
+// Given du (dLoss/du), the gradients with respect to a and b: gated da = du * b * f'(a) and
+// db = du * f(a); otherwise da = du * f'(a) and db = 0.
 template <typename T>
 MB_HOST_DEVICE void backward(Activation act, T a, T b, T du, T* da, T* db) {
   switch (act) {
-    case Activation::SwiGLU:
-      *da = du * b * silu_grad(a);
-      *db = du * silu(a);
-      return;
-    case Activation::GeGLU:
-      *da = du * b * gelu_grad(a);
-      *db = du * gelu(a);
-      return;
-    case Activation::ReGLU:
-      *da = du * b * relu_grad(a);
-      *db = du * relu(a);
-      return;
-    case Activation::SiLU:
-      *da = du * silu_grad(a);
-      *db = T(0);
-      return;
-    case Activation::GELU:
-      *da = du * gelu_grad(a);
-      *db = T(0);
-      return;
-    case Activation::ReLU:
-      *da = du * relu_grad(a);
-      *db = T(0);
-      return;
-    case Activation::ReLU2:
-      *da = du * T(2) * relu(a);
-      *db = T(0);
-      return;
+// clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
+  case Activation::Name:                           \
+    if (GATED) {                                   \
+      *da = du * b * FN##_grad(a);                 \
+      *db = du * FN(a);                            \
+    } else {                                       \
+      *da = du * FN##_grad(a);                     \
+      *db = T(0);                                  \
+    }                                              \
+    return;
+#include "common/activations.def"
+    // clang-format on
   }
   *da = T(0);
   *db = T(0);

@@ -19,13 +19,11 @@ const char* dtype_name(Dtype dtype) {
 
 const char* activation_name(Activation act) {
   switch (act) {
-    case Activation::SwiGLU: return "SwiGLU";
-    case Activation::GeGLU: return "GeGLU";
-    case Activation::ReGLU: return "ReGLU";
-    case Activation::SiLU: return "SiLU";
-    case Activation::GELU: return "GELU";
-    case Activation::ReLU: return "ReLU";
-    case Activation::ReLU2: return "ReLU2";
+// clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
+  case Activation::Name: return #Name;
+#include "common/activations.def"
+    // clang-format on
   }
   return "?";
 }
@@ -105,9 +103,9 @@ LayerDesc make_layer_desc(const moeblaze_layer_config_t& c) {
   MB_REQUIRE_ARG(c.top_k > 0 && c.top_k <= c.num_experts && c.top_k <= MOEBLAZE_MAX_TOP_K,
                  "config.top_k = %lld must be in [1, min(num_experts = %lld, %d)]",
                  (long long)c.top_k, (long long)c.num_experts, MOEBLAZE_MAX_TOP_K);
-  MB_REQUIRE_ARG(
-      c.activation >= MOEBLAZE_ACTIVATION_SWIGLU && c.activation <= MOEBLAZE_ACTIVATION_RELU2,
-      "config.activation = %d is not a moeblaze_activation_code (0..6)", c.activation);
+  MB_REQUIRE_ARG(c.activation >= 0 && c.activation < kActivationCount,
+                 "config.activation = %d is not a moeblaze_activation_code (0..%d)", c.activation,
+                 kActivationCount - 1);
   MB_REQUIRE_ARG(
       c.checkpoint >= MOEBLAZE_CHECKPOINT_SAVE_ALL && c.checkpoint <= MOEBLAZE_CHECKPOINT_RECOMPUTE,
       "config.checkpoint = %d is not a moeblaze_checkpoint_code (0..2)", c.checkpoint);

@@ -15,15 +15,33 @@ enum class Dtype : int32_t {
   F64 = MOEBLAZE_DTYPE_F64,
 };
 
+// The activations, generated from common/activations.def (the one list).
 enum class Activation : int32_t {
-  SwiGLU = MOEBLAZE_ACTIVATION_SWIGLU,
-  GeGLU = MOEBLAZE_ACTIVATION_GEGLU,
-  ReGLU = MOEBLAZE_ACTIVATION_REGLU,
-  SiLU = MOEBLAZE_ACTIVATION_SILU,
-  GELU = MOEBLAZE_ACTIVATION_GELU,
-  ReLU = MOEBLAZE_ACTIVATION_RELU,
-  ReLU2 = MOEBLAZE_ACTIVATION_RELU2,
+// clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) Name = CODE,
+#include "common/activations.def"
+  // clang-format on
 };
+
+// Every activation in code order; kActivationCount codes 0 .. kActivationCount - 1 are valid.
+constexpr Activation kActivations[] = {
+// clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) Activation::Name,
+#include "common/activations.def"
+    // clang-format on
+};
+constexpr int32_t kActivationCount = int32_t(sizeof(kActivations) / sizeof(kActivations[0]));
+
+// The list must hold every code once, in order, so that a code indexes kActivations and the
+// validation of a config is one range test.
+constexpr bool activation_codes_are_dense() {
+  for (int32_t i = 0; i < kActivationCount; ++i)
+    if (static_cast<int32_t>(kActivations[i]) != i) return false;
+  return true;
+}
+static_assert(
+    activation_codes_are_dense(),
+    "common/activations.def must list the moeblaze_activation_codes 0, 1, 2, ... in order");
 
 enum class Checkpoint : int32_t {
   SaveAll = MOEBLAZE_CHECKPOINT_SAVE_ALL,
@@ -50,8 +68,16 @@ enum class Pass : int32_t {
   RouterProjectBackward = 101,
 };
 
+// Gated activations (u = f(a) * b) have w_up and a second pre-activation b.
 constexpr bool is_gated(Activation act) {
-  return act == Activation::SwiGLU || act == Activation::GeGLU || act == Activation::ReGLU;
+  switch (act) {
+// clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
+  case Activation::Name: return GATED;
+#include "common/activations.def"
+    // clang-format on
+  }
+  return false;
 }
 
 inline size_t dtype_size(Dtype dtype) {

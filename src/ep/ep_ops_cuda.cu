@@ -410,8 +410,8 @@ class CudaEpOps final : public EpOps {
     check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy (LOCAL transport)");
     // A device-to-device cudaMemcpy returns before the copy is done (no host synchronisation for
     // such transfers): wait for it, so the received data is complete when the exchange's closing
-    // barrier lets this rank's (non-blocking) stream read it and the sender reuse its buffer.
-    // Seen on two H200s: a count table read before its copy landed.
+    // barrier lets this rank's (non-blocking) stream read it and the sender reuse its buffer
+    // (without it a rank on another GPU can read its count table before the copy lands).
     check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize (LOCAL transport copy)");
   }
 

@@ -282,7 +282,9 @@ TEST_SUITE("api") {
           c.top_k = MOEBLAZE_MAX_TOP_K + 1;
         },
         "config.top_k");
-    expect_bad([](moeblaze_layer_config_t& c) { c.activation = 7; }, "config.activation");
+    expect_bad([](moeblaze_layer_config_t& c) { c.activation = mbtest::kActivationCount; },
+               "config.activation");
+    expect_bad([](moeblaze_layer_config_t& c) { c.activation = -1; }, "config.activation");
     expect_bad([](moeblaze_layer_config_t& c) { c.checkpoint = 3; }, "config.checkpoint");
     expect_bad([](moeblaze_layer_config_t& c) { c.score_function = -1; }, "config.score_function");
     expect_bad([](moeblaze_layer_config_t& c) { c.renormalize = 2; }, "config.renormalize");

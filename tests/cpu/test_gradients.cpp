@@ -12,10 +12,6 @@ using namespace mbtest;
 
 namespace {
 
-const int32_t kActivations[] = {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_GEGLU,
-                                MOEBLAZE_ACTIVATION_REGLU,  MOEBLAZE_ACTIVATION_SILU,
-                                MOEBLAZE_ACTIVATION_GELU,   MOEBLAZE_ACTIVATION_RELU,
-                                MOEBLAZE_ACTIVATION_RELU2};
 const int32_t kScoreFunctions[] = {MOEBLAZE_SCORE_SOFTMAX_TOPK, MOEBLAZE_SCORE_TOPK_SOFTMAX,
                                    MOEBLAZE_SCORE_SIGMOID};
 
@@ -70,7 +66,7 @@ TEST_SUITE("cpu") {
     Context context;
     context.set_num_threads(1);  // many tiny calls: skip the wake-ups
     Rng rng(test_seed(101));
-    for (int32_t act : kActivations) {
+    for (int32_t act : kAllActivations) {
       for (int32_t policy : {MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
         moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_F64, 6, 5, 4, 2);
         cfg.activation = act;
@@ -164,7 +160,7 @@ TEST_SUITE("cpu") {
     Context context;
     context.set_num_threads(1);
     Rng rng(test_seed(303));
-    for (int32_t act : kActivations) {
+    for (int32_t act : kAllActivations) {
       for (int32_t score : kScoreFunctions) {
         for (int32_t renormalize : {0, 1}) {
           moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_F64, 6, 5, 4, 2);

@@ -180,6 +180,15 @@ inline int32_t routing_dtype(int32_t dtype) {
   return dtype == MOEBLAZE_DTYPE_F64 ? MOEBLAZE_DTYPE_F64 : MOEBLAZE_DTYPE_F32;
 }
 
+// Every moeblaze_activation_code in code order: the suites loop over it. The case "forward: the
+// activation list of the tests covers every code" fails when the library accepts a code it lacks.
+constexpr int32_t kAllActivations[] = {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_GEGLU,
+                                       MOEBLAZE_ACTIVATION_REGLU,  MOEBLAZE_ACTIVATION_SILU,
+                                       MOEBLAZE_ACTIVATION_GELU,   MOEBLAZE_ACTIVATION_RELU,
+                                       MOEBLAZE_ACTIVATION_RELU2};
+constexpr int32_t kActivationCount = int32_t(sizeof(kAllActivations) / sizeof(kAllActivations[0]));
+
+// The header's rule: the gated activations (u = f(a) * b, with w_up) are the *GLU ones.
 inline bool is_gated(int32_t activation) {
   return activation == MOEBLAZE_ACTIVATION_SWIGLU || activation == MOEBLAZE_ACTIVATION_GEGLU ||
          activation == MOEBLAZE_ACTIVATION_REGLU;
@@ -372,8 +381,8 @@ inline double unit_roundoff(int32_t dtype) {
 
 // Tolerance for a value of `dtype` that is a sum of `reduction_length` products of magnitude about
 // `scale`, accumulated in F32 (F64 for F64). Base values follow TransformerEngine's table; atol
-// grows with the reduction length: atol = max(base, 4 * K * eps_acc * scale) (style.md, section
-// 10).
+// grows with the reduction length: atol = max(base, 4 * K * eps_acc * scale) (docs/testing.md,
+// "Tolerances").
 inline Tolerance tolerance_for(int32_t dtype, int64_t reduction_length, double scale = 1.0) {
   const double accumulation_eps =
       dtype == MOEBLAZE_DTYPE_F64 ? std::ldexp(1.0, -53) : std::ldexp(1.0, -24);

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 
 # ------------------------------------------------------------------------------------------------
-# Constants (values frozen by the header; tests/test_header_constants.py parses the header to check)
+# Constants (values frozen by the header; bindings/python/tests/test_layout.py checks them against it)
 # ------------------------------------------------------------------------------------------------
 
 EXPECTED_ABI_VERSION = 0  # MOEBLAZE_ABI_VERSION of the header these bindings mirror

@@ -88,3 +88,79 @@ def test_constants_match_header():
 def test_every_header_function_has_a_signature():
     declared = set(re.findall(r"MOEBLAZE_API [^;]*?\b(moeblaze_\w+)\s*\(", _header_text()))
     assert declared == set(_lib.SIGNATURES)
+
+
+# C field types -> the ctypes type the mirror must use. Pointers to data are c_void_p (tensors,
+# buffers) or POINTER(c_int32) (int32 index arrays); either way one pointer wide.
+_C_TO_CTYPES = {
+    "uint32_t": ctypes.c_uint32,
+    "int32_t": ctypes.c_int32,
+    "int64_t": ctypes.c_int64,
+    "size_t": ctypes.c_size_t,
+    "float": ctypes.c_float,
+    "double": ctypes.c_double,
+}
+
+
+def _header_field_types(typedef_name):
+    tag = typedef_name[:-2]
+    match = re.search(r"typedef struct %s \{(.*?)\} %s;" % (tag, typedef_name), _header_text(), re.S)
+    body = re.sub(r"/\*.*?\*/", "", match.group(1), flags=re.S)
+    fields = []
+    for decl in body.split(";"):
+        decl = " ".join(decl.split())
+        if decl:
+            ctype, name = decl.rsplit(" ", 1)
+            fields.append((name.lstrip("*"), (ctype + "*" * name.count("*")).replace("const ", "")))
+    return fields
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTS))
+def test_field_types_match_header(name):
+    py_fields = dict(STRUCTS[name]._fields_)
+    for field, ctype in _header_field_types(name):
+        py_type = py_fields[field]
+        if ctype.endswith("*"):
+            allowed = {ctypes.c_void_p}
+            if ctype.rstrip("*") in _C_TO_CTYPES:
+                allowed.add(ctypes.POINTER(_C_TO_CTYPES[ctype.rstrip("*")]))
+            assert py_type in allowed, f"{name}.{field}: {ctype} mirrored as {py_type}"
+        else:
+            assert ctype in _C_TO_CTYPES, f"{name}.{field}: unknown C type {ctype}"
+            assert py_type is _C_TO_CTYPES[ctype], f"{name}.{field}: {ctype} mirrored as {py_type}"
+
+
+def _header_enum(prefix):
+    """{suffix: code} of the header's enumerators MOEBLAZE_<prefix>_<suffix>."""
+    return {name: int(value) for name, value in
+            re.findall(r"\bMOEBLAZE_%s_(\w+) = (\d+)" % prefix, _header_text())}
+
+
+def _activation_list():
+    """(Name, CODE, GATED) of src/common/activations.def, the library's one list."""
+    text = (HEADER.parent.parent / "src" / "common" / "activations.def").read_text()
+    return [(name, code, gated == "true") for name, code, gated in
+            re.findall(r"^MOEBLAZE_ACTIVATION\((\w+), (\w+), (true|false), \w+\)", text, re.M)]
+
+
+@pytest.mark.parametrize("table, prefix", [
+    ("ACTIVATIONS", "ACTIVATION"), ("CHECKPOINTS", "CHECKPOINT"),
+    ("SCORE_FUNCTIONS", "SCORE"), ("BACKENDS", "BACKEND")])
+def test_name_tables_match_header(table, prefix):
+    header = {name.lower(): code for name, code in _header_enum(prefix).items()}
+    assert header, prefix
+    assert getattr(_lib, table) == header
+
+
+def test_dtype_table_matches_header():
+    assert sorted(_lib.DTYPES.values()) == sorted(_header_enum("DTYPE").values())
+
+
+def test_gated_activations_match_the_library_list():
+    listed = _activation_list()
+    header = _header_enum("ACTIVATION")
+    # the list and the header agree (as the C++ build and api_activation_list also check) ...
+    assert [code for _, code, _ in listed] == [f"MOEBLAZE_ACTIVATION_{n}" for n in header]
+    assert [name.upper() for name, _, _ in listed] == list(header)
+    # ... and the binding's gated set is the list's
+    assert _lib.GATED_ACTIVATIONS == {name.lower() for name, _, gated in listed if gated}

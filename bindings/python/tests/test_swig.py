@@ -5,6 +5,7 @@ module was built), so a broken build cannot hide behind a skip."""
 
 import gc
 import os
+import re
 
 import numpy as np
 import pytest
@@ -103,3 +104,25 @@ def test_layer_forward_matches_ctypes_package():
         with pytest.raises(RuntimeError) as info:
             m.moeblaze_layer_forward(layer, args, None)
         assert info.value.status == m.MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE
+
+
+def _header_text():
+    from conftest import HEADER
+    return HEADER.read_text()
+
+
+def test_every_header_constant_is_in_the_module():
+    text = _header_text()
+    constants = dict(re.findall(r"\b(MOEBLAZE_\w+) = (\d+)", text))
+    constants.update(re.findall(r"#define (MOEBLAZE_\w+) (\d+)u?\b", text))
+    assert len(constants) >= 40
+    for name, value in constants.items():
+        assert getattr(m, name) == int(value), name
+
+
+def test_every_header_function_is_wrapped():
+    declared = set(re.findall(r"MOEBLAZE_API [^;]*?\b(moeblaze_\w+)\s*\(", _header_text()))
+    # The handles' destroy functions are called by the Python proxies, not wrapped.
+    not_wrapped = {"moeblaze_context_destroy", "moeblaze_layer_destroy"}
+    missing = sorted(f for f in declared - not_wrapped if not hasattr(m, f))
+    assert not missing

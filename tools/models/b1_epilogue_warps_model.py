@@ -1,0 +1,144 @@
+# Index model of B1's epilogue-warp form (src/cuda/sm90/rows_gemm.cu: B1's epilogue run by warps
+# 1-3 of the producer warpgroup from a 64 KB bf16 hand-off of v). It checks the kernel's
+# bookkeeping, not the hardware:
+#  - the consumers' hand-off writes (register 4j + q of lane (g, t4) of consumer warp w) and the
+#    epilogue warps' 16-byte reads agree: every element (row, col) of the 128 x 256 tile is read
+#    back from where it was written, and each warp store instruction of the hand-off (fixed j, rr)
+#    touches all 32 banks once;
+#  - the epilogue warps' items (idx = 32 ew + lane + 32 W i, W = 3 or 4 warps) cover every (row,
+#    16-byte chunk) of the tile exactly once, each warp runs a warp-uniform number of iterations
+#    (the dg shuffles need all 32 lanes), and the 8 lanes of a row are consecutive and 8-aligned in
+#    one warp (so the xor-1/2/4 shuffles sum exactly that row's chunks);
+#  - a consumer-issued TMA schedule (issue_ahead: four epilogue warps, one consumer thread issuing
+#    the loads; slower on the H200, so not in the kernels) issues every (tile, k-step) of a CTA
+#    once, into the slot and phase of its loop position, before the loop reaches it, for k_tiles
+#    down to 1 (tma_schedule_errors). It is the schedule any consumer-issued lookahead (ping-pong
+#    consumers) must satisfy.
+#   python3 tools/models/b1_epilogue_warps_model.py
+import sys
+
+K_BM, SUB_WORDS = 128, 128 * 64 * 2 // 4
+
+
+def run(epi_warps):
+    errors = []
+    written = {}  # word -> (row, col of the word's first element)
+    for cw in range(8):  # consumer warp: warpgroup cw // 4, warp_in_wg cw % 4
+        tile_row = (cw // 4) * 64 + (cw % 4) * 16
+        for j in range(32):
+            for rr in range(2):
+                banks = set()
+                for lane in range(32):
+                    g, t4 = lane >> 2, lane & 3
+                    row = tile_row + g + 8 * rr
+                    word = (j >> 3) * SUB_WORDS + row * 32 + (((j & 7) ^ g) << 2) + t4
+                    if word in written:
+                        errors.append(("hand-off word written twice", word))
+                    written[word] = (row, 8 * j + 2 * t4)
+                    banks.add(word % 32)
+                if len(banks) != 32:
+                    errors.append(("hand-off bank conflict", cw, j, rr))
+    seen = {}
+    for ew in range(epi_warps):
+        iters = 0
+        base = 32 * ew
+        while base < K_BM * 8:
+            iters += 1
+            rows_of_lanes = {}
+            for lane in range(32):
+                idx = base + lane
+                row, ch = idx >> 3, idx & 7
+                rows_of_lanes.setdefault(row, []).append(lane)
+                for group in range(4):
+                    col = group * 64 + ch * 8
+                    for k in range(4):  # the uint4's 4 words, 2 elements each
+                        word = group * SUB_WORDS + row * 32 + ((ch ^ (row & 7)) << 2) + k
+                        if written.get(word) != (row, col + 2 * k):
+                            errors.append(("read != write", ew, lane, group, k))
+                    key = (row, col)
+                    seen[key] = seen.get(key, 0) + 1
+            for row, lanes in rows_of_lanes.items():
+                if len(lanes) != 8 or lanes[0] % 8 != 0 or lanes != list(range(lanes[0], lanes[0] + 8)):
+                    errors.append(("row lanes not an aligned octet", ew, row, lanes))
+            base += 32 * epi_warps
+        if iters == 0:
+            errors.append(("warp without items", ew))
+    for row in range(K_BM):
+        for col in range(0, 256, 8):
+            if seen.get((row, col)) != 1:
+                errors.append(("chunk not covered exactly once", row, col, seen.get((row, col))))
+    return errors
+
+
+def tma_schedule_errors(k_tiles, total_tiles, grid, cta, stages=3, one_tile_ahead=False):
+    """The consumer-issued TMA schedule (issue_ahead) of one CTA.
+    Prologue: k-steps 0 .. lead - 1; at k-step it of tile t (k-step kt): k-step it + lead, which
+    may lie `skip` tiles ahead. Every (tile, k-step) the CTA's main loop runs must be issued exactly
+    once, as global k-step it' = its position in the loop (slot it' % stages, phase it' / stages),
+    and before the loop reaches it; nothing past the CTA's last tile."""
+    lead = stages - 1
+    errors, issued = [], {}
+
+    def issue_ahead(t, kt, it, ahead):
+        t2, kt2 = t, kt + ahead
+        if kt2 >= k_tiles:
+            skip = 1 if one_tile_ahead else kt2 // k_tiles  # one_tile_ahead: a mutation
+            kt2 -= skip * k_tiles
+            t2 += skip * grid
+        if t2 >= total_tiles:
+            return
+        key = (t2, kt2)
+        if key in issued:
+            errors.append(("issued twice", key))
+        issued[key] = (it + ahead, it)  # (global k-step it names, the loop step it was issued at)
+
+    if cta < total_tiles:
+        for j in range(lead):
+            issue_ahead(cta, 0, 0, j)
+    it = 0
+    for t in range(cta, total_tiles, grid):
+        for kt in range(k_tiles):
+            got = issued.get((t, kt))
+            if got is None:
+                errors.append(("not issued before use", t, kt))
+            elif got[0] != it:
+                errors.append(("wrong slot/phase", t, kt, got[0], it))
+            elif got[1] > it:
+                errors.append(("issued after use", t, kt))
+            issue_ahead(t, kt, it, lead)
+            it += 1
+    used = {(t, kt) for t in range(cta, total_tiles, grid) for kt in range(k_tiles)}
+    extra = set(issued) - used
+    if extra:
+        errors.append(("issued but never used", sorted(extra)[:3]))
+    return errors
+
+
+def tma_schedule_check():
+    errors = []
+    for k_tiles in (1, 2, 3, 8, 16):
+        for total in (0, 1, 5, 17, 40):
+            for grid in (1, 4, 7):
+                for cta in range(grid):
+                    errors += tma_schedule_errors(k_tiles, total, grid, cta)
+    # A mutation the model must catch: stepping at most one tile ahead, wrong whenever the lead
+    # spans more than one tile (k_tiles = 1, the forced forms' d = 64 case; or 4 stages, lead 3,
+    # over 2-step tiles).
+    for k_tiles, stages in ((1, 3), (2, 4)):
+        if not tma_schedule_errors(k_tiles, 5, 1, 0, stages=stages, one_tile_ahead=True):
+            errors.append(("one-tile-ahead mutation unnoticed", k_tiles, stages))
+    return errors
+
+
+if __name__ == "__main__":
+    # 3 epilogue warps (warps 1-3, the kernel's form) and 4 (the whole first warpgroup).
+    failed = False
+    for warps in (3, 4):
+        errs = run(warps)
+        print("b1 epilogue-warps index model, %d warps:" % warps,
+              "PASS" if not errs else "FAIL %s" % errs[:5])
+        failed = failed or bool(errs)
+    errs = tma_schedule_check()
+    print("b1 consumer-issued TMA schedule model:", "PASS" if not errs else "FAIL %s" % errs[:5])
+    failed = failed or bool(errs)
+    sys.exit(1 if failed else 0)
