@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Benchmark one MoE layer, forward + backward: moeblaze against PyTorch baselines and peers.
 
-    python3 bench/run_bench.py --out DIR [--configs conf1,mixtral] [--acts swiglu,silu]
+    python3 bench/run_bench.py [--out DIR] [--configs conf1,mixtral] [--acts swiglu,silu]
                                [--impls grouped_mm,loop,sonicmoe,moeblaze] [--mode experts|layer]
-                               [--quick] [--report]
+                               [--quick] [--report | --publish]
 
 --mode experts (the default) times the expert layer with the routing given (x, ids, g): moeblaze
 with each checkpoint policy, the per-expert loop, the sort -> torch._grouped_mm dataflow, and
@@ -118,7 +118,12 @@ def parse_args(argv=None):
                         "moeblaze.torch does by default")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--out", default=os.path.join(REPO, "build", "bench"),
+                   help="folder for this run's JSON (default: build/bench, git-ignored)")
+    p.add_argument("--publish", action="store_true",
+                   help="make this run the committed result set: bench/results/latest.json, its "
+                        "report and plots, and the tables in docs/performance.md "
+                        "(bench/make_report.py --publish)")
     p.add_argument("--quick", action="store_true", help="3 repetitions, for smoke runs")
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="wall-clock budget for the whole run; repetitions are planned to fit")
@@ -1464,10 +1469,13 @@ def main(argv=None):
         header["environment"]["clocks_during_run"] = sampler.summary()
     doc = write_results(path, header, rows)
     log(f"wrote {path}")
-    if args.report:
+    if args.report or args.publish:
         try:
             import make_report
-            make_report.report(path, out_dir=args.out, doc_path=None)
+            if args.publish:
+                make_report.publish(path)
+            else:
+                make_report.report(path, out_dir=args.out, doc_path=None)
         except Exception as error:  # noqa: BLE001 (the numbers are already saved)
             log(f"report failed: {type(error).__name__}: {error}")
     log("")

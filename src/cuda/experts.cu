@@ -341,7 +341,7 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
       f2.ep.d = cols;
       f2.ep.h = h;
       f2.ep.out_rows = out.rows;
-      f2.ep.out_ld = out.ld;
+      f2.ep.rows_ld = out.ld;
       f2.ep.out_pair = out.pair;
       f2.ep.out_w = out.weights;
       f2.ep.out_by_pair = out.by_pair;
@@ -589,7 +589,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
         b4.ep.d = cols;
         b4.ep.h = h;
         b4.ep.out_rows = out.rows;
-        b4.ep.out_ld = out.ld;
+        b4.ep.rows_ld = out.ld;
         b4.ep.out_pair = out.pair;
         b4.ep.out_by_pair = out.by_pair;
         launch_gemm(desc.dtype, Epi::B4, mma, b4, int(N), tuning.mma_warps, stream);

@@ -66,7 +66,7 @@ struct EpilogueArgs {
   // of out_rows ([N, d]; the per-token reduction sums a token's k rows) or, with out_by_pair
   // (k = 1), to row out_pair[r] ([T, d]: the token's output itself).
   void* out_rows = nullptr;
-  int64_t out_ld = 0;                 // elements between rows of out_rows; 0 = d
+  int64_t rows_ld = 0;                // elements between rows of out_rows; 0 = d
   const int32_t* out_pair = nullptr;  // [N] routed row -> (token, slot) pair index
   const float* out_w = nullptr;       // [T*k]
   bool out_by_pair = false;
@@ -255,9 +255,9 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
       const int64_t grow = int64_t(ti.off_e) + m;
       const int64_t pair = ep.out_pair ? int64_t(ep.out_pair[grow]) : grow;
       const float w = ep.out_w ? ep.out_w[pair] : 1.f;
-      const int64_t out_ld = ep.out_ld ? ep.out_ld : ep.d;
-      T* orow = static_cast<T*>(ep.out_rows) + (ep.out_by_pair ? pair : grow) * out_ld;
-      const bool vec = (ep.d & 1) == 0 && (out_ld & 1) == 0 &&
+      const int64_t rows_ld = ep.rows_ld ? ep.rows_ld : ep.d;
+      T* orow = static_cast<T*>(ep.out_rows) + (ep.out_by_pair ? pair : grow) * rows_ld;
+      const bool vec = (ep.d & 1) == 0 && (rows_ld & 1) == 0 &&
                        reinterpret_cast<uintptr_t>(ep.out_rows) % (2 * sizeof(T)) == 0;
       for (int c = 2 * lane; c < logical_bn; c += 64) {
         const int64_t n = n0 + c;

@@ -844,9 +844,9 @@ TEST_SUITE("cuda") {
     // MOEBLAZE_CUDA_F1_FORM forces the Hopper F1's epilogue form (f1_gemm.cu) whatever the
     // k-steps a tile: the consumers' form (the policy above 64 k-steps) and the epilogue warps
     // (the policy up to 64) round a, b once and form u by the same arithmetic, so every output
-    // must keep its bits from one to the other. d = 64 (1 k-step), 576 (9), 2112 (33: past the
-    // threshold until session 15) and 4160 (65: past today's, where the policy takes the
-    // consumers' form); h = 296: a last tile of 40 columns. SAVE_PREACT
+    // must keep its bits from one to the other. d = 64 (1 k-step), 576 (9), 2112 (33) and 4160
+    // (65: past the threshold, where the policy takes the consumers' form); h = 296: a last tile
+    // of 40 columns. SAVE_PREACT
     // stores a, b (and u transiently); RECOMPUTE's backward runs F1 again into the rows of da|db
     // (ab_ld = 2h); SAVE_ALL keeps u.
     Rng rng(test_seed(9957));

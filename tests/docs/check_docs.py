@@ -11,24 +11,16 @@ It scans the text files of README.md, CHANGELOG.md, CONTRIBUTING.md, docs/, incl
 bindings/, examples/, bench/, tools/ and tests/ (this file excepted), as git lists them (tracked and
 untracked, ignored files left out), else by walking those folders.
 
-    python3 tests/docs/check_docs.py [--root DIR]                  every folder but the deferred
-    python3 tests/docs/check_docs.py --deferred [--root DIR]       only DEFERRED_FOLDERS
+    python3 tests/docs/check_docs.py [--root DIR]
     python3 tests/docs/check_docs.py --self-test
 
-Exit status: 0 clean, 1 findings (each printed as path:line: kind: text). DEFERRED_FOLDERS are
-checked apart (CTest docs_check_cuda_sources) and, while DEFERRED_FOLDERS_ENFORCED is False, their
-findings are listed and the check exits 77 (CTest: skipped) instead of failing.
+Exit status: 0 clean, 1 findings (each printed as path:line: kind: text).
 """
 import argparse
 import os
 import re
 import subprocess
 import sys
-
-# Folders whose cleanup is scheduled apart: their findings are listed by `--deferred` and fail only
-# once this is True.
-DEFERRED_FOLDERS = ("src/cuda", "tests/cuda")
-DEFERRED_FOLDERS_ENFORCED = False
 
 SCANNED = ("README.md", "CHANGELOG.md", "CONTRIBUTING.md", "docs", "include", "src", "bindings",
            "examples", "bench", "tools", "tests")
@@ -181,12 +173,9 @@ def check_text(root, rel, text):
     return findings
 
 
-def run(root, deferred):
+def run(root):
     total = 0
     for rel in list_files(root):
-        in_deferred = any(rel == d or rel.startswith(d + "/") for d in DEFERRED_FOLDERS)
-        if in_deferred != deferred:
-            continue
         with open(os.path.join(root, rel), encoding="utf-8", errors="replace") as f:
             text = f.read()
         for number, kind, what in check_text(root, rel, text):
@@ -261,22 +250,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--root", default=os.path.join(os.path.dirname(__file__), "..", ".."))
-    parser.add_argument("--deferred", action="store_true",
-                        help="check only " + ", ".join(DEFERRED_FOLDERS))
     parser.add_argument("--self-test", action="store_true")
     args = parser.parse_args()
     if args.self_test:
         return self_test()
     root = os.path.abspath(args.root)
-    total = run(root, args.deferred)
-    where = ", ".join(DEFERRED_FOLDERS) if args.deferred else "the tree"
+    total = run(root)
     if total == 0:
-        print(f"check_docs: {where}: clean")
+        print("check_docs: the tree: clean")
         return 0
-    print(f"check_docs: {where}: {total} finding(s)")
-    if args.deferred and not DEFERRED_FOLDERS_ENFORCED:
-        print("check_docs: not enforced yet for " + where + " (DEFERRED_FOLDERS_ENFORCED)")
-        return 77
+    print(f"check_docs: the tree: {total} finding(s)")
     return 1
 
 

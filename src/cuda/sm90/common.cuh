@@ -1,6 +1,6 @@
 // The library's host helpers for its Hopper (sm_90a) kernels, on top of primitives.cuh (the
-// device primitives and the tensor-map encoder, self-contained, so a dev/cuda workshop can include
-// it): tensor maps with the library's error reporting, kernel preparation, alignment checks.
+// device primitives and the tensor-map encoder, self-contained: it includes nothing of the
+// library's): tensor maps with the library's error reporting, kernel preparation, alignment checks.
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,4 @@
-// F1 on Hopper (see f1_gemm.hpp): dev/cuda/sm90_gather_gemm.cu@92ab1fc version 1 (consumer proxy
-// fence, no cluster), generalised to BF16 / F16 and the 7 activations.
+// F1 on Hopper (see f1_gemm.hpp), for BF16 / F16 and every activation.
 //
 // Tile: 128 routed rows x 256 columns of the dual B operand x 64 k, 4 stages of 48 KB.
 //   gated:     B = 128 rows of w_gate[e] (n0..n0+127) next to the same 128 rows of w_up[e]:
@@ -9,9 +8,8 @@
 // 384 threads: warpgroup 0 produces (one thread issues the two TMA boxes), warpgroups 1 and 2
 // consume (64 rows each, 128 fp32 accumulators per thread) and each gathers its own 64 A rows with
 // 16-byte cp.async into the same 128-byte swizzle, 2 k-steps ahead (primitives.cuh's
-// HalfTileGather; until round 11 the producer warpgroup's 4 warps gathered all 128 rows. Measured
-// on the H200, SwiGLU F1 before -> after: mixtral 13.85 -> 12.40 ms, qwen3 1.76 -> 1.63, conf3
-// 10.62 -> 10.37; SiLU conf3 5.99 -> 5.69). Persistent grid of one CTA per SM; every CTA turns
+// HalfTileGather: gathering in the consumers, not the producer warpgroup, keeps the producer's
+// four warps free and measured 2-10 % faster). Persistent grid of one CTA per SM; every CTA turns
 // expert_offsets into a prefix of tile counts in shared memory; tile ids map to (expert, m-tile,
 // n-tile) by binary search, rasterised in bands of 8 m-tiles so concurrent CTAs share A rows and
 // B tiles in L2. Two forms of one kernel, chosen per call by the k-steps of a tile (d / 64):
@@ -23,12 +21,9 @@
 //     columns of a) into the hand-off and go straight on to the next tile's main loop, while
 //     warps 2 and 3 of warpgroup 0 store a and b from it and form and store u (coalesced 16-byte
 //     stores, the same rounding and activation arithmetic: bitwise the same outputs).
-//   Measured on the H200 (dev/cuda round 12, F1 alone, L2 flushed): conf3 10.49 -> 8.77 ms, qwen3
-//   3.42 -> 3.11, but mixtral 14.37 -> 15.08 (its 64 k-steps a tile leave the epilogue a small
-//   share, and the third stage's lost lead costs more), hence a threshold of 32 until session 15:
-//   after v15's leaner main loop the epilogue warps won on mixtral too (same process, one step
-//   after a synchronise, MOEBLAZE_CUDA_F1_FORM consumers -> warps: F1 12.19 -> 11.27 ms; conf4
-//   15.44 -> 12.98), so the threshold is now 64. Longer K has not been measured.
+//   The epilogue warps win on every measured shape up to 64 k-steps (on the H200: conf3 -16 %,
+//   conf4 -16 %, mixtral -8 % for F1), where the overlapped epilogue outweighs the third stage
+//   the hand-off buffer takes; longer K keeps the 4-stage form, unmeasured.
 //
 // The device code needs sm_90a (wgmma, setmaxnreg, TMA); the library is also compiled for other
 // architectures, whose image of the kernel only traps. sm90_f1_supported refuses to launch unless
@@ -181,9 +176,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(smem_u32(a_full_bar + kStages + s), 128);
     }
     // One arrival per THREAD on both (each releases its own shared-memory accesses): with one
-    // arrival per warp after __syncwarp, compute-sanitizer's racecheck reported the hand-off's
-    // reads and writes as hazards (192 on the CUDA suite's quick mode, session 5), although the
-    // PTX memory model orders them (bar.warp.sync, then a release arrival).
+    // arrival per warp after __syncwarp, compute-sanitizer's racecheck reports the hand-off's
+    // reads and writes as hazards, although the PTX memory model orders them (bar.warp.sync, then
+    // a release arrival).
     mbar_init(smem_u32(handoff_full), 32 * kConsumerWarps);
     mbar_init(smem_u32(handoff_empty), 32 * kEpiWarps);
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -426,13 +421,11 @@ using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const F1Params);
 template <typename T, bool EPI_WARPS>
 KernelFn kernel_for_act(Activation act) {
   switch (act) {
-    case Activation::SwiGLU: return sm90_f1_kernel<T, int(Activation::SwiGLU), EPI_WARPS>;
-    case Activation::GeGLU: return sm90_f1_kernel<T, int(Activation::GeGLU), EPI_WARPS>;
-    case Activation::ReGLU: return sm90_f1_kernel<T, int(Activation::ReGLU), EPI_WARPS>;
-    case Activation::SiLU: return sm90_f1_kernel<T, int(Activation::SiLU), EPI_WARPS>;
-    case Activation::GELU: return sm90_f1_kernel<T, int(Activation::GELU), EPI_WARPS>;
-    case Activation::ReLU: return sm90_f1_kernel<T, int(Activation::ReLU), EPI_WARPS>;
-    case Activation::ReLU2: return sm90_f1_kernel<T, int(Activation::ReLU2), EPI_WARPS>;
+    // clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
+    case Activation::Name: return sm90_f1_kernel<T, int(Activation::Name), EPI_WARPS>;
+#include "common/activations.def"
+    // clang-format on
   }
   return nullptr;
 }
@@ -446,10 +439,6 @@ KernelFn kernel_for(Dtype dtype, Activation act, bool epi_warps) {
   return nullptr;
 }
 
-constexpr Activation kAllActivations[] = {Activation::SwiGLU, Activation::GeGLU, Activation::ReGLU,
-                                          Activation::SiLU,   Activation::GELU,  Activation::ReLU,
-                                          Activation::ReLU2};
-
 }  // namespace
 
 size_t sm90_f1_max_smem_bytes() {
@@ -458,7 +447,7 @@ size_t sm90_f1_max_smem_bytes() {
 
 bool sm90_f1_prepare_kernels() {
   for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
-    for (Activation act : kAllActivations) {
+    for (Activation act : kActivations) {
       for (bool epi_warps : {false, true})
         if (!prepare_kernel(kernel_for(dtype, act, epi_warps), kMaxSmemBytes)) return false;
     }

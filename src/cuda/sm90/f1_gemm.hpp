@@ -1,5 +1,5 @@
 // F1 (the forward first GEMM of the expert MLP) for Hopper: a persistent, warp-specialised
-// TMA + cp.async-gather + wgmma kernel (dev/cuda/sm90_gather_gemm.cu@92ab1fc, version 1, promoted).
+// TMA + cp.async-gather + wgmma kernel.
 //
 // For expert e and routed rows r in [expert_offsets[e], expert_offsets[e+1]):
 //   a_r = x[tok_r] . w_gate[e]^T, b_r = x[tok_r] . w_up[e]^T (gated only), fp32 accumulation;

@@ -1,10 +1,9 @@
 // The Hopper (sm_90a) device primitives every kernel of the library uses (mbarrier, cp.async and
 // TMA wrappers, wgmma and its shared-memory descriptors, the epilogue staging layout) and the
-// driver's tensor-map encoder, with no dependency on the rest of the library: the dev/cuda
-// workshops include this header (`-I src`, `using namespace moeblaze::cuda::sm90;`) instead of
+// driver's tensor-map encoder, with no dependency on the rest of the library, so a standalone
+// kernel experiment can include it (`-I src`, `using namespace moeblaze::cuda::sm90;`) instead of
 // copying it. common.cuh adds the library's host helpers (error reporting, tensor maps, kernel
-// preparation) on top. Each primitive was first verified on the H200 in a dev/cuda workshop
-// (round 1: F1; round 3: the MN-major B operand; round 4: fence_proxy_async, tma_load_2d).
+// preparation) on top. The CUDA suite checks every primitive through the kernels that use it.
 //
 // Device code is compiled only for the sm_90a image (MB_SM90_DEVICE); the library's other images
 // contain a kernel body that traps, and the host-side support checks never launch it there.
@@ -58,8 +57,8 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
 
 // Spins until the phase with `parity` completes. A wait far beyond any real stall (real waits are
 // microseconds) traps instead of hanging the device: after MB_SM90_MBAR_POLL_LIMIT polls, 2^26 in
-// the library. A workshop may define a smaller limit before including this header to fail fast:
-// round 8b's probe, with 2^24, took about a minute to trap (each poll can suspend the thread).
+// the library. An experiment may define a smaller limit before including this header to fail
+// fast (2^24 polls take about a minute: each poll can suspend the thread).
 // No printf here: a call anywhere in a kernel makes ptxas serialise its wgmmas (C7510).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done;
@@ -113,7 +112,7 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-// Added with the wgrad kernel (round 4 workshop, verified on the H200): a 2-D map's box.
+// A 2-D map's box (the wgrad kernels).
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar,
                                             int c0, int c1) {
   asm volatile(
@@ -164,7 +163,7 @@ __device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
 // MN-major operand, 128B swizzle (CUTLASS's Layout_MN_SW128_Atom: 64 MN elements x 8 k, each k a
 // 128-byte row), as TMA writes a box {64 MN, 64 k}: LBO = bytes between 64-element MN blocks (the
 // boxes, 8 KB apart), SBO = bytes between groups of 8 k-rows (1024). +2048 bytes per 16 k.
-// Verified on the H200 by the round-3 workshop (B4 and B1: every check passed).
+// The CUDA suite checks it through B4 and B1.
 __device__ __forceinline__ uint64_t smem_desc_mnmajor_sw128(uint32_t addr) {
   constexpr uint32_t kLbo = 8192, kSbo = 1024;
   uint64_t desc = 0;
@@ -346,11 +345,10 @@ __device__ __forceinline__ void warp_prefix_tiles(int* tile_start, int E, int la
 // wgmma_wait<1> (into the slot of k-step it - 2), 3-stage ones k-step it + 2 after the wait (into
 // the slot wgmma(it - 1) has just released); completion on a per-(warpgroup, slot) mbarrier of
 // 128 .noinc arrivals, so no barrier crosses warpgroups for A.
-// Why not the producer warpgroup, as before: the gather's rate is limited per issuing warp (the
-// loads one warp keeps in flight), not by L2 or shared memory.
-// dev/cuda/sm90_gather_probe.cu@92ab1fc measured on the H200 (conf3's F1 main loop): 2 gathering
-// warps 10.98 ms, the producer's 4 warps 8.30 ms, the consumers' 8 warps (round 11, v12) 7.28 ms;
-// contiguous rows by TMA 6.24 ms. Thread w of the warpgroup loads chunk w & 7 of rows (w >> 3) + 16
+// Why not the producer warpgroup: the gather's rate is limited per issuing warp (the loads one warp
+// keeps in flight), not by L2 or shared memory; on the H200, conf3's F1 main loop took 8.30 ms
+// with the producer's 4 warps gathering, 7.28 ms with the consumers' 8 and 6.24 ms with contiguous
+// rows by TMA. Thread w of the warpgroup loads chunk w & 7 of rows (w >> 3) + 16
 // i, i < 4, of its half. The cursor walks the same (tile, k-step) sequence as the consumer's main
 // loop (tiles blockIdx.x,
 // + gridDim.x, ...), and fetches the token ids of the following tile one tile ahead.

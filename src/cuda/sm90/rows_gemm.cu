@@ -1,5 +1,4 @@
-// F2, B4, B1 on Hopper (see rows_gemm.hpp): dev/cuda/sm90_rows_gemm.cuh@92ab1fc version 1 (no
-// cluster).
+// F2, B4, B1 on Hopper (see rows_gemm.hpp).
 //
 // Tile: 128 routed rows x 256 output columns x 64 k, 4 stages of 48 KB (A 16 KB + B 32 KB).
 // 384 threads: warpgroup 0 produces, warpgroups 1 and 2 consume 64 rows each with
@@ -12,7 +11,7 @@
 //   A, gathered (B1: dy rows by token): each consumer warpgroup gathers its own 64 rows, 2 k-steps
 //     ahead (primitives.cuh's HalfTileGather: 16-byte cp.async with zero-fill into the 128-byte
 //     swizzle, completing on the warpgroup's own per-slot barrier); the consumers
-//     fence.proxy.async after their waits. Until round 11 the producer warpgroup gathered.
+//     fence.proxy.async after their waits (primitives.cuh says why not the producer).
 //   B, K-major (F2: w_down [E, d, h] read as n rows of k): two TMA boxes {64 k, 128 n}.
 //   B, MN-major (B4: w_gate/w_up [E, h, d]; B1: w_down [E, d, h] read as k rows of n): four TMA
 //     boxes {64 n, 64 k}, the transposed-B wgmma with the MN-major descriptor of common.cuh. A box
@@ -71,24 +70,12 @@ constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 // sub-tiles of 128 rows x 64 columns, 3 in the split form below; 16-byte chunk c of row r at
 // r * 128 + ((c ^ (r & 7)) << 4), F1's layout) and go on to the next tile's main loop, while warps
 // 1-3 of the producer warpgroup run the activation backward from it (a, b in; da, db, g*u out; dg
-// partials). In the 4-stage form the consumers run it after each tile's main loop (~3.2 of conf3's
-// 7.5 ms).
+// partials). In the 4-stage form the consumers run it after each tile's main loop, where it takes
+// about 40 % of B1's time at 16 k-steps.
 //
-// Measured (session 8, same process, 4-stage -> epilogue warps): B1 conf4 10.76 -> 9.16 ms, conf7
-// 2.56 -> 2.34, qwen3 1.01 -> 0.94 (32 k-steps); conf3 6.96 -> 7.04, SiLU 6.11 -> 6.20 (16
-// k-steps: the tile's epilogue, 327 KB of traffic, outlasts a main loop half as long, and 96
-// threads move it more slowly than the consumers' 256). Hence the lower bound.
-//
-// Session 9 (same process, 32 -> 64 as the upper bound): mixtral (64 k-steps) B1 6.76 -> 6.36 ms,
-// SiLU 6.38 -> 6.06. A software-pipelined variant of the epilogue warps (next item's loads issued
-// during this one) measured no better there (6.37) and worse at 32 k-steps (conf4 9.62 -> 9.95),
-// so it was dropped. Beyond 64 k-steps (d > 4096) is unmeasured and keeps the 4-stage form.
-//
-// Session 10, after warp-uniform and epilogue-lean (fewer instructions in both the main loop and
-// the epilogue), same process, 4-stage -> epilogue warps: 16 k-steps now gain (B1 conf3 6.74 ->
-// 6.38 ms, conf2 3.38 -> 3.14, conf6 1.78 -> 1.67; SiLU conf3 5.91 -> 5.88) and 8 are flat (conf5
-// 1.40 -> 1.40), so the lower bound was 9; 9-15 k-steps lie between the two measured classes.
-// Session 12 moved it to 8 with the two-group split (kB1Split2, below).
+// The epilogue warps pay from 8 k-steps (with the split forms below) up to 64 (on the H200, B1
+// 4-8 % faster at 16-64 k-steps against the 4-stage form); past 64 k-steps (d > 4096) is unmeasured
+// and keeps the 4-stage form.
 constexpr int kB1EpiWarpsMinKTiles = 8;
 constexpr int kB1EpiWarpsMaxKTiles = 64;
 constexpr int kB1EpiWarps = 3;
@@ -104,26 +91,14 @@ constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 //                 their accumulators, rounded to T as the hand-off is), then go on.
 //   kB1Split2:    as kB1Split with groups 0-1 on the consumers and 2-3 on the epilogue warps.
 //
-// Why the split (session 11, Nsight Compute on conf3, 16 k-steps): in the epilogue-warp form the
-// consumers spent a third of all warp samples waiting for the hand-off buffer (the epilogue warps'
-// 327 KB a tile took ~26 us, the main loop ~14), and the epilogue warps stalled on their a, b loads
-// at ~1.9 TB/s of DRAM traffic: latency-bound, not bandwidth-bound. A quarter of the epilogue on
-// the consumers balances the two sides where the main loop is short.
-//
-// Measured (session 11, same library and process per shape, MOEBLAZE_CUDA_B1_FORM warps ->
-// split): B1 conf3 6.25 -> 5.84 ms, SiLU 5.88 -> 5.01, conf2 3.08 -> 2.83 (16 k-steps); conf4
-// 8.29 -> 8.03, qwen3 1.61 -> 1.56 (32); mixtral 5.83 -> 6.08 (64: there the epilogue warps keep
-// up and the split only lengthens the consumers' path). Hence kB1SplitMaxKTiles; 33-63 k-steps
-// are unmeasured. The model behind the split predicted more at 16 k-steps (B1 conf3 ~4.9 ms) and
-// a loss at 32.
-//
-// Session 12 (same library and process per shape): the two-group split loses wherever the split
-// runs (split -> split2: B1 conf3 5.77 -> 5.83 ms, SiLU 4.98 -> 5.11, conf2 2.84 -> 2.93, conf6
-// 1.48 -> 1.57 at 16 k-steps; conf4 7.94 -> 9.20 at 32), so there the epilogue warps are no longer
-// the slower side. At 8 k-steps (d = 512), where the main loop is half as long, it gains: B1 conf5
-// 1.46 -> 1.20 ms and conf1 0.74 -> 0.61 against the consumers' form (conf5 1.31 -> 1.24 and conf1
-// 0.65 -> 0.62 against the split). Hence kB1Split2MaxKTiles; below 8 k-steps is unmeasured and
-// keeps the consumers' form, and 9-15 k-steps take the split.
+// Why the split: where the main loop is short (16 k-steps), the epilogue-warp form leaves the
+// consumers waiting for the hand-off buffer a third of the time (the epilogue warps' 327 KB a tile
+// outlast the main loop, stalled on their a, b loads: latency-bound, not bandwidth-bound). A
+// quarter of the epilogue on the consumers balances the two sides (B1 7-15 % faster at 16 k-steps,
+// 3 % at 32; 4 % slower at 64, where the epilogue warps keep up: hence kB1SplitMaxKTiles). At 8
+// k-steps the main loop is half as long again and the two-group split wins (15-18 % against the
+// consumers' form), while at 16-32 it loses to the split: hence kB1Split2MaxKTiles. Below 8
+// k-steps is unmeasured and keeps the consumers' form.
 enum B1Form : int { kB1Consumers = 0, kB1Warps = 1, kB1Split = 2, kB1Split2 = 3 };
 constexpr int kB1Split2MaxKTiles = 8;
 constexpr int kB1SplitMaxKTiles = 32;
@@ -230,8 +205,8 @@ __device__ __forceinline__ float* dg_tile_parts(const RowsParams& p, const TileC
 // the same order as act_math::forward / backward (hence the same bits, and the same u as F1's), but
 // one sigmoid per element instead of three. With IEEE division (whose slow path is an out-of-line
 // call) and 128 elements per thread, fully unrolled, the act_math form made the epilogue ~22k
-// instructions, far past the instruction cache (measured: conf3's B1 took 23.0 ms, the round-3
-// workshop's one-sigmoid epilogue 9.5 ms); act_math's sigmoid is now the MUFU form on the GPU.
+// instructions, far past the instruction cache (2.4x slower B1 on the H200); act_math's sigmoid is
+// the MUFU form on the GPU.
 template <typename T, int ACT>
 __device__ __forceinline__ void b1_element(float a, float b, float du, bool have_u, float u_saved,
                                            float& u, float& da, float& db) {
@@ -304,17 +279,14 @@ __device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, in
 // off, rounded once to T (the consumers' form uses the fp32 accumulator).
 //
 // Register 4j + q of lane (g, t4) holds row g (q < 2) or g + 8 (q >= 2), column 8j + 2 t4 + (q & 1)
-// of the tile. Measured on the H200 (conf3, SwiGLU; tests/cuda/profile_kernels.py): the first
-// version, 4-byte loads and stores straight from the fragment layout (8 rows x 16 bytes per warp
-// instruction), 8.55 ms; staged, 8.15 ms; staged with the prefetch, 7.43 ms (SiLU 7.10 -> 6.64).
-// Only two warps per scheduler run this epilogue, so the loads' latency is not hidden by other
-// warps: the prefetch is what pays. Against the 168-register budget it costs a few words of spill
-// (ptxas: 4-68 bytes of spill stores per B1 kernel); the measured times include them, and the
-// spill-free form was the slower one.
+// of the tile. Staging (coalesced 16-byte accesses instead of 8 rows x 16 bytes per instruction
+// from the fragment layout) and the prefetch each pay (B1 13 % faster together on the H200): only
+// two warps per scheduler run this epilogue, so nothing else hides the loads' latency. Against
+// the 168-register budget the prefetch costs a few words of spill (ptxas: 4-68 bytes of spill
+// stores per B1 kernel), and the spill-free form is the slower one.
 //
 // ACT is a template parameter: a runtime switch over the seven activations, inlined at each of the
-// 64 unrolled elements, made this epilogue four times slower (measured on the H200: 39.6 ms instead
-// of 9.5 ms for conf3's B1), most likely from the code size.
+// 64 unrolled elements, makes this epilogue four times slower, most likely from the code size.
 template <typename T, int ACT, int GROUPS, bool ROUND_V>
 __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord& c, int tile_row,
                                             int lane, uint32_t* stg, const float (&acc)[128]) {
@@ -428,10 +400,10 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
 // live where da, db go (RECOMPUTE, CONSUME_SAVED); each lane reads its chunks before it writes the
 // same chunks.
 //
-// HAVE_U (p.u != nullptr: SAVE_ALL) and whether the activation is gated are template constants, not
-// the runtime flags they were: the item loop is these warps' critical path (session 13's ncu: they
-// issue in ~22 % of its samples and wait on their own dependency chains), and the runtime forms
-// carried the u operand's load, unpacking and selects, and b's predicates, through every item.
+// HAVE_U (p.u != nullptr: SAVE_ALL) and whether the activation is gated are template constants,
+// not runtime flags: the item loop is these warps' critical path (they issue in about a fifth of
+// its cycles and wait on their own dependency chains), and runtime forms would carry the u
+// operand's load, unpacking and selects, and b's predicates, through every item.
 template <typename T, int ACT, int FIRST, bool HAVE_U>
 __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const TileCoord& c, int ew,
                                                   int lane, const uint32_t* hb) {
@@ -450,8 +422,8 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
   constexpr int kItems = kBM * 8;
   constexpr int kLanes = 32 * kB1EpiWarps;
   // Bytes in flight: 96 threads cannot reach the DRAM rate with one column group's loads at a time
-  // (~3 KB per SM against the ~24 KB that 3 TB/s at ~1 us needs; session 8 call 1: B1 1.5-2x
-  // slower). So each item loads all its groups' a, b before its first store (the stores may alias
+  // (~3 KB per SM against the ~24 KB that 3 TB/s at ~1 us needs: B1 1.5-2x slower). So each item
+  // loads all its groups' a, b before its first store (the stores may alias
   // the loads under CONSUME_SAVED, so the compiler would not hoist them itself), and the item two
   // iterations ahead is prefetched into L2 (no registers held). Every operand's address is the
   // item's first chunk (group FIRST, column item_col) plus i * 64 elements for group FIRST + i: one
@@ -486,9 +458,8 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
   int32_t pair_after_next = load_pair(32 * ew + lane + kLanes);
   // A pass's dg partials are reduced over their row's 8 lanes (three dependent shuffle round
   // trips) and stored during the NEXT pass, once its a, b loads have left: at the end of the pass
-  // they were a serial tail before the loop could issue those loads. Same tree, same bits (24
-  // output digests). Measured on the H200 (session 15, same process, B1 before -> after): conf3
-  // 5.35 -> 5.27 ms, SiLU 4.68 -> 4.57 (16 k-steps); conf5 1.17 -> 1.16; conf4 and mixtral flat.
+  // they were a serial tail before the loop could issue those loads. Same tree, same bits (1-2 %
+  // faster B1 at 16 k-steps on the H200).
   float pending_dot[2] = {0.f, 0.f};
   int64_t pending_grow = 0;
   bool pending_store = false;  // the previous item's row is in the tile and this lane holds chunk 0
@@ -808,13 +779,11 @@ using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMa
 template <typename T, int FORM>
 KernelFn b1_kernel_for(Activation act) {
   switch (act) {
-    case Activation::SwiGLU: return sm90_rows_kernel<T, kB1, int(Activation::SwiGLU), FORM>;
-    case Activation::GeGLU: return sm90_rows_kernel<T, kB1, int(Activation::GeGLU), FORM>;
-    case Activation::ReGLU: return sm90_rows_kernel<T, kB1, int(Activation::ReGLU), FORM>;
-    case Activation::SiLU: return sm90_rows_kernel<T, kB1, int(Activation::SiLU), FORM>;
-    case Activation::GELU: return sm90_rows_kernel<T, kB1, int(Activation::GELU), FORM>;
-    case Activation::ReLU: return sm90_rows_kernel<T, kB1, int(Activation::ReLU), FORM>;
-    case Activation::ReLU2: return sm90_rows_kernel<T, kB1, int(Activation::ReLU2), FORM>;
+    // clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
+    case Activation::Name: return sm90_rows_kernel<T, kB1, int(Activation::Name), FORM>;
+#include "common/activations.def"
+    // clang-format on
   }
   return nullptr;
 }
@@ -847,10 +816,6 @@ int b1_form_for(int k_tiles, int forced) {
   if (k_tiles <= kB1Split2MaxKTiles) return kB1Split2;
   return k_tiles <= kB1SplitMaxKTiles ? kB1Split : kB1Warps;
 }
-
-constexpr Activation kAllActivations[] = {Activation::SwiGLU, Activation::GeGLU, Activation::ReGLU,
-                                          Activation::SiLU,   Activation::GELU,  Activation::ReLU,
-                                          Activation::ReLU2};
 
 // [count2, count1, count0] row-major with dim 0 contiguous; see make_map_3d.
 template <typename T>
@@ -935,7 +900,7 @@ size_t sm90_rows_max_smem_bytes() {
 bool sm90_rows_prepare_kernels() {
   for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
     for (int kind : {kF2, kB4, kB1}) {
-      for (Activation act : kAllActivations) {
+      for (Activation act : kActivations) {
         if (kind != kB1 && act != Activation::SwiGLU) continue;  // one kernel, any activation
         for (int form : {kB1Consumers, kB1Warps, kB1Split, kB1Split2}) {
           if (form != kB1Consumers && kind != kB1) continue;

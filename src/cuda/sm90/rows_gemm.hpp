@@ -1,7 +1,6 @@
 // F2, B4 and B1 for Hopper: the "rows" grouped GEMMs whose M is an expert's routed rows, on one
-// persistent, warp-specialised TMA + wgmma kernel (dev/cuda/sm90_rows_gemm.cuh@92ab1fc, version 1,
-// verified and timed on the H200 in round 3, then generalised to F16, every activation and every
-// checkpoint policy).
+// persistent, warp-specialised TMA + wgmma kernel, for BF16 and F16, every activation and every
+// checkpoint policy.
 //
 // For expert e and routed rows r in [expert_offsets[e], expert_offsets[e+1]):
 //   F2: y2[r]  = g_r * (u[r] . w_down[e]^T)             u [N, h] -> rows [N, d]

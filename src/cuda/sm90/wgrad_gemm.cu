@@ -1,5 +1,5 @@
-// B2, B3 on Hopper (see wgrad_gemm.hpp): dev/cuda/sm90_wgrad_gemm.cu@92ab1fc version 2 (SCHED
-// naive: experts in index order; the LPT order of version 1 was never faster and is not kept).
+// B2, B3 on Hopper (see wgrad_gemm.hpp). Tiles run in expert index order (a longest-first order
+// was never faster).
 //
 // As a GEMM with M output rows, N output columns and K = the expert's routed rows:
 //   B2: A[m][k=r] = dy[tok_r][m] (gathered, M = d), B[k=r][n] = gu[r][n] (contiguous, N = h)
@@ -21,12 +21,10 @@
 //   the gathered operand A (dy for B2, x for B3): each consumer warpgroup gathers its own box
 //     (the 64 output rows it alone reads) 2 k-steps ahead, 16-byte cp.async with zero-fill (rows
 //     >= valid, columns >= the operand's width) into the swizzle, completing on the warpgroup's
-//     per-slot barrier (KRowGather below; round 11: the gather's rate is per issuing warp, and
-//     the consumers' 8 warps outrun the producer's 4). The producer gathered it until then.
-//     The gather of k-step it + 2 is issued right after k-step it's wgmmas are committed, into
-//     the slot of k-step it - 2, so it runs while the tensor pipe works (session 6: with the
-//     gather after wait<1>, ncu of B3 on mixtral showed the wait<1> almost never stalling; the
-//     move gave B3 -2.4 % on mixtral and -4.7 % on conf4, less than that suggested);
+//     per-slot barrier (KRowGather below: the gather's rate is per issuing warp, and the
+//     consumers' 8 warps outrun the producer's 4). The gather of k-step it + 2 is issued right
+//     after k-step it's wgmmas are committed, into the slot of k-step it - 2, so it runs while the
+//     tensor pipe works (2-5 % faster B3 than issuing it after wait<1>);
 //   the contiguous operand B (gu for B2, dadb for B3), by the producer: a FULL stage (valid == 64)
 //     is TMA boxes
 //     {64 columns, 64 rows} of a 2-D map over [N rows, width] (one thread; boxes starting past
@@ -424,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         wgmma_kstep<T, 1, 1>(acc, desc_a, desc_b, kt > 0);
         // While wgmma(it - 1) and wgmma(it) run: this warpgroup's A of k-step it + kGatherLead
         // into the slot of k-step it - 2, whose wgmma completed before the previous k-step's
-        // wait<1> returned (until v8 the gather came after the wait, with the pipe draining).
+        // wait<1> returned (after the wait it would run with the pipe draining).
         const int refill = int((it + kGatherLead) % kStages);
         gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill));
         wgmma_wait<1>();
@@ -449,9 +447,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           // Element (m, n) is output row n, column m. Per 64-column chunk of the warp's 16 x 256
           // block: stmatrix.trans puts the rounded fragments into the warp's staging buffer as
           // 64 rows n of its 16 m (32 bytes), then each lane pair writes one row's 32 bytes, a
-          // whole sector, with two 16-byte stores. (Until v9: 2-byte stores, 16 bytes of a
-          // sector per instruction; on mixtral, d = 4096, that epilogue took 27 % of B3.) The
-          // rounding is pack2's round-to-nearest of the fp32 accumulator, as below: the same bits.
+          // whole sector, with two 16-byte stores (2-byte stores from the fragments made this
+          // epilogue a quarter of B3 on mixtral). The rounding is pack2's round-to-nearest of the
+          // fp32 accumulator, as below: the same bits.
           const uint32_t stage = epilogue_stage(smem, p.E, warp);
           const int m_half = m0 + wg * 64 + warp_in_wg * 16 + 8 * (lane & 1);
           const bool m_ok = m_half < p.M;  // M % 8 == 0: an 8-m half is all in or all out
@@ -506,9 +504,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // 16 x 256 block: stmatrix puts the rounded fragments into the warp's staging buffer as
         // 16 rows of 128 bytes (16-byte chunk ch of row r at chunk ch ^ (r & 7), so the 8 rows
         // of one matrix, and the 8 chunks one load reads of a row, fall in distinct banks), then
-        // each warp store writes 4 rows x 128 contiguous bytes with 16-byte stores. (Until v10:
-        // 4-byte pair stores from the fragments, 8 rows x 16 bytes per instruction, 64 a thread;
-        // on mixtral B2 ran 7.5 % faster without its epilogue.) Same pack2 rounding: same bits.
+        // each warp store writes 4 rows x 128 contiguous bytes with 16-byte stores (4-byte pair
+        // stores from the fragments cost B2 7.5 % on mixtral). Same pack2 rounding: same bits.
         const uint32_t stage = epilogue_stage(smem, p.E, warp);
         const int warp_row0 = m0 + wg * 64 + warp_in_wg * 16;
 #pragma unroll

@@ -1,8 +1,7 @@
 // B2 and B3 for Hopper: the weight-gradient grouped GEMMs, a reduction over each expert's routed
 // rows ("varlen K") with both operands MN-major, on one persistent, warp-specialised
-// TMA + cp.async + wgmma kernel (dev/cuda/sm90_wgrad_gemm.cu@92ab1fc, version 2: experts in index
-// order; verified and timed on the H200 in round 4: edge shapes, BF16 and F16, accumulate, Inf/NaN
-// rows of the neighbouring expert, memcheck clean; 380-470 TFLOP/s on the round's shapes).
+// TMA + cp.async + wgmma kernel, experts in index order; the CUDA suite checks edge shapes, BF16
+// and F16, accumulation, and Inf/NaN rows of the neighbouring expert.
 //
 // For expert e and routed rows r in [expert_offsets[e], expert_offsets[e+1]), tok_r =
 // expert_token_indices[r]:
