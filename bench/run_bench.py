@@ -158,8 +158,12 @@ def parse_args(argv=None):
     p.add_argument("--no-clock-samples", action="store_true",
                    help="CUDA: do not sample SM clock, power and clock-event reasons with "
                         "nvidia-smi during the run")
+    p.add_argument("--gpu-lock", default=None,
+                   help="with the parallel warm-up: the lock file that serialises measurements; "
+                        "give two runs started side by side (an experts and a layer run) the same "
+                        "one, and neither measures while the other does (default: one per run)")
     p.add_argument("--child-state", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--gpu-lock", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--child-go", default=None, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.quick:
@@ -1107,7 +1111,7 @@ def run_configs_in_turn(configs, args, emit):
     warm_up(configs, args)
     with open(args.child_state + ".ready", "w"):
         pass
-    go = args.gpu_lock + ".go"
+    go = args.child_go
     while not os.path.exists(go) and time.time() < (args.deadline or math.inf):
         time.sleep(0.2)
     with open(args.gpu_lock, "a") as lock:
@@ -1126,8 +1130,8 @@ def run_parallel(configs, args, on_rows):
     deadline = time.time() + args.budget_s
     hard_stop = deadline + 45.0
     tag = f"{os.getpid()}"
-    lock_path = os.path.join(args.out, f".bench-gpu-{tag}.lock")
-    go_path = lock_path + ".go"
+    lock_path = args.gpu_lock or os.path.join(args.out, f".bench-gpu-{tag}.lock")
+    go_path = os.path.join(args.out, f".bench-go-{tag}")
     children = []
     for cfg in configs:
         for activation in args.acts:
@@ -1138,7 +1142,8 @@ def run_parallel(configs, args, on_rows):
                     os.remove(path)
             one = argparse.Namespace(**vars(args))
             one.acts = [activation]
-            argv = child_argv(one, [cfg], state_path, deadline) + ["--gpu-lock", lock_path]
+            argv = child_argv(one, [cfg], state_path, deadline) + ["--gpu-lock", lock_path,
+                                                                   "--child-go", go_path]
             children.append({"cfg": cfg, "act": activation, "state": state_path, "seen": 0,
                              "start": None, "killed": None,
                              "proc": subprocess.Popen(argv, start_new_session=True)})
@@ -1197,7 +1202,7 @@ def run_parallel(configs, args, on_rows):
         for path in (child["state"], child["state"] + ".ready"):
             if os.path.exists(path):
                 os.remove(path)
-    for path in (lock_path, go_path):
+    for path in (go_path,) if args.gpu_lock else (lock_path, go_path):
         if os.path.exists(path):
             os.remove(path)
     order = {name: i for i, name in enumerate(c["name"] for c in configs)}
@@ -1410,7 +1415,7 @@ def main(argv=None):
                 state.write(json.dumps(event, allow_nan=True, default=_json_default) + "\n")
                 state.flush()
                 os.fsync(state.fileno())
-            if args.gpu_lock:
+            if args.child_go:
                 ok = run_configs_in_turn(configs, args, emit)
             else:
                 ok = run_configs(configs, args, emit)
