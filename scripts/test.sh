@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# THE test command: installs what the tests need (only what is missing), configures with every
-# component (CUDA when nvcc exists, bindings, docs), builds, and runs the whole CTest suite:
-# labels api, cpu, cuda and ep (the GPU parts skip visibly without a GPU), bindings, examples,
-# bench, docs. The tools' self-tests (label tools) are not registered here: tools/README.md.
+# THE test command: installs what the tests need (only what is missing: Debian packages, and the
+# Python test dependencies into the project's virtual environment .venv, see scripts/setup.sh),
+# configures with every component (CUDA when nvcc exists, bindings, docs), builds, and runs the
+# whole CTest suite: labels api, cpu, cuda and ep (the GPU parts skip visibly without a GPU),
+# bindings, examples, bench, docs, scripts. The tools' self-tests (label tools) are not registered
+# here: tools/README.md.
 #
 #   bash scripts/test.sh [extra ctest arguments, e.g. -L cpu]
 #
@@ -48,6 +50,7 @@ run_sanitized() {
 }
 
 mb_phase setup mb_setup_packages || status=1
+if ((status == 0)); then mb_phase python mb_python_env || status=1; fi
 if ((status == 0)); then mb_phase configure mb_configure || status=1; fi
 if ((status == 0)); then mb_phase build mb_build || status=1; fi
 if ((status == 0)); then
