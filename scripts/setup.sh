@@ -34,6 +34,7 @@ MOEBLAZE_JOBS="${MOEBLAZE_JOBS:-$(nproc 2>/dev/null || echo 2)}"
 MOEBLAZE_APT_PACKAGES=(cmake g++ pkg-config doctest-dev doxygen swig bindgen junit4
   libhamcrest-java python3-dev python3-venv)
 # What the CPU main job (scripts/run.sh without a GPU) needs: the library and the C example.
+# shellcheck disable=SC2034 # used by scripts/run.sh
 MOEBLAZE_MAIN_APT_PACKAGES=(cmake g++)
 
 MOEBLAZE_VENV="${MOEBLAZE_VENV:-$MOEBLAZE_ROOT/.venv}"
@@ -85,7 +86,8 @@ mb_apt() {
   local deadline=$((SECONDS + timeout))
   log="$(mktemp)" || return 1
   while :; do
-    "${MOEBLAZE_SUDO[@]}" apt-get -o "DPkg::Lock::Timeout=$timeout" "$@" 2>&1 | tee "$log"
+    "${MOEBLAZE_SUDO[@]}" apt-get -o "DPkg::Lock::Timeout=$((deadline > SECONDS ? deadline - SECONDS : 0))" \
+      "$@" 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     if ((rc != 0)) && grep -qE 'Could not get lock|Unable to lock|Unable to acquire the dpkg' "$log"; then
       holder="$(grep -oE 'held by process [0-9]+( \([^)]*\))?' "$log" | head -n 1)"
