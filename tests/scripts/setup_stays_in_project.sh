@@ -8,7 +8,8 @@
 #   3. scripts/setup.sh's mb_python_env on a scratch environment with two local wheels (no network):
 #      installs the pins, does nothing when they are met, follows a changed pin, fails with a message
 #      naming the requirements file for an unsatisfiable or unpinned requirement, never installs
-#      into a given MOEBLAZE_PYTHON, and leaves $HOME and the base interpreter untouched.
+#      into a given MOEBLAZE_PYTHON (another version there is reported, a missing package is an
+#      error), and leaves $HOME and the base interpreter untouched.
 #
 #   tests/scripts/setup_stays_in_project.sh <configured MOEBLAZE_PYTHON> <configured MOEBLAZE_SETUP_VENV>
 set -uo pipefail
@@ -148,10 +149,16 @@ if MOEBLAZE_PYTHON="$MOEBLAZE_VENV/bin/python" env_step && grep -q "nothing inst
   pass "MOEBLAZE_PYTHON that meets the pins is used as it is"
 else fail "MOEBLAZE_PYTHON meeting the pins:"$'\n'"$(cat "$scratch/out")"; fi
 requirements "moeblaze-probe==1.0"
-if MOEBLAZE_PYTHON="$MOEBLAZE_VENV/bin/python" env_step; then fail "MOEBLAZE_PYTHON missing a pin passed"
-elif [[ "$(probe_version)" == 2.0 ]] && grep -q "does not satisfy" "$scratch/out"; then
-  pass "MOEBLAZE_PYTHON missing a pin is an error, and nothing is installed into it"
-else fail "MOEBLAZE_PYTHON missing a pin:"$'\n'"$(cat "$scratch/out")"$'\n'"probe: $(probe_version)"; fi
+if MOEBLAZE_PYTHON="$MOEBLAZE_VENV/bin/python" env_step && [[ "$(probe_version)" == 2.0 ]] &&
+  grep -q "moeblaze-probe: 2.0 installed, 1.0 required" "$scratch/out"; then
+  pass "MOEBLAZE_PYTHON with another version: reported, nothing installed into it"
+else fail "MOEBLAZE_PYTHON with another version:"$'\n'"$(cat "$scratch/out")"$'\n'"probe: $(probe_version)"; fi
+requirements "moeblaze-probe-absent==1.0"
+if MOEBLAZE_PYTHON="$MOEBLAZE_VENV/bin/python" env_step; then fail "MOEBLAZE_PYTHON lacking a package passed"
+elif grep -q "moeblaze-probe-absent: not installed" "$scratch/out" &&
+  ! "$MOEBLAZE_VENV/bin/python" -m pip show -q moeblaze-probe-absent >/dev/null 2>&1; then
+  pass "MOEBLAZE_PYTHON lacking a package is an error, and nothing is installed into it"
+else fail "MOEBLAZE_PYTHON lacking a package:"$'\n'"$(cat "$scratch/out")"; fi
 
 # Nothing outside the scratch project.
 if [[ -n "$(find "$HOME" -mindepth 1 | head -n 5)" ]]; then
