@@ -122,16 +122,19 @@ def test_saved_buffer_goes_through_saved_tensor_hooks():
     layer = mbt.get_layer(torch.device("cpu"), d_model=8, d_ffn=4, num_experts=3, top_k=2,
                           activation="swiglu", dtype="float32", checkpoint="save_preact")
     saved_size = layer.saved_size(mb._lib.PASS_EXPERTS_FORWARD, 6)
-    assert (torch.uint8, saved_size) in packed
+    # The buffer is the affine size bound: the library's size plus at most the parts' alignment.
+    saved = [n for dtype, n in packed if dtype == torch.uint8]
+    assert len(saved) == 1 and saved_size <= saved[0] < saved_size + 256 * 8, (saved, saved_size)
     y.sum().backward()
     assert x.grad is not None
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("checkpoint", ["save_all", "save_preact", "recompute"])
-def test_consume_saved_same_gradients_and_single_backward(device, checkpoint):
+def test_consume_saved_same_gradients_and_second_backward(device, checkpoint):
     """consume_saved (the default) gives the gradients of consume_saved=False bit for bit; a
-    second backward through the same graph raises instead of reading overwritten activations."""
+    second backward through the same graph recomputes the consumed activations from x first and
+    gives the same gradients again."""
     x, ids, g, w_gate, w_up, w_down = experts_problem(7, 37, 16, 24, 5, 2, "swiglu",
                                                       torch.bfloat16, device)
     grads = {}
@@ -143,11 +146,13 @@ def test_consume_saved_same_gradients_and_single_backward(device, checkpoint):
         dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y)
         y.backward(dy, retain_graph=True)
         grads[consume] = [t.grad.clone() for t in leaves]
-        if consume:
-            with pytest.raises(RuntimeError, match="consume_saved=False"):
-                y.backward(dy)
-        else:
-            y.backward(dy)  # allowed: the saved buffer is intact
+        before = mbt.recompute_count
+        for t in leaves:
+            t.grad = None
+        y.backward(dy)
+        assert mbt.recompute_count == before + (1 if consume else 0)
+        for first, second in zip(grads[consume], [t.grad for t in leaves]):
+            assert torch.equal(first, second)
     for plain, consumed in zip(grads[False], grads[True]):
         assert torch.equal(plain, consumed)
 
