@@ -1,6 +1,11 @@
 """Drive libmoeblaze.so straight through ctypes (no moeblaze package): the C API step by step.
 
+    python3 examples/python/ctypes_direct.py       # after `pip install ./bindings/python`
     MOEBLAZE_LIBRARY=build/src/libmoeblaze.so python3 examples/python/ctypes_direct.py
+
+The library is looked up in order: $MOEBLAZE_LIBRARY, the installed `moeblaze` package's folder
+(located without importing it), a build tree of this checkout (build*/src), then the dynamic
+linker's path (libmoeblaze.so.0).
 
 Declares the two argument structs and the few functions it uses, then trains the experts of an
 MoE layer (fixed routing: moeblaze_experts_forward / moeblaze_experts_backward) to imitate a
@@ -8,12 +13,31 @@ random teacher with SGD. Needs only numpy. Exits non-zero if the loss did not fa
 """
 
 import ctypes
+import glob
+import importlib.util
 import os
 import sys
 
 import numpy as np
 
-lib = ctypes.CDLL(os.environ.get("MOEBLAZE_LIBRARY", "libmoeblaze.so.0"))
+
+def find_library():
+    """The first libmoeblaze of: $MOEBLAZE_LIBRARY, the installed package, this checkout's build."""
+    if os.environ.get("MOEBLAZE_LIBRARY"):
+        return os.environ["MOEBLAZE_LIBRARY"]
+    spec = importlib.util.find_spec("moeblaze")  # finds the package, does not import it
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = os.path.join(folder, "libmoeblaze.so.0")
+        if os.path.exists(candidate):
+            return candidate
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    builds = sorted(glob.glob(os.path.join(checkout, "build*", "src", "libmoeblaze.so.0")),
+                    key=os.path.getmtime, reverse=True)
+    return builds[0] if builds else "libmoeblaze.so.0"
+
+
+LIBRARY = find_library()
+lib = ctypes.CDLL(LIBRARY)
 
 P = ctypes.c_void_p
 status_t = ctypes.c_int32
@@ -101,6 +125,7 @@ def query(function, layer, pass_code):
 
 
 def main():
+    print(f"library: {LIBRARY}")
     assert lib.moeblaze_get_abi_version() == 0, "built for ABI 0"
     context, layer = P(), P()
     context_create(ctypes.byref(context), BACKEND_CPU, 0)
