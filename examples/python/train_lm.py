@@ -2,7 +2,7 @@
 moeblaze's MoE layer and, side by side, the same model with a plain-PyTorch MoE layer.
 
     PYTHONPATH=bindings/python python3 examples/python/train_lm.py --device cuda --out runs/h200
-    PYTHONPATH=bindings/python python3 examples/python/train_lm.py --preset tiny --out /tmp/lm
+    PYTHONPATH=bindings/python python3 examples/python/train_lm.py --preset tiny --out lm-tiny
 
 The text is every ``*.py`` file of this interpreter's standard library (no download), read as bytes
 (a byte-level vocabulary of 256); one file in 20 is held out for validation. The model is a pre-norm

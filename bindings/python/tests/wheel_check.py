@@ -28,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(PACKAGE_SOURCE))
 
 
 def project_version() -> str:
-    """major.minor.patch from include/moeblaze.h (CMake's project version comes from there)."""
+    """The version (major, minor, patch) from include/moeblaze.h, where CMake takes it from."""
     with open(os.path.join(REPO, "include", "moeblaze.h")) as f:
         header = f.read()
     parts = [re.search(rf"#define MOEBLAZE_VERSION_{part} (\d+)", header) for part in
