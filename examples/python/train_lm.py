@@ -53,7 +53,7 @@ PRESETS = {
                 eval_every=50, eval_batches=4,
                 shapes={"fine": dict(experts=64, top_k=8, d_ffn=64),
                         "mixtral": dict(experts=8, top_k=2, d_ffn=384)}),
-    # one GPU (figures in the README): 8 blocks of d = 1024, 32k tokens a step, about 0.8 B
+    # one GPU: 8 blocks of d = 1024, 32k tokens a step, 0.84 B (fine) or 0.74 B (mixtral)
     # parameters; a few minutes for all four runs on an H200
     "cuda": dict(d_model=1024, layers=8, heads=16, seq=1024, batch=32, steps=400, lr=1e-3,
                  warmup=40, eval_every=80, eval_batches=8,
@@ -129,21 +129,24 @@ class MoEFeedForward(torch.nn.Module):
         return self._torch_layer(x).reshape(shape), self.aux_loss
 
     def _torch_layer(self, x):
-        """moeblaze's layer in PyTorch: fp32 router, softmax, top-k, the same aux loss."""
+        """moeblaze's layer in PyTorch: fp32 router, softmax, top-k, the same aux loss; the
+        experts in the autocast dtype, as moeblaze runs them."""
         E = self.w_router.shape[0]
-        logits = x.float() @ self.w_router.float().t()
-        probs = torch.softmax(logits, dim=-1)
-        g, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.renormalize:
-            g = g / g.sum(-1, keepdim=True)
-        counts = torch.zeros(E, device=x.device).scatter_add_(
-            0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device))
-        fraction = counts / ids.numel()
-        self.aux_loss = AUX_LOSS_COEFF * E * (fraction * probs.mean(0)).sum()
-        dtype = torch.get_autocast_dtype(x.device.type) \
-            if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x, w_gate, w_up, w_down = (t.to(dtype) for t in (x, self.w_gate, self.w_up, self.w_down))
-        with torch.autocast(x.device.type, enabled=False):
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        with torch.autocast(device, enabled=False):
+            # moeblaze: the router's inputs in the storage dtype, its logits in fp32
+            logits = x.to(dtype).float() @ self.w_router.to(dtype).float().t()
+            probs = torch.softmax(logits, dim=-1)
+            g, ids = torch.topk(probs, self.top_k, dim=-1)
+            if self.renormalize:
+                g = g / g.sum(-1, keepdim=True)
+            counts = torch.zeros(E, device=x.device).scatter_add_(
+                0, ids.reshape(-1), torch.ones(ids.numel(), device=x.device))
+            fraction = counts / ids.numel()
+            self.aux_loss = AUX_LOSS_COEFF * E * (fraction * probs.mean(0)).sum()
+            x, w_gate, w_up, w_down = (t.to(dtype) for t in (x, self.w_gate, self.w_up,
+                                                             self.w_down))
             if self.impl == "grouped_mm":
                 return self.baselines.moe_grouped_mm(x, ids.int(), g, w_gate, w_up, w_down)
             return self.baselines.moe_loop(x, ids.int(), g, w_gate, w_up, w_down)
