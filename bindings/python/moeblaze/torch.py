@@ -28,6 +28,7 @@ import ctypes
 import math
 import os
 import threading
+import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -272,7 +273,8 @@ class _ConsumedBuffers:
     Kept on the host, keyed by (device, address): the operators' Python bodies run on every call
     (eager and compiled graphs alike), so a later backward on the same buffer knows, without
     reading the device, that it must first recompute the activations from x. A forward that
-    fills a buffer at an address clears its mark."""
+    fills a buffer at an address clears its mark, and so does the buffer's end (a finalizer), so
+    the record holds only live buffers."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -283,12 +285,23 @@ class _ConsumedBuffers:
         return (str(saved.device), saved.data_ptr())
 
     def mark(self, saved: torch.Tensor) -> None:
+        key = self._key(saved)
         with self._lock:
-            self._keys.add(self._key(saved))
+            if key in self._keys:
+                return
+            self._keys.add(key)
+        weakref.finalize(saved, self._discard, key)
 
     def clear(self, saved: torch.Tensor) -> None:
+        self._discard(self._key(saved))
+
+    def _discard(self, key) -> None:
         with self._lock:
-            self._keys.discard(self._key(saved))
+            self._keys.discard(key)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._keys)
 
     def __contains__(self, saved: torch.Tensor) -> bool:
         with self._lock:

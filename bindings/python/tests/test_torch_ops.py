@@ -349,6 +349,27 @@ def test_retain_graph_second_backward_equals_first(seed, device):
         assert torch.equal(a, b)
 
 
+def test_consumed_record_holds_only_live_buffers():
+    """The host-side record of consumed buffers forgets a buffer when it is freed: a long run
+    does not grow it."""
+    import gc
+
+    torch.manual_seed(0)
+    moe = mbt.MoE(8, 16, 4, top_k=2)
+    for step in range(20):
+        y, _, _ = moe(torch.randn(10 + step, 8))
+        y.sum().backward()
+    gc.collect()
+    assert len(mbt._consumed) == 0
+    outputs = moe(torch.randn(10, 8))
+    loss = outputs[0].sum()
+    loss.backward(retain_graph=True)
+    assert len(mbt._consumed) == 1  # alive and consumed: a second backward must recompute
+    del outputs, loss  # the graph, and with it the saved buffer
+    gc.collect()
+    assert len(mbt._consumed) == 0
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_activation_checkpointing(seed, device, use_reentrant):
