@@ -307,7 +307,11 @@ def test_swapped_model_matches_the_original_bf16_cuda(seed, family):
     ids = torch.randint(0, VOCAB, (4, 32), device="cuda")
     ref = train_step(original, ids)
     out = train_step(swapped, ids)
-    torch.testing.assert_close(out.logits.float(), ref.logits.float(), rtol=5e-2, atol=5e-2)
+    # bf16: a token whose top-k is a near tie may pick another expert in a later layer, so the
+    # comparison is of whole tensors (relative error of the norm), not of each element
+    logits, ref_logits = out.logits.float(), ref.logits.float()
+    assert torch.isfinite(logits).all()
+    assert float((logits - ref_logits).norm() / ref_logits.norm()) < 2e-2
     torch.testing.assert_close(out.loss.float(), ref.loss.float(), rtol=1e-2, atol=1e-2)
     mine, theirs = original_layout_grads(swapped), original_layout_grads(original)
     for name in theirs:

@@ -428,7 +428,7 @@ def test_cuda_buffers_from_the_caching_allocator_and_no_host_sync():
     layer = mbt.get_layer(torch.device("cuda"), d_model=64, d_ffn=128, num_experts=8, top_k=2,
                           activation="swiglu", dtype="bfloat16", checkpoint="save_preact",
                           score_function="softmax_topk", renormalize=False,
-                          aux_loss_coeff=float(torch.tensor(0.01).item()), z_loss_coeff=0.0)
+                          aux_loss_coeff=0.01, z_loss_coeff=0.0)
     assert held >= layer.saved_size(mb._lib.PASS_LAYER_FORWARD, 512)
 
 
