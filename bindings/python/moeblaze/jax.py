@@ -1,0 +1,556 @@
+"""JAX integration: `moe_experts` and `moe_layer` as XLA FFI custom calls, differentiable with
+`jax.custom_vjp`, usable under `jax.jit`, `jax.grad` and `jax.vmap`.
+
+The calls run in the compiled XLA program through libmoeblaze_xla (bindings/python/xla), whose
+handlers call the C API: on the CPU synchronously, on CUDA on XLA's stream. The forward returns the
+saved buffer (uint8) as the residual of `custom_vjp`; every workspace is an extra uint8 result that
+XLA allocates and frees around the call. Their sizes are queried here at trace time, for each
+platform the program may be lowered for (`jax.lax.platform_dependent`). No Python runs while the
+program executes.
+
+dtypes: x and the weights float32, bfloat16, float16, or float64 (CPU only; needs
+`jax.config.update("jax_enable_x64", True)`); g and the losses are in the routing dtype, float64
+for float64 x and float32 otherwise.
+
+The shim is found through $MOEBLAZE_XLA_LIBRARY (a file or folder), the package folder, the folder
+of the loaded libmoeblaze, or the build trees of a source checkout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import glob
+import os
+import threading
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import _lib
+from .core import Context, Layer
+
+__all__ = ["moe_experts", "moe_layer", "routing_dtype", "shim_path", "platforms"]
+
+_STORAGE_DTYPES = {
+    np.dtype(jnp.float32): "float32",
+    np.dtype(jnp.bfloat16): "bfloat16",
+    np.dtype(jnp.float16): "float16",
+    np.dtype(jnp.float64): "float64",
+}
+_SHIM_NAME = "libmoeblaze_xla.so"
+
+# FFI target name -> handler symbol stem (the shim exports <stem>Cpu and, with CUDA, <stem>Cuda).
+_TARGETS = {
+    "moeblaze_experts_fwd": "MoeblazeXlaExpertsForward",
+    "moeblaze_experts_bwd": "MoeblazeXlaExpertsBackward",
+    "moeblaze_layer_fwd": "MoeblazeXlaLayerForward",
+    "moeblaze_layer_bwd": "MoeblazeXlaLayerBackward",
+}
+
+# ------------------------------------------------------------------------------------------------
+# The shim: found, loaded and registered once per process
+# ------------------------------------------------------------------------------------------------
+
+_register_lock = threading.Lock()
+_registered = None  # tuple of the moeblaze backends registered with XLA ("cpu", "cuda")
+_shim_path = None
+
+
+def _shim_candidates() -> list:
+    env = os.environ.get("MOEBLAZE_XLA_LIBRARY")
+    if env:
+        path = Path(env)
+        return [str(path / _SHIM_NAME) if path.is_dir() else env]  # an explicit choice only
+    package = Path(__file__).resolve().parent
+    candidates = [package / _SHIM_NAME]
+    core_dir = Path(_lib.library_path()).resolve().parent
+    # A build tree keeps the core in <build>/src and the shim in <build>/bindings/python.
+    candidates += [core_dir / _SHIM_NAME, core_dir.parent / "bindings" / "python" / _SHIM_NAME]
+    repo_root = package.parent.parent.parent
+    if (repo_root / "include" / "moeblaze.h").is_file():
+        found = glob.glob(str(repo_root / "build*" / "bindings" / "python" / _SHIM_NAME))
+        candidates += sorted(found, key=os.path.getmtime, reverse=True)
+    return [str(c) for c in candidates]
+
+
+def _jax_has_cuda() -> bool:
+    try:
+        return len(jax.devices("cuda")) > 0
+    except RuntimeError:
+        return False
+
+
+def _register() -> tuple:
+    """Loads libmoeblaze, then the shim (which links that same library), and registers its
+    handlers with XLA. Returns the backends registered."""
+    global _registered, _shim_path
+    with _register_lock:
+        if _registered is not None:
+            return _registered
+        _lib.lib()  # the core first: the shim's NEEDED libmoeblaze.so.N then resolves to it
+        errors = []
+        shim = None
+        for candidate in _shim_candidates():
+            if not os.path.exists(candidate):
+                errors.append(f"{candidate}: no such file")
+                continue
+            try:
+                shim = ctypes.CDLL(candidate)
+            except OSError as error:
+                errors.append(f"{candidate}: {error}")
+                continue
+            _shim_path = os.path.realpath(candidate)
+            break
+        if shim is None:
+            raise OSError("libmoeblaze_xla (the XLA FFI handlers of moeblaze.jax) not found; "
+                          "build it with CMake (-DMOEBLAZE_BUILD_BINDINGS=ON and a Python that "
+                          "has jax) or set MOEBLAZE_XLA_LIBRARY. Tried:\n  " + "\n  ".join(errors))
+        shim.MoeblazeXlaAbiVersion.restype = ctypes.c_int32
+        shim.MoeblazeXlaHasCuda.restype = ctypes.c_int32
+        abi = shim.MoeblazeXlaAbiVersion()
+        if abi != _lib.EXPECTED_ABI_VERSION:
+            raise _lib.VersionMismatchError(
+                _lib.ERR_VERSION_MISMATCH,
+                f"{_shim_path} was built for moeblaze ABI {abi}, these bindings need "
+                f"{_lib.EXPECTED_ABI_VERSION}")
+        backends = ["cpu"]
+        platforms = [("cpu", "Cpu")]
+        if shim.MoeblazeXlaHasCuda() and _jax_has_cuda():
+            backends.append("cuda")
+            platforms.append(("CUDA", "Cuda"))
+        for target, stem in _TARGETS.items():
+            for platform, suffix in platforms:
+                handler = getattr(shim, stem + suffix)
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform=platform)
+        _registered = tuple(backends)
+        return _registered
+
+
+def shim_path() -> str:
+    """The path of the loaded libmoeblaze_xla (loading and registering it on first use)."""
+    _register()
+    return _shim_path
+
+
+def platforms() -> tuple:
+    """The moeblaze backends whose handlers are registered with XLA: ("cpu",) or
+    ("cpu", "cuda") (the shim was built with CUDA and JAX sees a CUDA device)."""
+    return _register()
+
+
+# ------------------------------------------------------------------------------------------------
+# Layer plans for the size queries (the shim keeps its own plans for execution)
+# ------------------------------------------------------------------------------------------------
+
+
+class _Config(NamedTuple):
+    """A layer configuration: static for jit (hashable), the nondiff argument of custom_vjp."""
+    dtype: str
+    d_model: int
+    d_ffn: int
+    num_experts: int
+    top_k: int
+    activation: str
+    checkpoint: str
+    score_function: str = "softmax_topk"
+    renormalize: bool = False
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    consume_saved: bool = True
+
+    def layer_kwargs(self) -> dict:
+        fields = self._asdict()
+        del fields["consume_saved"]
+        return fields
+
+    def attrs(self) -> dict:
+        """The FFI attributes every handler of this configuration takes."""
+        return {"activation": np.int32(_lib.ACTIVATIONS[self.activation]),
+                "checkpoint": np.int32(_lib.CHECKPOINTS[self.checkpoint])}
+
+    def layer_attrs(self) -> dict:
+        attrs = self.attrs()
+        attrs.update(top_k=np.int64(self.top_k),
+                     score_function=np.int32(_lib.SCORE_FUNCTIONS[self.score_function]),
+                     renormalize=np.int32(bool(self.renormalize)),
+                     aux_loss_coeff=np.float32(self.aux_loss_coeff),
+                     z_loss_coeff=np.float32(self.z_loss_coeff))
+        return attrs
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in _lib.GATED_ACTIVATIONS
+
+
+_plan_lock = threading.Lock()
+_contexts = {}
+_plans = {}
+
+
+def _plan(backend: str, config: _Config) -> Layer:
+    """The size-query plan of `config` on `backend` (device 0: sizes depend on the configuration
+    and the token count only)."""
+    key = (backend, config._replace(consume_saved=True))
+    with _plan_lock:
+        plan = _plans.get(key)
+        if plan is None:
+            context = _contexts.get(backend)
+            if context is None:
+                context = _contexts[backend] = Context(backend, 0)
+            plan = _plans[key] = Layer(context, **config.layer_kwargs())
+        return plan
+
+
+class _Sizes(NamedTuple):
+    saved: int
+    forward_train: int  # workspace of a forward that fills `saved`
+    forward_infer: int  # workspace of a forward without `saved`
+    backward: int       # workspace of the backward (with CONSUME_SAVED when configured)
+
+
+def _sizes(config: _Config, num_tokens: int, whole_layer: bool) -> dict:
+    """{backend: _Sizes} for every registered backend that supports `config`. The CPU plan is
+    created first, so an invalid configuration raises the library's message here, at trace time."""
+    forward = _lib.PASS_LAYER_FORWARD if whole_layer else _lib.PASS_EXPERTS_FORWARD
+    backward = _lib.PASS_LAYER_BACKWARD if whole_layer else _lib.PASS_EXPERTS_BACKWARD
+    backward_flags = _lib.BACKWARD_CONSUME_SAVED if config.consume_saved else 0
+    sizes = {}
+    for backend in _register():
+        try:
+            plan = _plan(backend, config)
+        except _lib.NotSupportedError:
+            if backend == "cpu":
+                raise
+            continue  # e.g. float64 on CUDA: that platform gets no lowering
+        sizes[backend] = _Sizes(
+            saved=plan.saved_size(forward, num_tokens),
+            forward_train=plan.workspace_size(forward, num_tokens, _lib.FORWARD_WITH_SAVED),
+            forward_infer=plan.workspace_size(forward, num_tokens, 0),
+            backward=plan.workspace_size(backward, num_tokens, backward_flags))
+    return sizes
+
+
+def _per_platform(sizes: dict, call, *operands):
+    """Runs `call(backend_sizes, *operands)` with the sizes of the platform the program is lowered
+    for: one branch per backend through lax.platform_dependent (only the lowered platform's branch
+    is compiled)."""
+    if len(sizes) == 1:
+        (only,) = sizes.values()
+        return call(only, *operands)
+    branches = {backend: functools.partial(call, s) for backend, s in sizes.items()}
+    return jax.lax.platform_dependent(*operands, **branches)
+
+
+def _bytes(n: int) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct((int(n),), jnp.uint8)
+
+
+def _like(a) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checks (at trace time, before anything reaches XLA)
+# ------------------------------------------------------------------------------------------------
+
+
+def routing_dtype(dtype) -> np.dtype:
+    """The dtype of g, dg and the losses for a layer of storage dtype `dtype`."""
+    return np.dtype(jnp.float64) if np.dtype(dtype) == np.dtype(jnp.float64) \
+        else np.dtype(jnp.float32)
+
+
+def _as_array(value, name: str):
+    if value is None:
+        raise TypeError(f"{name}: expected an array, got None")
+    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+        value = jnp.asarray(value)
+    return value
+
+
+def _storage_name(x) -> str:
+    dtype = np.dtype(x.dtype)
+    if dtype not in _STORAGE_DTYPES:
+        raise TypeError(f"x: dtype {dtype} is not supported; use one of "
+                        f"{', '.join(_STORAGE_DTYPES.values())}")
+    return _STORAGE_DTYPES[dtype]
+
+
+def _expect(array, name: str, shape, dtype) -> None:
+    if np.dtype(array.dtype) != np.dtype(dtype):
+        raise TypeError(f"{name}: expected dtype {np.dtype(dtype)}, got {np.dtype(array.dtype)}")
+    if tuple(array.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {list(shape)}, got {list(array.shape)}")
+
+
+def _check_names(activation: str, checkpoint: str) -> tuple:
+    activation = str(activation).lower()
+    checkpoint = str(checkpoint).lower()
+    if activation not in _lib.ACTIVATIONS:
+        raise ValueError(f"activation: unknown {activation!r}; expected one of "
+                         f"{sorted(_lib.ACTIVATIONS)}")
+    if checkpoint not in _lib.CHECKPOINTS:
+        raise ValueError(f"checkpoint: unknown {checkpoint!r}; expected one of "
+                         f"{sorted(_lib.CHECKPOINTS)}")
+    return activation, checkpoint
+
+
+def _check_weights(x2, w_gate, w_up, w_down, activation: str):
+    """Checks the expert weights against x [T, d]; returns (E, h, w_up or an empty array)."""
+    if w_gate.ndim != 3:
+        raise ValueError(f"w_gate: expected [num_experts, d_ffn, d_model], got shape "
+                         f"{list(w_gate.shape)}")
+    E, h, d = (int(n) for n in w_gate.shape)
+    if d != x2.shape[1]:
+        raise ValueError(f"w_gate: expected shape [E, d_ffn, {x2.shape[1]}] (d_model of x), got "
+                         f"{list(w_gate.shape)}")
+    if E < 1 or h < 1:
+        raise ValueError(f"w_gate: num_experts and d_ffn must be positive, got shape "
+                         f"{list(w_gate.shape)}")
+    if E > _lib.MAX_EXPERTS:
+        raise ValueError(f"w_gate: num_experts = {E} exceeds {_lib.MAX_EXPERTS}")
+    _expect(w_gate, "w_gate", (E, h, d), x2.dtype)
+    _expect(w_down, "w_down", (E, d, h), x2.dtype)
+    if activation in _lib.GATED_ACTIVATIONS:
+        if w_up is None:
+            raise ValueError(f"w_up is required for the gated activation {activation!r}")
+        w_up = _as_array(w_up, "w_up")
+        _expect(w_up, "w_up", (E, h, d), x2.dtype)
+    else:
+        if w_up is not None:
+            raise ValueError(f"w_up must be None for the non-gated activation {activation!r}")
+        w_up = jnp.zeros((0,), x2.dtype)
+    return E, h, w_up
+
+
+def _check_top_k(top_k, num_experts: int) -> int:
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
+        raise TypeError(f"top_k: expected an int, got {type(top_k).__name__}")
+    top_k = int(top_k)
+    if not 1 <= top_k <= min(num_experts, _lib.MAX_TOP_K):
+        raise ValueError(f"top_k = {top_k} must be in 1..min(num_experts = {num_experts}, "
+                         f"{_lib.MAX_TOP_K})")
+    return top_k
+
+
+def _check_tokens(num_tokens: int, top_k: int) -> None:
+    if num_tokens * top_k >= 2**31:
+        raise ValueError(f"tokens * top_k = {num_tokens} * {top_k} must be below 2^31")
+
+
+# ------------------------------------------------------------------------------------------------
+# Experts: given ids and g
+# ------------------------------------------------------------------------------------------------
+
+
+def _experts_forward(config: _Config, training: bool, x, ids, g, w_gate, w_up, w_down):
+    sizes = _sizes(config, x.shape[0], whole_layer=False)
+
+    def call(s: _Sizes, x, ids, g, w_gate, w_up, w_down):
+        saved_bytes = s.saved if training else 0  # no saved buffer: an inference forward
+        workspace = s.forward_train if training else s.forward_infer
+        y, saved, _ = jax.ffi.ffi_call(
+            "moeblaze_experts_fwd", (_like(x), _bytes(saved_bytes), _bytes(workspace)),
+            vmap_method="sequential")(x, ids, g, w_gate, w_up, w_down, **config.attrs())
+        return y, saved
+
+    return _per_platform(sizes, call, x, ids, g, w_gate, w_up, w_down)
+
+
+def _experts_backward(config: _Config, dy, x, ids, g, w_gate, w_up, w_down, saved):
+    sizes = _sizes(config, x.shape[0], whole_layer=False)
+    consume = config.consume_saved
+
+    def call(s: _Sizes, dy, x, ids, g, w_gate, w_up, w_down, saved):
+        outputs = (_like(x), _like(g), _like(w_gate), _like(w_up), _like(w_down),
+                   _bytes(saved.shape[0] if consume else 0), _bytes(s.backward))
+        dx, dg, dw_gate, dw_up, dw_down, _, _ = jax.ffi.ffi_call(
+            "moeblaze_experts_bwd", outputs, vmap_method="sequential",
+            # The backward may overwrite the saved activations: XLA must treat saved as consumed.
+            input_output_aliases={7: 5} if consume else None)(
+                dy, x, ids, g, w_gate, w_up, w_down, saved, consume_saved=np.int32(consume),
+                **config.attrs())
+        return dx, dg, dw_gate, dw_up, dw_down
+
+    return _per_platform(sizes, call, dy, x, ids, g, w_gate, w_up, w_down, saved)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _experts(config, x, ids, g, w_gate, w_up, w_down):
+    y, _ = _experts_forward(config, False, x, ids, g, w_gate, w_up, w_down)
+    return y
+
+
+def _experts_vjp_forward(config, x, ids, g, w_gate, w_up, w_down):
+    y, saved = _experts_forward(config, True, x, ids, g, w_gate, w_up, w_down)
+    return y, (x, ids, g, w_gate, w_up, w_down, saved)
+
+
+def _experts_vjp_backward(config, residuals, dy):
+    x, ids, g, w_gate, w_up, w_down, saved = residuals
+    dx, dg, dw_gate, dw_up, dw_down = _experts_backward(config, dy.astype(x.dtype), x, ids, g,
+                                                        w_gate, w_up, w_down, saved)
+    return dx, None, dg, dw_gate, dw_up, dw_down
+
+
+_experts.defvjp(_experts_vjp_forward, _experts_vjp_backward)
+
+
+def moe_experts(x, ids, g, w_gate, w_up, w_down, *, activation: str = "swiglu",
+                checkpoint: str = "save_preact", consume_saved: bool = True):
+    """y[t] = sum_j g[t,j] * expert_{ids[t,j]}(x[t]), differentiable in x, g and the weights.
+
+    x [..., d_model] (float32, bfloat16, float16, float64), ids [..., top_k] int32 (each token's
+    experts, distinct), g [..., top_k] in the routing dtype (float64 for float64 x, else float32),
+    w_gate and w_up [E, d_ffn, d_model], w_down [E, d_model, d_ffn]; w_up is None for the
+    non-gated activations (silu, gelu, relu, relu2).
+
+    activation: swiglu, geglu, reglu, silu, gelu, relu, relu2. checkpoint: what the forward keeps
+    for the backward: save_all, save_preact, recompute (same results, less memory, more compute).
+    consume_saved: the backward writes its activation gradients over the saved activations (CUDA:
+    less peak memory, same bits); XLA treats the saved buffer as consumed and copies it only when
+    the same forward feeds two backward passes.
+
+    The CPU backend rejects an id out of range or repeated within a token with an error; the CUDA
+    backend cannot check this without a host synchronisation and drops such pairs."""
+    activation, checkpoint = _check_names(activation, checkpoint)
+    x = _as_array(x, "x")
+    ids = _as_array(ids, "ids")
+    g = _as_array(g, "g")
+    w_gate = _as_array(w_gate, "w_gate")
+    w_down = _as_array(w_down, "w_down")
+    dtype = _storage_name(x)
+    if x.ndim < 1:
+        raise ValueError("x: expected [..., d_model], got a scalar")
+    if ids.ndim < 1:
+        raise ValueError("ids: expected [..., top_k], got a scalar")
+    lead = tuple(x.shape[:-1])
+    d = int(x.shape[-1])
+    k = int(ids.shape[-1])
+    _expect(ids, "ids", lead + (k,), jnp.int32)
+    _expect(g, "g", lead + (k,), routing_dtype(x.dtype))
+    x2 = x.reshape(-1, d)
+    T = int(x2.shape[0])
+    E, h, w_up = _check_weights(x2, w_gate, w_up, w_down, activation)
+    k = _check_top_k(k, E)
+    _check_tokens(T, k)
+    config = _Config(dtype=dtype, d_model=d, d_ffn=h, num_experts=E, top_k=k,
+                     activation=activation, checkpoint=checkpoint,
+                     consume_saved=bool(consume_saved))
+    y = _experts(config, x2, ids.reshape(-1, k), g.reshape(-1, k), w_gate, w_up, w_down)
+    return y.reshape(x.shape)
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole layer: router projection, router, experts
+# ------------------------------------------------------------------------------------------------
+
+
+def _layer_forward(config: _Config, training: bool, x, w_router, w_gate, w_up, w_down):
+    sizes = _sizes(config, x.shape[0], whole_layer=True)
+    route = routing_dtype(x.dtype)
+
+    def call(s: _Sizes, x, w_router, w_gate, w_up, w_down):
+        saved_bytes = s.saved if training else 0
+        workspace = s.forward_train if training else s.forward_infer
+        outputs = (_like(x), jax.ShapeDtypeStruct((2,), route),
+                   jax.ShapeDtypeStruct((config.num_experts,), jnp.int32), _bytes(saved_bytes),
+                   _bytes(workspace))
+        y, losses, counts, saved, _ = jax.ffi.ffi_call(
+            "moeblaze_layer_fwd", outputs, vmap_method="sequential")(
+                x, w_router, w_gate, w_up, w_down, **config.layer_attrs())
+        return y, losses, counts, saved
+
+    return _per_platform(sizes, call, x, w_router, w_gate, w_up, w_down)
+
+
+def _layer_backward(config: _Config, dy, d_losses, x, w_router, w_gate, w_up, w_down, saved):
+    sizes = _sizes(config, x.shape[0], whole_layer=True)
+    consume = config.consume_saved
+
+    def call(s: _Sizes, dy, d_losses, x, w_router, w_gate, w_up, w_down, saved):
+        outputs = (_like(x), _like(w_router), _like(w_gate), _like(w_up), _like(w_down),
+                   _bytes(saved.shape[0] if consume else 0), _bytes(s.backward))
+        dx, dw_router, dw_gate, dw_up, dw_down, _, _ = jax.ffi.ffi_call(
+            "moeblaze_layer_bwd", outputs, vmap_method="sequential",
+            input_output_aliases={7: 5} if consume else None)(
+                dy, d_losses, x, w_router, w_gate, w_up, w_down, saved,
+                consume_saved=np.int32(consume), **config.layer_attrs())
+        return dx, dw_router, dw_gate, dw_up, dw_down
+
+    return _per_platform(sizes, call, dy, d_losses, x, w_router, w_gate, w_up, w_down, saved)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _layer(config, x, w_router, w_gate, w_up, w_down):
+    y, losses, counts, _ = _layer_forward(config, False, x, w_router, w_gate, w_up, w_down)
+    return y, losses, counts
+
+
+def _layer_vjp_forward(config, x, w_router, w_gate, w_up, w_down):
+    y, losses, counts, saved = _layer_forward(config, True, x, w_router, w_gate, w_up, w_down)
+    return (y, losses, counts), (x, w_router, w_gate, w_up, w_down, saved)
+
+
+def _layer_vjp_backward(config, residuals, cotangents):
+    x, w_router, w_gate, w_up, w_down, saved = residuals
+    dy, d_losses, _ = cotangents  # expert counts are integers: no cotangent
+    route = routing_dtype(x.dtype)
+    return _layer_backward(config, dy.astype(x.dtype), d_losses.astype(route), x, w_router,
+                           w_gate, w_up, w_down, saved)
+
+
+_layer.defvjp(_layer_vjp_forward, _layer_vjp_backward)
+
+
+def moe_layer(x, w_router, w_gate, w_up, w_down, *, top_k: int, activation: str = "swiglu",
+              checkpoint: str = "save_preact", score_function: str = "softmax_topk",
+              renormalize: bool = False, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
+              consume_saved: bool = True, return_expert_counts: bool = False):
+    """The whole token-choice MoE layer (router projection, top-k routing, experts, combine),
+    differentiable in x and every weight.
+
+    x [..., d_model]; w_router [E, d_model]; w_gate, w_up [E, d_ffn, d_model]; w_down
+    [E, d_model, d_ffn]; all of x's dtype; w_up is None for the non-gated activations.
+
+    Returns (y [..., d_model], aux_loss, z_loss): the losses are scalars in the routing dtype,
+    already scaled by their coefficients (0 when a coefficient is 0); add them to the training
+    objective (the coefficients are held as float32, as in moeblaze_layer_config_t). With
+    return_expert_counts=True a fourth result holds the tokens routed to each expert ([E] int32).
+
+    score_function: softmax_topk (softmax, then top-k), topk_softmax (top-k logits, then softmax
+    over them) or sigmoid; renormalize: divide each token's k weights by their sum (softmax_topk,
+    sigmoid). activation, checkpoint, consume_saved: as in moe_experts()."""
+    activation, checkpoint = _check_names(activation, checkpoint)
+    score_function = str(score_function).lower()
+    if score_function not in _lib.SCORE_FUNCTIONS:
+        raise ValueError(f"score_function: unknown {score_function!r}; expected one of "
+                         f"{sorted(_lib.SCORE_FUNCTIONS)}")
+    for name, coeff in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
+        if not np.isfinite(float(coeff)) or float(coeff) < 0:
+            raise ValueError(f"{name} = {coeff} must be finite and >= 0")
+    x = _as_array(x, "x")
+    w_router = _as_array(w_router, "w_router")
+    w_gate = _as_array(w_gate, "w_gate")
+    w_down = _as_array(w_down, "w_down")
+    dtype = _storage_name(x)
+    if x.ndim < 1:
+        raise ValueError("x: expected [..., d_model], got a scalar")
+    d = int(x.shape[-1])
+    x2 = x.reshape(-1, d)
+    T = int(x2.shape[0])
+    E, h, w_up = _check_weights(x2, w_gate, w_up, w_down, activation)
+    _expect(w_router, "w_router", (E, d), x.dtype)
+    k = _check_top_k(top_k, E)
+    _check_tokens(T, k)
+    config = _Config(dtype=dtype, d_model=d, d_ffn=h, num_experts=E, top_k=k,
+                     activation=activation, checkpoint=checkpoint, score_function=score_function,
+                     renormalize=bool(renormalize), aux_loss_coeff=float(aux_loss_coeff),
+                     z_loss_coeff=float(z_loss_coeff), consume_saved=bool(consume_saved))
+    y, losses, counts = _layer(config, x2, w_router, w_gate, w_up, w_down)
+    result = (y.reshape(x.shape), losses[0], losses[1])
+    return result + (counts,) if return_expert_counts else result
