@@ -183,6 +183,7 @@ def outputs_in_moeblaze_layout(impl, y, grads, gated):
 
 def reference_outputs(impl, step_args, activation):
     """The ragged_dot dataflow in float32 on the upcast inputs of `impl`'s step."""
+    import jax
     import jax.numpy as jnp
 
     x, g, wg, wu, wd, ids, dy = step_args
@@ -190,7 +191,8 @@ def reference_outputs(impl, step_args, activation):
         wg, wu, wd = transposed({"w_gate": wg, "w_up": wu, "w_down": wd})
     up = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
     step = make_step("ragged_dot", activation, None)
-    y, grads = step(up(x), up(g), up(wg), up(wu), up(wd), ids, up(dy))
+    with jax.default_matmul_precision("highest"):  # no TF32 in the reference
+        y, grads = step(up(x), up(g), up(wg), up(wu), up(wd), ids, up(dy))
     return outputs_in_moeblaze_layout("ragged_dot", y, grads, activation in GATED)
 
 

@@ -25,6 +25,17 @@ needs_cuda = pytest.mark.skipif(
     not HAS_CUDA, reason="no CUDA: libmoeblaze_xla was built without the CUDA backend or JAX "
     "sees no CUDA device")
 
+CPU = jax.devices("cpu")[0]
+
+
+@pytest.fixture(autouse=True)
+def arrays_on_the_cpu():
+    """Arrays are made on the CPU unless a test moves them (the GPU tests do): the float64 cases
+    run on the CPU backend on a GPU machine too, and references are computed there in float64."""
+    with jax.default_device(CPU):
+        yield
+
+
 # ------------------------------------------------------------------------------------------------
 # The reference: the header's math in plain jax.numpy
 # ------------------------------------------------------------------------------------------------
@@ -387,6 +398,38 @@ def test_shim_checks_buffers_itself():
                                     checkpoint=np.int32(1)))
 
 
+def test_each_platform_gets_its_own_workspace_size(monkeypatch):
+    """With CPU and CUDA handlers registered, the program carries one branch per platform
+    (lax.platform_dependent) and each lowering keeps only its own, with its own sizes. Simulated
+    here with a stand-in "cuda" plan whose workspace is 4096 bytes larger."""
+    real_plan = mbj._plan
+
+    class Padded:
+        def __init__(self, plan):
+            self.plan = plan
+
+        def saved_size(self, *args):
+            return self.plan.saved_size(*args)
+
+        def workspace_size(self, *args):
+            return self.plan.workspace_size(*args) + 4096
+
+    monkeypatch.setattr(mbj, "_registered", ("cpu", "cuda"))
+    monkeypatch.setattr(mbj, "_plan", lambda backend, config: real_plan("cpu", config)
+                        if backend == "cpu" else Padded(real_plan("cpu", config)))
+    x, ids, g, w_gate, w_up, w_down = small_experts()
+    config = mbj._Config(dtype="float64", d_model=8, d_ffn=6, num_experts=4, top_k=2,
+                         activation="swiglu", checkpoint="save_preact")
+    cpu_bytes = real_plan("cpu", config).workspace_size(_lib.PASS_EXPERTS_FORWARD, 4, 0)
+    step = jax.jit(lambda xx: mbj.moe_experts(xx, ids, g, w_gate, w_up, w_down))
+    for platform, size in (("cpu", cpu_bytes), ("cuda", cpu_bytes + 4096)):
+        text = step.trace(x).lower(lowering_platforms=(platform,)).as_text()
+        assert f"tensor<{size}xui8>" in text, platform
+        assert text.count("moeblaze_experts_fwd") == 1, platform
+    # Run on the CPU: the CPU branch.
+    assert_close("y", step(x), experts_ref(x, ids, g, w_gate, w_up, w_down, "swiglu"), 1e-12)
+
+
 def test_repeatable_on_cpu(seed):
     x, ids, g, w_gate, w_up, w_down, dy = experts_problem(seed, 17, 16, 8, 4, 2, "swiglu",
                                                           jnp.float32)
@@ -417,8 +460,8 @@ def test_gpu_experts_bfloat16_matches_reference(seed, act, checkpoint):
     fn = lambda *a: mbj.moe_experts(*a, activation=act, checkpoint=checkpoint)  # noqa: E731
     y, grads = experts_grads(fn, x, ids, g, w_gate, w_up, w_down, dy, act)
     assert y.dtype == jnp.bfloat16 and next(iter(y.devices())).platform == "gpu"
-    up = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
-    xs, ids_h, gs, wgs, wus, wds, dys = host
+    up = lambda a: None if a is None else a.astype(jnp.float64)  # noqa: E731
+    xs, ids_h, gs, wgs, wus, wds, dys = host  # the reference: float64 on the CPU
     y_ref, grads_ref = experts_grads(lambda *a: experts_ref(*a, act), up(xs), ids_h, up(gs),
                                      up(wgs), up(wus), up(wds), up(dys), act)
     assert_close("y", y, y_ref, 2e-2)
@@ -435,7 +478,8 @@ def test_gpu_layer_bfloat16_matches_reference(seed):
     opts = dict(top_k=k, aux_loss_coeff=0.01, z_loss_coeff=0.001)
     xg, wrg, wgg, wug, wdg = on_gpu(x, w_router, w_gate, w_up, w_down)
     y, aux, z = jax.jit(lambda *a: mbj.moe_layer(*a, **opts))(xg, wrg, wgg, wug, wdg)
-    up = lambda a: a.astype(jnp.float32)  # noqa: E731
+    assert next(iter(y.devices())).platform == "gpu"
+    up = lambda a: a.astype(jnp.float64)  # noqa: E731
     y_ref, aux_ref, z_ref, _ = layer_ref(up(x), up(w_router), up(w_gate), up(w_up), up(w_down),
                                          **opts)
     # Near-tied router scores may pick another expert in bfloat16: compare in norm.
