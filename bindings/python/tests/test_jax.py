@@ -489,6 +489,24 @@ def test_gpu_layer_bfloat16_matches_reference(seed):
 
 
 @needs_cuda
+def test_gpu_residuals_serve_two_backward_passes(seed):
+    """On CUDA the backward overwrites the saved activations (consume_saved); XLA must hand a
+    second backward of the same forward an intact copy, so both give the same bits."""
+    host = experts_problem(seed, 256, 128, 192, 8, 2, "swiglu", jnp.bfloat16)
+    x, ids, g, w_gate, w_up, w_down, dy = on_gpu(*host)
+    _, pullback = jax.vjp(lambda xx, wg: mbj.moe_experts(xx, ids, g, wg, w_up, w_down), x,
+                          w_gate)
+    first = [np.asarray(a) for a in pullback(dy)]
+    second = [np.asarray(a) for a in pullback(dy)]
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    _, kept = jax.vjp(lambda xx, wg: mbj.moe_experts(xx, ids, g, wg, w_up, w_down,
+                                                     consume_saved=False), x, w_gate)
+    for a, b in zip(first, kept(dy)):
+        np.testing.assert_array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+@needs_cuda
 @pytest.mark.parametrize("whole_layer", [False, True])
 def test_gpu_bitwise_repeatable(seed, whole_layer):
     T, d, h, E, k = 2048, 512, 768, 16, 4
