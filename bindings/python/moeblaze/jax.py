@@ -200,7 +200,7 @@ def _plan(backend: str, config: _Config) -> Layer:
         if plan is None:
             context = _contexts.get(backend)
             if context is None:
-                context = _contexts[backend] = Context(backend, 0)
+                context = _contexts[backend] = Context(backend, 0, num_threads=1)
             plan = _plans[key] = Layer(context, **config.layer_kwargs())
         return plan
 
