@@ -384,7 +384,8 @@ def environment():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="folder for <date>-<device>-jax.json (default: no file)")
+    parser.add_argument("--out", default=os.path.join(REPO, "build", "bench"),
+                        help="folder for <date>-<device>-jax.json (default: build/bench)")
     parser.add_argument("--configs", default="", help="comma-separated names (default: all)")
     parser.add_argument("--configs-file", default=os.path.join(HERE, "configs.json"))
     parser.add_argument("--acts", default="swiglu,silu")
