@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "common/activation_math.hpp"
+#include "common/routing_index.hpp"
 #include "cpu/cpu_kernels.hpp"
 
 namespace moeblaze {
@@ -176,25 +177,6 @@ void check_saved_header(const LayerDesc& desc, const ExpertsBackwardCall& call) 
              (long long)header->num_tokens, (long long)call.T);
 }
 
-// The ids given to backward must be those the saved indices were built from.
-void check_ids_match_index(const LayerDesc& desc, int64_t T, const int32_t* ids,
-                           const RoutingIndex& index) {
-  const int64_t k = desc.k;
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t e = ids[t * k + j];
-      MB_REQUIRE_ARG(e >= 0 && e < desc.E, "ids[t=%lld, j=%lld] = %d is out of range [0, E=%lld)",
-                     (long long)t, (long long)j, int(e), (long long)desc.E);
-      const int32_t r = index.token_index_map[t * k + j];
-      MB_REQUIRE_ARG(r >= index.expert_offsets[e] && r < index.expert_offsets[e + 1] &&
-                         index.expert_token_indices[r] == t,
-                     "ids[t=%lld, j=%lld] = %d differs from the ids of the forward pass that "
-                     "filled `saved`",
-                     (long long)t, (long long)j, int(e));
-    }
-  }
-}
-
 template <typename S>
 void experts_backward_typed(const LayerDesc& desc, const ExpertsBackwardCall& call,
                             ThreadPool& pool) {
@@ -216,7 +198,13 @@ void experts_backward_typed(const LayerDesc& desc, const ExpertsBackwardCall& ca
   check_saved_header(desc, call);
   const SavedView& saved = call.saved;
   const RoutingIndex index{saved.expert_offsets, saved.expert_token_indices, saved.token_index_map};
-  check_ids_match_index(desc, T, call.ids, index);
+  // The saved buffer is the caller's memory: its indices are checked before any is followed, and
+  // the ids given to backward must be those they were built from (the whole-layer backward takes
+  // them from `saved` too).
+  check_routing_index(T, k, E, index.expert_offsets, index.expert_token_indices,
+                      index.token_index_map, "saved");
+  check_ids_match_routing_index(T, k, E, call.ids, index.expert_offsets, index.token_index_map,
+                                call.ids == saved.ids ? "saved ids" : "ids", "saved");
 
   Carver carver(call.workspace.ptr);
   const ExpertsBackwardScratch scratch = carve_experts_backward_scratch(carver, desc, T);

@@ -15,6 +15,7 @@
 #include "common/carver.hpp"
 #include "common/status.hpp"
 #include "cuda/cuda_util.cuh"
+#include "cuda/ep_ops.hpp"
 #include "cuda/experts.hpp"
 #include "cuda/gemm.cuh"
 #include "cuda/kernels.hpp"
@@ -369,6 +370,56 @@ class CudaBackend final : public Backend {
     DeviceGuard guard(device_);
     check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, as_stream(stream)),
           "cudaMemcpyAsync");
+  }
+
+  // Expert parallelism (cuda/ep_ops.cu).
+  void gather_rows(void* dst, const void* src, const int32_t* index, int64_t n, int64_t index_rows,
+                   size_t row_bytes, void* stream) override {
+    DeviceGuard guard(device_);
+    ep_gather_rows(dst, src, index, n, index_rows, row_bytes, as_stream(stream));
+  }
+  void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n, int64_t index_rows,
+                    size_t row_bytes, void* stream) override {
+    DeviceGuard guard(device_);
+    ep_scatter_rows(dst, src, index, n, index_rows, row_bytes, as_stream(stream));
+  }
+  void combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index, int64_t T,
+                    int64_t k, int64_t d, int64_t index_rows, void* stream) override {
+    DeviceGuard guard(device_);
+    ep_combine_rows(dtype, out, rows, index, T, k, d, index_rows, as_stream(stream));
+  }
+  void local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
+                        int64_t local_experts, int64_t R, int32_t* local_ids,
+                        void* stream) override {
+    DeviceGuard guard(device_);
+    ep_local_expert_ids(table, W, E, expert_begin, local_experts, R, local_ids, as_stream(stream));
+  }
+  void global_counts(const int32_t* table, int64_t W, int64_t E, int32_t* counts,
+                     void* stream) override {
+    DeviceGuard guard(device_);
+    ep_global_counts(table, W, E, counts, as_stream(stream));
+  }
+  void loss_shares_forward(const LayerDesc& desc, const LossShareCall& call,
+                           void* losses) override {
+    DeviceGuard guard(device_);
+    ep_loss_shares_forward(desc, call, losses);
+  }
+  void loss_shares_backward(const LayerDesc& desc, const LossShareCall& call, const void* d_losses,
+                            void* d_logits) override {
+    DeviceGuard guard(device_);
+    ep_loss_shares_backward(desc, call, d_losses, d_logits);
+  }
+  void copy_to_host(void* host_dst, const void* src, size_t bytes, void* stream) override {
+    DeviceGuard guard(device_);
+    ep_copy_to_host(host_dst, src, bytes, as_stream(stream));
+  }
+  void copy_between_ranks(void* dst, const void* src, size_t bytes) override {
+    DeviceGuard guard(device_);
+    ep_copy_between_ranks(dst, src, bytes);
+  }
+  void synchronize(void* stream) override {
+    DeviceGuard guard(device_);
+    ep_synchronize(as_stream(stream));
   }
 
   bool pointer_usable(const void* ptr) const override {
