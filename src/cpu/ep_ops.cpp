@@ -21,11 +21,9 @@ R balance_scores(const LayerDesc& desc, const R* row, R* balance) {
   const int64_t E = desc.E;
   const R lse = softmax(row, E, balance);
   if (desc.score_function == ScoreFunction::Sigmoid) {
+    sigmoid_scores(row, E, balance);
     R sum = 0;
-    for (int64_t e = 0; e < E; ++e) {
-      balance[e] = sigmoid(row[e]);
-      sum += balance[e];
-    }
+    for (int64_t e = 0; e < E; ++e) sum += balance[e];
     for (int64_t e = 0; e < E; ++e) balance[e] = balance[e] / sum;
   }
   return lse;
@@ -49,6 +47,7 @@ void loss_forward_typed(const LayerDesc& desc, const LossShareCall& call, R* los
   for (int64_t t = 0; t < T; ++t) {
     const R lse = balance_scores(desc, logits + t * E, balance);
     for (int64_t e = 0; e < E; ++e) score_sum[e] += balance[e];
+    if (desc.z_loss_coeff != 0.0f) check_z_loss_term(desc.z_loss_coeff, lse, t);
     lse_square_sum += lse * lse;
   }
   if (desc.aux_loss_coeff != 0.0f) {
@@ -61,7 +60,14 @@ void loss_forward_typed(const LayerDesc& desc, const LossShareCall& call, R* los
   }
   if (desc.z_loss_coeff != 0.0f) {
     losses[1] = R(desc.z_loss_coeff) * lse_square_sum / R(global_T);
+    MB_REQUIRE(std::isfinite(losses[1]), MOEBLAZE_ERR_NON_FINITE,
+               "losses[1]: this rank's z-loss share overflows the routing dtype (the sum of the "
+               "squared logsumexps does); scale the logits down or set z_loss_coeff to 0");
   }
+  MB_REQUIRE(std::isfinite(losses[0]), MOEBLAZE_ERR_NON_FINITE,
+             "losses[0]: the aux loss share overflows the routing dtype (aux_loss_coeff = %g is "
+             "too large)",
+             double(desc.aux_loss_coeff));
 }
 
 template <typename R>
@@ -78,12 +84,18 @@ void loss_backward_typed(const LayerDesc& desc, const LossShareCall& call, const
   const R d_aux = d_losses ? d_losses[0] : R(1);
   const R d_z = d_losses ? d_losses[1] : R(1);
   R* probs = static_cast<R*>(call.scratch);  // [E]
+  if (with_z) {
+    for (int64_t t = 0; t < T; ++t) {
+      check_z_loss_term(desc.z_loss_coeff, logsumexp(logits + t * E, E), t);
+    }
+  }
   for (int64_t t = 0; t < T; ++t) {
     const R* row = logits + t * E;
     R* out = d_logits + t * E;
-    // As the router's backward: probs = softmax (softmax score functions) or sigmoid (SIGMOID).
+    // As the router's backward: probs = softmax (softmax score functions) or the sigmoid scores
+    // up to a common factor (SIGMOID).
     if (desc.score_function == ScoreFunction::Sigmoid) {
-      for (int64_t e = 0; e < E; ++e) probs[e] = sigmoid(row[e]);
+      sigmoid_scores(row, E, probs);
     } else {
       softmax(row, E, probs);
     }
@@ -99,7 +111,7 @@ void loss_backward_typed(const LayerDesc& desc, const LossShareCall& call, const
         }
         for (int64_t e = 0; e < E; ++e) {
           const R w = scale * R(counts[e]);
-          out[e] += (w - q_dot_w) / sum * probs[e] * (R(1) - probs[e]);
+          out[e] += (w - q_dot_w) / sum * probs[e] * (R(1) - sigmoid(row[e]));
         }
       } else {
         R q_dot_w = 0;

@@ -147,6 +147,12 @@ __device__ __forceinline__ float loss_sigmoid(float l) {
   return 1.f / (1.f + expf(-l));
 }
 
+// SIGMOID scores up to a common factor, as the router's sigmoid_score (cuda/router.cu): scaled by
+// exp(-m) when the token's largest logit m is below -60, so that normalised scores never are 0/0.
+__device__ __forceinline__ float loss_sigmoid_score(float l, float m) {
+  return m >= -60.f ? loss_sigmoid(l) : expf(l - m) / (1.f + expf(l));
+}
+
 // Softmax statistics of one row, in every lane of the warp: max and sum of exp(l - max).
 __device__ __forceinline__ float2 loss_row_stats(const float* row, int E, int lane) {
   float m = -INFINITY;
@@ -193,12 +199,12 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_forward_kernel(LossSh
         float sig_sum = 1.f;
         if (p.sigmoid) {
           float s = 0.f;
-          for (int e = lane; e < E; e += 32) s += loss_sigmoid(row[e]);
+          for (int e = lane; e < E; e += 32) s += loss_sigmoid_score(row[e], st.x);
           sig_sum = warp_sum(s);
         }
         for (int e = lane; e < chunk; e += 32) {
           const float l = row[e0 + e];
-          acc[warp][e] += p.sigmoid ? loss_sigmoid(l) / sig_sum : expf(l - st.x) / st.y;
+          acc[warp][e] += p.sigmoid ? loss_sigmoid_score(l, st.x) / sig_sum : expf(l - st.x) / st.y;
         }
       }
     }
@@ -248,10 +254,10 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_backward_kernel(LossS
     float dot = 0.f;
     if (p.sigmoid) {
       float s = 0.f;
-      for (int e = lane; e < E; e += 32) s += loss_sigmoid(row[e]);
+      for (int e = lane; e < E; e += 32) s += loss_sigmoid_score(row[e], st.x);
       sig_sum = warp_sum(s);
       for (int e = lane; e < E; e += 32)
-        dot += aux_scale * float(p.global_counts[e]) * loss_sigmoid(row[e]) / sig_sum;
+        dot += aux_scale * float(p.global_counts[e]) * loss_sigmoid_score(row[e], st.x) / sig_sum;
     } else {
       for (int e = lane; e < E; e += 32)
         dot += aux_scale * float(p.global_counts[e]) * expf(row[e] - st.x) / st.y;
@@ -267,8 +273,7 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_backward_kernel(LossS
     if (aux) {
       const float w = aux_scale * float(p.global_counts[e]);
       if (p.sigmoid) {
-        const float s = loss_sigmoid(l);
-        grad += (w - wq_dot) / sig_sum * s * (1.f - s);
+        grad += (w - wq_dot) / sig_sum * loss_sigmoid_score(l, st.x) * (1.f - loss_sigmoid(l));
       } else {
         grad += pe * (w - wq_dot);
       }
