@@ -168,6 +168,10 @@ void check_saved_header(const LayerDesc& desc, const ExpertsBackwardCall& call) 
              "saved: written by pass %u, but this backward pass needs the buffer of pass %u "
              "(experts and layer forward buffers are not interchangeable)",
              unsigned(header->pass), unsigned(call.saved_pass));
+  MB_REQUIRE(header->reserved == 0, MOEBLAZE_ERR_VERSION_MISMATCH,
+             "saved: header field `reserved` = %u, but this library writes 0 (the buffer was "
+             "overwritten or comes from another version)",
+             unsigned(header->reserved));
   MB_REQUIRE(header->layer_hash == desc.hash(), MOEBLAZE_ERR_VERSION_MISMATCH,
              "saved: written by a layer with another configuration (hash 0x%016llx, this layer "
              "0x%016llx)",

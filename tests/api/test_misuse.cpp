@@ -4,9 +4,11 @@
 // the library checked it (a stale handle wrote past the caller's ids_out, a 2.9 GB memset, reads
 // past the saved buffer).
 
+#include <atomic>
 #include <cstring>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "support/test_support.hpp"
@@ -93,6 +95,41 @@ TEST_SUITE("api") {
       CHECK(layer == nullptr);
       MB_CHECK(moeblaze_context_destroy(fresh));
     }
+  }
+
+  TEST_CASE("misuse: handles created, used and destroyed from several threads") {
+    // Handles of other threads may be destroyed at any moment: a call on one gets OK (it was
+    // live: the call keeps its object alive) or INVALID_HANDLE, never anything else.
+    Context context;
+    constexpr int kThreads = 4, kRounds = 150;
+    std::vector<std::atomic<moeblaze_layer_t>> latest(kThreads);
+    for (auto& handle : latest) handle.store(nullptr);
+    std::atomic<int> unexpected{0};
+    std::vector<std::thread> threads;
+    for (int id = 0; id < kThreads; ++id) {
+      threads.emplace_back([&, id] {
+        const moeblaze_layer_config_t cfg = config_with(2 + id, 1);
+        for (int round = 0; round < kRounds; ++round) {
+          moeblaze_layer_t mine = nullptr;
+          if (moeblaze_layer_create(&mine, context.get(), &cfg) != MOEBLAZE_OK) ++unexpected;
+          latest[size_t(id)].store(mine);
+          const moeblaze_layer_t other = latest[size_t((id + 1) % kThreads)].load();
+          moeblaze_layer_config_t back;
+          moeblaze_layer_config_init(&back, sizeof back);
+          const moeblaze_status_t s = moeblaze_layer_get_config(other, &back);
+          if (s == MOEBLAZE_OK && back.num_experts != 2 + (id + 1) % kThreads) ++unexpected;
+          if (s != MOEBLAZE_OK && s != MOEBLAZE_ERR_INVALID_HANDLE) ++unexpected;
+          size_t bytes = 0;
+          if (moeblaze_layer_workspace_size(mine, MOEBLAZE_PASS_LAYER_FORWARD, 3, &bytes) !=
+              MOEBLAZE_OK)
+            ++unexpected;
+          latest[size_t(id)].store(nullptr);
+          if (moeblaze_layer_destroy(mine) != MOEBLAZE_OK) ++unexpected;
+        }
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    CHECK(unexpected.load() == 0);
   }
 
   TEST_CASE("misuse: pointers that are not handles are refused without being read") {
