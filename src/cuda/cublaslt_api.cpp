@@ -3,6 +3,7 @@
 
 #include <dlfcn.h>
 
+#include <cstdlib>
 #include <mutex>
 
 #include "common/status.hpp"
@@ -64,6 +65,18 @@ LoadResult resolve_all(void* handle, const std::string& source) {
 
 LoadResult load() {
   std::string tried;
+  // 0. MOEBLAZE_CUBLASLT_LIBRARY: that file and nothing else (an explicit choice that cannot be
+  //    honoured is an error, never a silent fallback).
+  const char* override_path = std::getenv("MOEBLAZE_CUBLASLT_LIBRARY");
+  if (override_path != nullptr && override_path[0] != '\0') {
+    if (void* handle = dlopen(override_path, RTLD_NOW | RTLD_LOCAL)) {
+      return resolve_all(handle, std::string(override_path) + " (MOEBLAZE_CUBLASLT_LIBRARY)");
+    }
+    LoadResult result;
+    result.error =
+        "MOEBLAZE_CUBLASLT_LIBRARY=" + std::string(override_path) + ": " + last_dl_error();
+    return result;
+  }
   // 1. Already in the process.
   if (void* handle = dlopen(kSoname, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD)) {
     return resolve_all(handle, std::string(kSoname) + " (already loaded)");

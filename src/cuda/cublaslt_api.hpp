@@ -3,6 +3,7 @@
 // CUDA build loads, and runs the CPU backend, on a machine without the CUDA libraries. cuBLASLt is
 // loaded when the first CUDA context is created; its absence is an error of that call, naming the
 // library. Search order:
+//   0. MOEBLAZE_CUBLASLT_LIBRARY=/path/to/libcublasLt.so.<major>, when set: that file only;
 //   1. a libcublasLt.so.<major> the process has already loaded (RTLD_NOLOAD: e.g. PyTorch's);
 //   2. dlopen("libcublasLt.so.<major>") through the system's search path (LD_LIBRARY_PATH, ...);
 //   3. the same file in the CUDA toolkit's library folder this library was built against.
