@@ -488,6 +488,19 @@ void add_global_cases(Sweep& sweep) {
   });
   sweep.add_check("moeblaze_get_build_info", "never NULL",
                   [] { return moeblaze_get_build_info() != nullptr; });
+  sweep.add_check("moeblaze_get_version", "the header's version",
+                  [] { return moeblaze_get_version() == MOEBLAZE_VERSION; });
+  sweep.add_check("moeblaze_get_abi_version", "the header's ABI version",
+                  [] { return moeblaze_get_abi_version() == MOEBLAZE_ABI_VERSION; });
+  sweep.add_check("moeblaze_last_error", "never NULL, after a failure and after a success", [] {
+    moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0);
+    const char* failed = moeblaze_last_error();
+    const bool named = failed != nullptr && std::strstr(failed, "out") != nullptr;
+    moeblaze_get_build_info();
+    moeblaze_context_destroy(nullptr);  // a successful call clears it
+    const char* cleared = moeblaze_last_error();
+    return named && cleared != nullptr && cleared[0] == '\0';
+  });
 
   // Contexts.
   const std::string create = "moeblaze_context_create";
@@ -1988,6 +2001,7 @@ TEST_CASE("bad input: every entry point refuses every class of bad input") {
   const size_t cases = sweep.run();
   MESSAGE("bad-input sweep: " << cases << " cases over " << sweep.entries()
                               << " entry points (3 layer configurations, EP on one rank)");
+  CHECK(sweep.entries() == 43);  // every function of moeblaze.h
   std::printf("bad-input sweep: %zu cases over %zu entry points\n", cases, sweep.entries());
   CHECK(cases > 1000);
 }
