@@ -50,11 +50,13 @@ run_sanitized() {
   cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target "${suites[@]}" || return 1
   # alloc_dealloc_mismatch=0: the no-allocation test replaces operator new/delete with counting
   # versions over malloc/free, which ASan would report inside libstdc++'s temporary buffers.
-  local suite
+  local suite args
   for suite in "${suites[@]}"; do
     echo "== $suite (ASan + UBSan)"
+    args=(--no-version=true)
+    [[ "$suite" == moeblaze_fuzz_* ]] && args=()  # not a doctest suite: no options
     ASAN_OPTIONS=detect_leaks=1:alloc_dealloc_mismatch=0:abort_on_error=0 \
-      UBSAN_OPTIONS=print_stacktrace=1 "$dir/tests/$suite" --no-version=true || return 1
+      UBSAN_OPTIONS=print_stacktrace=1 "$dir/tests/$suite" "${args[@]}" || return 1
   done
 }
 
