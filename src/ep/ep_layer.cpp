@@ -604,12 +604,12 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   const int64_t W = world_size_;
   const int64_t k = rd.k;
   const int64_t d = rd.d;
-  const int64_t N = T * k;
   const size_t es = rd.elem_size();
   const size_t rs = rd.relem_size();
 
   MB_REQUIRE_ARG(a.flags == 0, "args->flags = %u must be 0 (reserved)", a.flags);
   Step step = read_step(exchange, exchange_bytes, T, kStepBegun, "moeblaze_ep_forward_finish");
+  const int64_t N = T * k;  // only now: read_step has checked T
   const int64_t R = step.R;
   const bool empty = T == 0;
   require_tensor(backend, a.x, true, empty, es, "args->x");
@@ -703,12 +703,12 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   const int64_t W = world_size_;
   const int64_t k = rd.k;
   const int64_t d = rd.d;
-  const int64_t N = T * k;
   const size_t es = rd.elem_size();
   const size_t rs = rd.relem_size();
 
   require_backward_flags(a.flags, "args->flags");
   Step step = read_step(exchange, exchange_bytes, T, kStepFinished, "moeblaze_ep_backward");
+  const int64_t N = T * k;  // only now: read_step has checked T
   const int64_t R = step.R;
   const bool empty = T == 0;
   require_tensor(backend, a.dy, true, empty, es, "args->dy");
