@@ -73,6 +73,12 @@
  * returns a message for the calling thread that names the offending argument; outputs are then
  * unspecified. No function aborts, exits, or lets a C++ exception escape.
  *
+ * Handles are opaque values, never addresses, and no value is issued twice: a destroyed handle
+ * gives ::MOEBLAZE_ERR_INVALID_HANDLE forever. A `struct_size` above 1 MiB is
+ * ::MOEBLAZE_ERR_INVALID_ARGUMENT wherever a versioned struct is read or written. Buffers the
+ * library reads indices from (the saved buffers, the expert-parallel `exchange`) carry a header
+ * and, on the CPU backend, every index in them is checked before it is used.
+ *
  * \section threads Threads
  *
  * All functions may be called concurrently from several threads. A layer is immutable after
@@ -245,7 +251,10 @@ MOEBLAZE_API int32_t moeblaze_backend_available(int32_t backend);
  *  \param[in]  backend  a ::moeblaze_backend_code.
  *  \param[in]  device   CPU: must be 0. CUDA: the CUDA device ordinal.
  *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (NULL `out`, unknown backend, bad
- *          device); ::MOEBLAZE_ERR_NOT_SUPPORTED (backend not compiled in or no usable GPU);
+ *          device); ::MOEBLAZE_ERR_NOT_SUPPORTED (backend not compiled in, no usable GPU, or
+ *          cuBLASLt cannot be loaded: the CUDA backend loads `libcublasLt.so.<major>` when its
+ *          first context is created, from `MOEBLAZE_CUBLASLT_LIBRARY` if set, else the process's
+ *          copy, the system's search path or the CUDA toolkit it was built with);
  *          ::MOEBLAZE_ERR_CUDA; ::MOEBLAZE_ERR_OUT_OF_MEMORY.
  *
  *  The CPU backend uses `MOEBLAZE_NUM_THREADS` threads if that environment variable is set, else
@@ -301,8 +310,8 @@ typedef struct moeblaze_layer_config {
 /*! \brief Fills `*config` with defaults and sets `struct_size`.
  *  \param[out] config       the struct to fill.
  *  \param[in]  struct_size  `sizeof *config` as the caller sees it.
- *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (NULL); ::MOEBLAZE_ERR_VERSION_MISMATCH
- *          (`struct_size` smaller than any published version). */
+ *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (NULL, or `struct_size` above 1 MiB);
+ *          ::MOEBLAZE_ERR_VERSION_MISMATCH (`struct_size` smaller than any published version). */
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_config_init(moeblaze_layer_config_t* config,
                                                           size_t struct_size);
 
@@ -322,7 +331,10 @@ MOEBLAZE_API moeblaze_status_t moeblaze_layer_create(moeblaze_layer_t* out,
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_destroy(moeblaze_layer_t layer);
 
 /*! \brief Copies the layer's validated configuration into `*config`, whose `struct_size` the
- *  caller must have set (moeblaze_layer_config_init() does). */
+ *  caller must have set (moeblaze_layer_config_init() does). Bytes past the fields this library
+ *  knows are zeroed. \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_HANDLE;
+ *  ::MOEBLAZE_ERR_INVALID_ARGUMENT (NULL `config`, `struct_size` above 1 MiB: nothing is
+ *  written); ::MOEBLAZE_ERR_VERSION_MISMATCH (`struct_size` below the first published size). */
 MOEBLAZE_API moeblaze_status_t moeblaze_layer_get_config(moeblaze_layer_t layer,
                                                          moeblaze_layer_config_t* config);
 
@@ -377,10 +389,15 @@ MOEBLAZE_API moeblaze_status_t moeblaze_layer_saved_size(moeblaze_layer_t layer,
  *  \param losses            [2] routing dtype, out, optional (NULL): see above.
  *  \param workspace         moeblaze_layer_workspace_size(::MOEBLAZE_PASS_ROUTER_FORWARD) bytes.
  *  \param stream            cudaStream_t or NULL; ignored on CPU.
+ *  SIGMOID scores are exact for any finite logits: where every sigmoid of a token underflows
+ *  (its logits all below about -88 in F32), the top-k, the renormalised weights and the aux
+ *  loss's normalised scores are computed from the scores up to a common factor, never 0/0.
+ *
  *  \return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT; ::MOEBLAZE_ERR_INVALID_HANDLE;
  *          ::MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE; ::MOEBLAZE_ERR_NON_FINITE (CPU: a logit is NaN or
- *          Inf; the CUDA backend cannot report this without a host sync and orders NaN below every
- *          number); ::MOEBLAZE_ERR_CUDA. */
+ *          Inf, or, with `losses`, the z-loss of a token does not fit the routing dtype (logits
+ *          near its largest value); the CUDA backend cannot report either without a host sync:
+ *          it orders NaN below every number and returns an Inf z-loss); ::MOEBLAZE_ERR_CUDA. */
 MOEBLAZE_API moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_tokens,
                                                        const void* logits, int32_t* ids, void* g,
                                                        int32_t* expert_counts, void* losses,
@@ -399,7 +416,8 @@ MOEBLAZE_API moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, i
  *  \param d_losses    [2] routing dtype, in, optional: dLoss/dlosses[i]. NULL means {1, 1}: the
  *                     losses were added to the training objective as returned.
  *  \param d_logits    [T,E] routing dtype, out (overwritten).
- *  \return as moeblaze_router_forward(). */
+ *  \return as moeblaze_router_forward() (the z-loss check applies whenever `z_loss_coeff` is not
+ *          0). */
 MOEBLAZE_API moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_tokens,
                                                         const void* logits, const int32_t* ids,
                                                         const void* dg, const void* d_losses,
@@ -565,7 +583,9 @@ MOEBLAZE_API moeblaze_status_t moeblaze_experts_forward(moeblaze_layer_t layer,
  *
  *  \return as moeblaze_experts_forward(), and ::MOEBLAZE_ERR_VERSION_MISMATCH when the CPU backend
  *          finds that `saved` was written by another layer configuration, token count or library
- *          version (the CUDA backend cannot read the buffer's header without a host sync). */
+ *          version, ::MOEBLAZE_ERR_INVALID_ARGUMENT when its routing index was modified after the
+ *          forward pass (every index is checked before use; the CUDA backend cannot read the
+ *          buffer without a host sync). */
 MOEBLAZE_API moeblaze_status_t moeblaze_experts_backward(moeblaze_layer_t layer,
                                                          const moeblaze_backward_args_t* args,
                                                          void* stream);
@@ -887,8 +907,11 @@ MOEBLAZE_API moeblaze_status_t moeblaze_ep_forward_begin(moeblaze_ep_layer_t lay
  *  Enqueues work on `stream` and never waits for the device.
  *
  *  \return as moeblaze_ep_forward_begin(), and ::MOEBLAZE_ERR_INVALID_ARGUMENT when `exchange`
- *          was not filled by forward_begin of this layer, was already finished, or belongs to
- *          another `num_tokens`. */
+ *          was not filled by forward_begin of this layer, was already finished, belongs to
+ *          another `num_tokens`, or its count table was modified; on a CPU context also when
+ *          `home_saved` is not the HOME buffer of the step in `exchange` or was modified (its
+ *          header, count table, ids and routing index are checked before use; a CUDA context
+ *          cannot read it without a host sync, and its kernels skip indices out of range). */
 MOEBLAZE_API moeblaze_status_t moeblaze_ep_forward_finish(moeblaze_ep_layer_t layer,
                                                           const moeblaze_ep_forward_args_t* args,
                                                           void* exchange, size_t exchange_bytes,

@@ -8,9 +8,16 @@
 #
 #   bash scripts/test.sh [extra ctest arguments, e.g. -L cpu]
 #
-# Then, unless MOEBLAZE_SANITIZE=0, the CPU and expert-parallel suites once more in a second build
-# ($MOEBLAZE_BUILD_DIR-sanitize: CPU only, AddressSanitizer + UndefinedBehaviorSanitizer, any report
-# fails the phase; about 4 minutes on 2 cores).
+# Then, unless MOEBLAZE_SANITIZE=0, three CPU-only builds beside $MOEBLAZE_BUILD_DIR, each phase
+# timed in the summary:
+#   sanitize  the API, bad-input, CPU and expert-parallel suites under AddressSanitizer +
+#             UndefinedBehaviorSanitizer ($MOEBLAZE_BUILD_DIR-sanitize; any report fails it);
+#   tsan      the CPU suite (every call runs on the worker pool) and the concurrency tests (API,
+#             expert parallelism over threads) under ThreadSanitizer ($MOEBLAZE_BUILD_DIR-tsan);
+#   fuzz      the libFuzzer target tests/fuzz/fuzz_layer.cpp against an ASan + UBSan library for
+#             MOEBLAZE_FUZZ_SECONDS (default 60) with clang ($MOEBLAZE_BUILD_DIR-fuzz). clang and its
+#             fuzzer runtime (Debian: clang, libclang-rt-14-dev) are installed when missing; where
+#             they cannot be, the phase says so and is skipped.
 #
 # Exits non-zero if any phase or test fails. See scripts/setup.sh for the environment variables.
 set -uo pipefail
@@ -38,15 +45,83 @@ run_sanitized() {
     "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address,undefined")
   if command -v ninja >/dev/null 2>&1 && [[ ! -f "$dir/CMakeCache.txt" ]]; then args+=(-G Ninja); fi
   cmake "${args[@]}" >/dev/null || return 1
-  cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target moeblaze_tests_cpu moeblaze_tests_ep || return 1
+  local suites=(moeblaze_tests_api moeblaze_tests_badinput moeblaze_tests_cpu moeblaze_tests_ep
+    moeblaze_fuzz_layer_random)
+  cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target "${suites[@]}" || return 1
   # alloc_dealloc_mismatch=0: the no-allocation test replaces operator new/delete with counting
   # versions over malloc/free, which ASan would report inside libstdc++'s temporary buffers.
-  local suite
-  for suite in moeblaze_tests_cpu moeblaze_tests_ep; do
+  local suite args
+  for suite in "${suites[@]}"; do
     echo "== $suite (ASan + UBSan)"
+    args=(--no-version=true)
+    [[ "$suite" == moeblaze_fuzz_* ]] && args=()  # not a doctest suite: no options
     ASAN_OPTIONS=detect_leaks=1:alloc_dealloc_mismatch=0:abort_on_error=0 \
-      UBSAN_OPTIONS=print_stacktrace=1 "$dir/tests/$suite" --no-version=true || return 1
+      UBSAN_OPTIONS=print_stacktrace=1 "$dir/tests/$suite" "${args[@]}" || return 1
   done
+}
+
+# The threaded CPU backend and the concurrency tests under ThreadSanitizer: every CPU call runs on
+# the context's worker pool (4 threads here, more than the cores, for more interleavings), the EP
+# suites run ranks as threads, and the API suite creates, uses and destroys handles from threads.
+run_tsan() {
+  local dir="$MOEBLAZE_BUILD_DIR-tsan"
+  local san="-fsanitize=thread -fno-omit-frame-pointer"
+  local args=(-S "$MOEBLAZE_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEBLAZE_CUDA=OFF
+    -DMOEBLAZE_BUILD_TESTS=ON -DMOEBLAZE_BUILD_EXAMPLES=OFF -DMOEBLAZE_BUILD_BINDINGS=OFF
+    -DMOEBLAZE_BUILD_DOCS=OFF "-DCMAKE_C_FLAGS=$san" "-DCMAKE_CXX_FLAGS=$san"
+    "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread" "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread")
+  if command -v ninja >/dev/null 2>&1 && [[ ! -f "$dir/CMakeCache.txt" ]]; then args+=(-G Ninja); fi
+  cmake "${args[@]}" >/dev/null || return 1
+  local suites=(moeblaze_tests_api moeblaze_tests_cpu moeblaze_tests_ep)
+  cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target "${suites[@]}" || return 1
+  local suite
+  for suite in "${suites[@]}"; do
+    echo "== $suite (ThreadSanitizer, 4 worker threads)"
+    MOEBLAZE_NUM_THREADS=4 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+      "$dir/tests/$suite" --no-version=true || return 1
+  done
+}
+
+# clang and its libFuzzer runtime: present, or installed from Debian; 1 when neither.
+fuzz_toolchain() {
+  local probe
+  probe="$(mktemp -d)" || return 1
+  printf 'extern "C" int LLVMFuzzerTestOneInput(const unsigned char*, unsigned long) { return 0; }\n' \
+    >"$probe/probe.cpp"
+  local compile=(clang++ -fsanitize=fuzzer,address,undefined "$probe/probe.cpp" -o "$probe/probe")
+  if ! command -v clang++ >/dev/null 2>&1 || ! "${compile[@]}" >/dev/null 2>&1; then
+    echo "clang++ with libFuzzer not found; installing clang and libclang-rt-14-dev"
+    mb_install_packages clang libclang-rt-14-dev || true
+  fi
+  local rc=0
+  command -v clang++ >/dev/null 2>&1 && "${compile[@]}" >/dev/null 2>&1 || rc=1
+  rm -rf "$probe"
+  return $rc
+}
+
+run_fuzz() {
+  if ! fuzz_toolchain; then
+    echo "SKIPPED: the fuzz phase needs clang++ with libFuzzer (Debian: clang, libclang-rt-14-dev)"
+    return 0
+  fi
+  local dir="$MOEBLAZE_BUILD_DIR-fuzz"
+  local san="-fsanitize=address,undefined -fno-sanitize-recover=undefined -fno-omit-frame-pointer"
+  local args=(-S "$MOEBLAZE_ROOT" -B "$dir" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DMOEBLAZE_CUDA=OFF
+    -DMOEBLAZE_BUILD_TESTS=ON -DMOEBLAZE_BUILD_EXAMPLES=OFF -DMOEBLAZE_BUILD_BINDINGS=OFF
+    -DMOEBLAZE_BUILD_DOCS=OFF -DMOEBLAZE_BUILD_FUZZERS=ON -DCMAKE_C_COMPILER=clang
+    -DCMAKE_CXX_COMPILER=clang++ "-DCMAKE_C_FLAGS=$san -fsanitize=fuzzer-no-link"
+    "-DCMAKE_CXX_FLAGS=$san -fsanitize=fuzzer-no-link"
+    "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined"
+    "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address,undefined")
+  if command -v ninja >/dev/null 2>&1 && [[ ! -f "$dir/CMakeCache.txt" ]]; then args+=(-G Ninja); fi
+  cmake "${args[@]}" >/dev/null || return 1
+  cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target moeblaze_fuzz_layer || return 1
+  local seconds="${MOEBLAZE_FUZZ_SECONDS:-60}" corpus="$dir/fuzz-corpus"
+  mkdir -p "$corpus"
+  echo "== moeblaze_fuzz_layer (libFuzzer, ASan + UBSan, ${seconds}s, corpus $corpus)"
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+    "$dir/tests/moeblaze_fuzz_layer" -max_total_time="$seconds" -rss_limit_mb=4096 \
+    -print_final_stats=1 "$corpus"
 }
 
 mb_phase setup mb_setup_packages || status=1
@@ -58,6 +133,8 @@ if ((status == 0)); then
 fi
 if ((status == 0)) && [[ "${MOEBLAZE_SANITIZE:-1}" != 0 ]]; then
   mb_phase sanitize run_sanitized || status=1
+  mb_phase tsan run_tsan || status=1
+  mb_phase fuzz run_fuzz || status=1
 fi
 
 mb_print_phases

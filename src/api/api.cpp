@@ -6,14 +6,26 @@
 #include <string>
 
 #include "api/barrier.hpp"
-#include "api/checks.hpp"
-#include "api/handles.hpp"
 #include "api/layer_composite.hpp"
 #include "api/versioned_struct.hpp"
+#include "common/checks.hpp"
+#include "common/handles.hpp"
 #include "common/saved_layout.hpp"
 
 using namespace moeblaze;
 using namespace moeblaze::api;
+
+namespace {
+
+std::shared_ptr<ContextState> context_of(moeblaze_context_t context, const char* argument) {
+  return acquire<ContextState>(context, HandleKind::Context, argument);
+}
+
+std::shared_ptr<LayerState> layer_of(moeblaze_layer_t layer) {
+  return acquire<LayerState>(layer, HandleKind::Layer, "layer");
+}
+
+}  // namespace
 
 #ifndef MOEBLAZE_GIT_REVISION
 #define MOEBLAZE_GIT_REVISION "unknown"
@@ -143,39 +155,35 @@ moeblaze_status_t moeblaze_context_create(moeblaze_context_t* out, int32_t backe
     }
     state->backend_kind = backend;
     state->device = device;
-    auto* handle = new moeblaze_context_s{std::move(state)};
-    register_handle(handle, kContextHandle);
-    *out = handle;
+    *out = static_cast<moeblaze_context_t>(register_handle(std::move(state), HandleKind::Context));
   });
 }
 
 moeblaze_status_t moeblaze_context_destroy(moeblaze_context_t context) {
   return guarded(__func__, [&] {
     if (context == nullptr) return;
-    require_handle(context, kContextHandle, "context");
-    unregister_handle(context);
-    delete context;
+    unregister_handle(context, HandleKind::Context, "context");
   });
 }
 
 moeblaze_status_t moeblaze_context_get_info(moeblaze_context_t context, int32_t* backend,
                                             int32_t* device) {
   return guarded(__func__, [&] {
-    require_handle(context, kContextHandle, "context");
-    if (backend) *backend = context->state->backend_kind;
-    if (device) *device = context->state->device;
+    const auto state = context_of(context, "context");
+    if (backend) *backend = state->backend_kind;
+    if (device) *device = state->device;
   });
 }
 
 moeblaze_status_t moeblaze_context_set_num_threads(moeblaze_context_t context,
                                                    int32_t num_threads) {
   return guarded(__func__, [&] {
-    require_handle(context, kContextHandle, "context");
+    const auto state = context_of(context, "context");
     MB_REQUIRE_ARG(num_threads >= 0 && num_threads <= 4096,
                    "num_threads = %d must be in [0, 4096] (0: one per hardware thread)",
                    num_threads);
-    std::lock_guard<std::mutex> lock(context->state->execute_mutex);
-    context->state->backend->set_num_threads(num_threads);
+    std::lock_guard<std::mutex> lock(state->execute_mutex);
+    state->backend->set_num_threads(num_threads);
   });
 }
 
@@ -212,39 +220,35 @@ moeblaze_status_t moeblaze_layer_create(moeblaze_layer_t* out, moeblaze_context_
   if (out != nullptr) *out = nullptr;
   return guarded(__func__, [&] {
     MB_REQUIRE_ARG(out != nullptr, "out is NULL");
-    require_handle(context, kContextHandle, "context");
+    auto state = context_of(context, "context");
     const moeblaze_layer_config_t cfg =
         read_versioned(config, default_config(), kConfigV0Size, "config");
     LayerDesc desc = make_layer_desc(cfg);
-    context->state->backend->check_supported(desc);
-    auto* layer = new moeblaze_layer_s{context->state, desc, cfg};
-    register_handle(layer, kLayerHandle);
-    *out = layer;
+    state->backend->check_supported(desc);
+    auto layer = std::make_shared<LayerState>(LayerState{std::move(state), desc, cfg});
+    *out = static_cast<moeblaze_layer_t>(register_handle(std::move(layer), HandleKind::Layer));
   });
 }
 
 moeblaze_status_t moeblaze_layer_destroy(moeblaze_layer_t layer) {
   return guarded(__func__, [&] {
     if (layer == nullptr) return;
-    require_handle(layer, kLayerHandle, "layer");
-    unregister_handle(layer);
-    delete layer;
+    unregister_handle(layer, HandleKind::Layer, "layer");
   });
 }
 
 moeblaze_status_t moeblaze_layer_get_config(moeblaze_layer_t layer,
                                             moeblaze_layer_config_t* config) {
   return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
+    const auto plan = layer_of(layer);
     MB_REQUIRE_ARG(config != nullptr, "config is NULL");
     uint32_t caller_size = 0;
     std::memcpy(&caller_size, config, sizeof(caller_size));
-    MB_REQUIRE(caller_size >= kConfigV0Size, MOEBLAZE_ERR_VERSION_MISMATCH,
-               "config->struct_size = %u is smaller than any published version (%zu); call "
-               "moeblaze_layer_config_init first",
-               caller_size, kConfigV0Size);
+    require_struct_size(caller_size, kConfigV0Size, "config");
+    // Fields this library does not know read as their defaults (zero) to a newer caller.
     std::memset(static_cast<void*>(config), 0, caller_size);
-    std::memcpy(static_cast<void*>(config), &layer->config, sizeof(layer->config));
+    std::memcpy(static_cast<void*>(config), &plan->config,
+                caller_size < sizeof(plan->config) ? caller_size : sizeof(plan->config));
     config->struct_size = caller_size;
   });
 }
@@ -269,17 +273,17 @@ namespace {
 // MOEBLAZE_FORWARD_WITH_SAVED only for the forward ones; the rest are ignored.
 void query_workspace_size(moeblaze_layer_t layer, int32_t pass, int64_t num_tokens, uint32_t flags,
                           size_t* bytes) {
-  require_handle(layer, kLayerHandle, "layer");
+  const auto plan = layer_of(layer);
   MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
   const Pass p = require_pass(pass, false, "pass");
-  require_num_tokens(layer->desc, num_tokens, "num_tokens");
+  require_num_tokens(plan->desc, num_tokens, "num_tokens");
   require_workspace_flags(flags, "flags");
   const bool backward = p == Pass::ExpertsBackward || p == Pass::LayerBackward;
   const bool forward = p == Pass::ExpertsForward || p == Pass::LayerForward;
   const uint32_t applies = backward  ? flags & ~MOEBLAZE_FORWARD_WITH_SAVED
                            : forward ? flags & MOEBLAZE_FORWARD_WITH_SAVED
                                      : 0u;
-  *bytes = workspace_size_for(*layer, p, num_tokens, applies);
+  *bytes = workspace_size_for(*plan, p, num_tokens, applies);
 }
 
 }  // namespace
@@ -301,11 +305,11 @@ moeblaze_status_t moeblaze_layer_saved_size(moeblaze_layer_t layer, int32_t pass
                                             int64_t num_tokens, size_t* bytes) {
   if (bytes != nullptr) *bytes = 0;
   return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
+    const auto plan = layer_of(layer);
     MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
     const Pass p = require_pass(pass, true, "pass");
-    require_num_tokens(layer->desc, num_tokens, "num_tokens");
-    *bytes = saved_size(layer->desc, p, num_tokens);
+    require_num_tokens(plan->desc, num_tokens, "num_tokens");
+    *bytes = saved_size(plan->desc, p, num_tokens);
   });
 }
 
@@ -317,9 +321,9 @@ moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_to
                                           int32_t* expert_counts, void* losses, void* workspace,
                                           size_t workspace_bytes, void* stream) {
   return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
-    const LayerDesc& desc = layer->desc;
-    Backend& backend = *layer->context->backend;
+    const auto plan = layer_of(layer);
+    const LayerDesc& desc = plan->desc;
+    Backend& backend = *plan->context->backend;
     require_num_tokens(desc, num_tokens, "num_tokens");
     const bool empty = num_tokens == 0;
     require_tensor(backend, logits, true, empty, desc.relem_size(), "logits");
@@ -340,7 +344,7 @@ moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_to
     call.losses = losses;
     call.workspace = {workspace, workspace_bytes};
     call.stream = stream;
-    std::lock_guard<std::mutex> lock(layer->context->execute_mutex);
+    std::lock_guard<std::mutex> lock(plan->context->execute_mutex);
     backend.router_forward(desc, call);
   });
 }
@@ -350,9 +354,9 @@ moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_t
                                            const void* d_losses, void* d_logits, void* workspace,
                                            size_t workspace_bytes, void* stream) {
   return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
-    const LayerDesc& desc = layer->desc;
-    Backend& backend = *layer->context->backend;
+    const auto plan = layer_of(layer);
+    const LayerDesc& desc = plan->desc;
+    Backend& backend = *plan->context->backend;
     require_num_tokens(desc, num_tokens, "num_tokens");
     const bool empty = num_tokens == 0;
     require_tensor(backend, logits, true, empty, desc.relem_size(), "logits");
@@ -373,7 +377,7 @@ moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_t
     call.d_logits = d_logits;
     call.workspace = {workspace, workspace_bytes};
     call.stream = stream;
-    std::lock_guard<std::mutex> lock(layer->context->execute_mutex);
+    std::lock_guard<std::mutex> lock(plan->context->execute_mutex);
     backend.router_backward(desc, call);
   });
 }
@@ -383,9 +387,9 @@ moeblaze_status_t moeblaze_routing_build(moeblaze_layer_t layer, int64_t num_tok
                                          int32_t* expert_token_indices, int32_t* token_index_map,
                                          void* workspace, size_t workspace_bytes, void* stream) {
   return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
-    const LayerDesc& desc = layer->desc;
-    Backend& backend = *layer->context->backend;
+    const auto plan = layer_of(layer);
+    const LayerDesc& desc = plan->desc;
+    Backend& backend = *plan->context->backend;
     require_num_tokens(desc, num_tokens, "num_tokens");
     const bool empty = num_tokens == 0;
     require_tensor(backend, ids, true, empty, sizeof(int32_t), "ids");
@@ -404,7 +408,7 @@ moeblaze_status_t moeblaze_routing_build(moeblaze_layer_t layer, int64_t num_tok
     call.token_index_map = token_index_map;
     call.workspace = {workspace, workspace_bytes};
     call.stream = stream;
-    std::lock_guard<std::mutex> lock(layer->context->execute_mutex);
+    std::lock_guard<std::mutex> lock(plan->context->execute_mutex);
     backend.routing_build(desc, call);
   });
 }
@@ -441,36 +445,36 @@ moeblaze_status_t moeblaze_backward_args_init(moeblaze_backward_args_t* args, si
 moeblaze_status_t moeblaze_experts_forward(moeblaze_layer_t layer,
                                            const moeblaze_forward_args_t* args, void* stream) {
   return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
+    const auto plan = layer_of(layer);
     const auto a = read_versioned(args, default_forward_args(), kForwardArgsV0Size, "args");
-    run_forward(*layer, a, Pass::ExpertsForward, stream);
+    run_forward(*plan, a, Pass::ExpertsForward, stream);
   });
 }
 
 moeblaze_status_t moeblaze_layer_forward(moeblaze_layer_t layer,
                                          const moeblaze_forward_args_t* args, void* stream) {
   return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
+    const auto plan = layer_of(layer);
     const auto a = read_versioned(args, default_forward_args(), kForwardArgsV0Size, "args");
-    run_forward(*layer, a, Pass::LayerForward, stream);
+    run_forward(*plan, a, Pass::LayerForward, stream);
   });
 }
 
 moeblaze_status_t moeblaze_experts_backward(moeblaze_layer_t layer,
                                             const moeblaze_backward_args_t* args, void* stream) {
   return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
+    const auto plan = layer_of(layer);
     const auto a = read_versioned(args, default_backward_args(), kBackwardArgsV0Size, "args");
-    run_backward(*layer, a, Pass::ExpertsBackward, stream);
+    run_backward(*plan, a, Pass::ExpertsBackward, stream);
   });
 }
 
 moeblaze_status_t moeblaze_layer_backward(moeblaze_layer_t layer,
                                           const moeblaze_backward_args_t* args, void* stream) {
   return guarded(__func__, [&] {
-    require_handle(layer, kLayerHandle, "layer");
+    const auto plan = layer_of(layer);
     const auto a = read_versioned(args, default_backward_args(), kBackwardArgsV0Size, "args");
-    run_backward(*layer, a, Pass::LayerBackward, stream);
+    run_backward(*plan, a, Pass::LayerBackward, stream);
   });
 }
 

@@ -5,9 +5,9 @@
 #include <memory>
 
 #include "api/barrier.hpp"
-#include "api/checks.hpp"
-#include "api/handles.hpp"
 #include "api/versioned_struct.hpp"
+#include "common/checks.hpp"
+#include "common/handles.hpp"
 #include "ep/ep_layer.hpp"
 
 using namespace moeblaze;
@@ -45,9 +45,8 @@ moeblaze_layer_config_t default_layer_config() {
   return c;
 }
 
-ep::EpLayer& ep_layer_of(moeblaze_ep_layer_t layer) {
-  require_handle(layer, kEpLayerHandle, "layer");
-  return *layer->layer;
+std::shared_ptr<ep::EpLayer> ep_layer_of(moeblaze_ep_layer_t layer) {
+  return acquire<ep::EpLayer>(layer, HandleKind::EpLayer, "layer");
 }
 
 }  // namespace
@@ -60,18 +59,15 @@ moeblaze_status_t moeblaze_ep_local_group_create(moeblaze_ep_group_t* out, int32
     MB_REQUIRE_ARG(out != nullptr, "out is NULL");
     MB_REQUIRE_ARG(world_size >= 1 && world_size <= MOEBLAZE_MAX_EXPERTS,
                    "world_size = %d must be in [1, %d]", int(world_size), MOEBLAZE_MAX_EXPERTS);
-    auto* group = new moeblaze_ep_group_s{std::make_shared<ep::LocalGroupState>(world_size)};
-    register_handle(group, kEpGroupHandle);
-    *out = group;
+    *out = static_cast<moeblaze_ep_group_t>(
+        register_handle(std::make_shared<ep::LocalGroupState>(world_size), HandleKind::EpGroup));
   });
 }
 
 moeblaze_status_t moeblaze_ep_local_group_destroy(moeblaze_ep_group_t group) {
   return guarded(__func__, [&] {
     if (group == nullptr) return;
-    require_handle(group, kEpGroupHandle, "group");
-    unregister_handle(group);
-    delete group;
+    unregister_handle(group, HandleKind::EpGroup, "group");
   });
 }
 
@@ -87,7 +83,7 @@ moeblaze_status_t moeblaze_ep_layer_create(moeblaze_ep_layer_t* out, moeblaze_co
   if (out != nullptr) *out = nullptr;
   return guarded(__func__, [&] {
     MB_REQUIRE_ARG(out != nullptr, "out is NULL");
-    require_handle(context, kContextHandle, "context");
+    auto state = acquire<ContextState>(context, HandleKind::Context, "context");
     const moeblaze_layer_config_t cfg =
         read_versioned(config, default_layer_config(), sizeof(moeblaze_layer_config_t), "config");
     const LayerDesc desc = make_layer_desc(cfg);
@@ -108,12 +104,11 @@ moeblaze_status_t moeblaze_ep_layer_create(moeblaze_ep_layer_t* out, moeblaze_co
     MB_REQUIRE_ARG(ep.communicator != nullptr,
                    "ep_config->communicator is NULL (an ncclComm_t for NCCL, a "
                    "moeblaze_ep_group_t for LOCAL)");
-    const int32_t backend_kind = context->state->backend_kind;
+    const int32_t backend_kind = state->backend_kind;
     std::shared_ptr<ep::LocalGroupState> group;
     if (ep.transport == MOEBLAZE_EP_TRANSPORT_LOCAL) {
-      auto* group_handle = static_cast<moeblaze_ep_group_t>(ep.communicator);
-      require_handle(group_handle, kEpGroupHandle, "ep_config->communicator");
-      group = group_handle->state;
+      group = acquire<ep::LocalGroupState>(ep.communicator, HandleKind::EpGroup,
+                                           "ep_config->communicator");
       MB_REQUIRE_ARG(group->world_size() == ep.world_size,
                      "ep_config->world_size = %d, but the LOCAL group has %d ranks",
                      int(ep.world_size), int(group->world_size()));
@@ -124,38 +119,34 @@ moeblaze_status_t moeblaze_ep_layer_create(moeblaze_ep_layer_t* out, moeblaze_co
                  "context is on backend %d); use MOEBLAZE_EP_TRANSPORT_LOCAL on the CPU",
                  int(backend_kind));
     }
-    auto plan = std::make_unique<ep::EpLayer>(context->state, desc, ep.transport, ep.rank,
+    auto plan = std::make_shared<ep::EpLayer>(std::move(state), desc, ep.transport, ep.rank,
                                               ep.world_size, ep.communicator, std::move(group));
-    auto* handle = new moeblaze_ep_layer_s{std::move(plan)};
-    register_handle(handle, kEpLayerHandle);
-    *out = handle;
+    *out = static_cast<moeblaze_ep_layer_t>(register_handle(std::move(plan), HandleKind::EpLayer));
   });
 }
 
 moeblaze_status_t moeblaze_ep_layer_destroy(moeblaze_ep_layer_t layer) {
   return guarded(__func__, [&] {
     if (layer == nullptr) return;
-    require_handle(layer, kEpLayerHandle, "layer");
-    unregister_handle(layer);
-    delete layer;
+    unregister_handle(layer, HandleKind::EpLayer, "layer");
   });
 }
 
 moeblaze_status_t moeblaze_ep_layer_get_experts(moeblaze_ep_layer_t layer, int64_t* begin,
                                                 int64_t* end) {
   return guarded(__func__, [&] {
-    const ep::EpLayer& plan = ep_layer_of(layer);
-    if (begin) *begin = plan.expert_begin();
-    if (end) *end = plan.expert_end();
+    const auto plan = ep_layer_of(layer);
+    if (begin) *begin = plan->expert_begin();
+    if (end) *end = plan->expert_end();
   });
 }
 
 moeblaze_status_t moeblaze_ep_layer_exchange_size(moeblaze_ep_layer_t layer, size_t* bytes) {
   if (bytes != nullptr) *bytes = 0;
   return guarded(__func__, [&] {
-    const ep::EpLayer& plan = ep_layer_of(layer);
+    const auto plan = ep_layer_of(layer);
     MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
-    *bytes = plan.exchange_size();
+    *bytes = plan->exchange_size();
   });
 }
 
@@ -165,17 +156,17 @@ namespace {
 // them, as moeblaze_layer_workspace_size_with_flags() does).
 void query_ep_workspace_size(moeblaze_ep_layer_t layer, int32_t pass, int64_t num_tokens,
                              int64_t recv_rows, uint32_t flags, size_t* bytes) {
-  const ep::EpLayer& plan = ep_layer_of(layer);
+  const auto plan = ep_layer_of(layer);
   MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
   MB_REQUIRE_ARG(pass >= MOEBLAZE_EP_PASS_FORWARD_BEGIN && pass <= MOEBLAZE_EP_PASS_BACKWARD,
                  "pass = %d is not a moeblaze_ep_pass_code (0..2)", int(pass));
   require_backward_flags(flags, "flags");
-  require_num_tokens(plan.global_desc(), num_tokens, "num_tokens");
+  require_num_tokens(plan->global_desc(), num_tokens, "num_tokens");
   if (pass == MOEBLAZE_EP_PASS_FORWARD_BEGIN) recv_rows = 0;
-  plan.require_recv_rows(recv_rows, "recv_rows");
+  plan->require_recv_rows(recv_rows, "recv_rows");
   const uint32_t backward_flags = pass == MOEBLAZE_EP_PASS_BACKWARD ? flags : 0u;
   *bytes =
-      plan.workspace_size(static_cast<ep::EpPass>(pass), num_tokens, recv_rows, backward_flags);
+      plan->workspace_size(static_cast<ep::EpPass>(pass), num_tokens, recv_rows, backward_flags);
 }
 
 }  // namespace
@@ -202,13 +193,13 @@ moeblaze_status_t moeblaze_ep_layer_saved_size(moeblaze_ep_layer_t layer, int32_
                                                size_t* bytes) {
   if (bytes != nullptr) *bytes = 0;
   return guarded(__func__, [&] {
-    const ep::EpLayer& plan = ep_layer_of(layer);
+    const auto plan = ep_layer_of(layer);
     MB_REQUIRE_ARG(bytes != nullptr, "bytes is NULL");
     MB_REQUIRE_ARG(part == MOEBLAZE_EP_SAVED_HOME || part == MOEBLAZE_EP_SAVED_EXPERT,
                    "part = %d is not a moeblaze_ep_saved_code (HOME 0, EXPERT 1)", int(part));
-    require_num_tokens(plan.global_desc(), num_tokens, "num_tokens");
-    plan.require_recv_rows(recv_rows, "recv_rows");
-    *bytes = plan.saved_size(static_cast<ep::EpSaved>(part), num_tokens, recv_rows);
+    require_num_tokens(plan->global_desc(), num_tokens, "num_tokens");
+    plan->require_recv_rows(recv_rows, "recv_rows");
+    *bytes = plan->saved_size(static_cast<ep::EpSaved>(part), num_tokens, recv_rows);
   });
 }
 
@@ -234,11 +225,11 @@ moeblaze_status_t moeblaze_ep_forward_begin(moeblaze_ep_layer_t layer,
                                             void* stream) {
   if (recv_rows != nullptr) *recv_rows = 0;
   return guarded(__func__, [&] {
-    ep::EpLayer& plan = ep_layer_of(layer);
+    const auto plan = ep_layer_of(layer);
     const auto a =
         read_versioned(args, zeroed<moeblaze_ep_forward_args_t>(), kEpForwardArgsV0Size, "args");
     MB_REQUIRE_ARG(recv_rows != nullptr, "recv_rows is NULL");
-    *recv_rows = plan.forward_begin(a, exchange, exchange_bytes, stream);
+    *recv_rows = plan->forward_begin(a, exchange, exchange_bytes, stream);
   });
 }
 
@@ -246,10 +237,10 @@ moeblaze_status_t moeblaze_ep_forward_finish(moeblaze_ep_layer_t layer,
                                              const moeblaze_ep_forward_args_t* args, void* exchange,
                                              size_t exchange_bytes, void* stream) {
   return guarded(__func__, [&] {
-    ep::EpLayer& plan = ep_layer_of(layer);
+    const auto plan = ep_layer_of(layer);
     const auto a =
         read_versioned(args, zeroed<moeblaze_ep_forward_args_t>(), kEpForwardArgsV0Size, "args");
-    plan.forward_finish(a, exchange, exchange_bytes, stream);
+    plan->forward_finish(a, exchange, exchange_bytes, stream);
   });
 }
 
@@ -257,10 +248,10 @@ moeblaze_status_t moeblaze_ep_backward(moeblaze_ep_layer_t layer,
                                        const moeblaze_ep_backward_args_t* args,
                                        const void* exchange, size_t exchange_bytes, void* stream) {
   return guarded(__func__, [&] {
-    ep::EpLayer& plan = ep_layer_of(layer);
+    const auto plan = ep_layer_of(layer);
     const auto a =
         read_versioned(args, zeroed<moeblaze_ep_backward_args_t>(), kEpBackwardArgsV0Size, "args");
-    plan.backward(a, exchange, exchange_bytes, stream);
+    plan->backward(a, exchange, exchange_bytes, stream);
   });
 }
 

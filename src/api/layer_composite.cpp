@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <mutex>
 
-#include "api/checks.hpp"
 #include "common/carver.hpp"
+#include "common/checks.hpp"
 #include "common/saved_layout.hpp"
 
 namespace moeblaze {
@@ -91,7 +91,7 @@ const char* query_name(Pass pass, uint32_t flags = 0) {
 
 }  // namespace
 
-size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T, uint32_t flags) {
+size_t workspace_size_for(const LayerState& layer, Pass pass, int64_t T, uint32_t flags) {
   const Backend& backend = *layer.context->backend;
   Carver measure;
   switch (pass) {
@@ -105,8 +105,7 @@ size_t workspace_size_for(const moeblaze_layer_s& layer, Pass pass, int64_t T, u
   return measure.size();
 }
 
-void run_forward(moeblaze_layer_s& layer, const moeblaze_forward_args_t& a, Pass pass,
-                 void* stream) {
+void run_forward(LayerState& layer, const moeblaze_forward_args_t& a, Pass pass, void* stream) {
   const LayerDesc& desc = layer.desc;
   Backend& backend = *layer.context->backend;
   const bool whole_layer = pass == Pass::LayerForward;
@@ -211,8 +210,7 @@ void run_forward(moeblaze_layer_s& layer, const moeblaze_forward_args_t& a, Pass
   if (a.g_out) backend.copy(a.g_out, g, rs * size_t(T * desc.k), stream);
 }
 
-void run_backward(moeblaze_layer_s& layer, const moeblaze_backward_args_t& a, Pass pass,
-                  void* stream) {
+void run_backward(LayerState& layer, const moeblaze_backward_args_t& a, Pass pass, void* stream) {
   const LayerDesc& desc = layer.desc;
   Backend& backend = *layer.context->backend;
   const bool whole_layer = pass == Pass::LayerBackward;

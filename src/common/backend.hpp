@@ -122,6 +122,20 @@ struct ExpertsBackwardCall {
   void* stream = nullptr;
 };
 
+// The router losses of one rank's tokens with the global counts and token count, for expert
+// parallelism (docs/design/expert-parallel.md, section 3).
+struct LossShareCall {
+  int64_t T = 0;                           // this rank's tokens
+  int64_t global_tokens = 0;               // T over all ranks
+  const void* logits = nullptr;            // [T,E] rtype
+  const int32_t* global_counts = nullptr;  // [E] int32: routed rows per expert over all ranks
+  void* scratch = nullptr;                 // [kLossShareScratchRows,E] rtype, workspace
+  void* stream = nullptr;
+};
+
+// Rows of E routing-dtype values that the loss shares use as scratch (LossShareCall::scratch).
+constexpr int64_t kLossShareScratchRows = 2;
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -152,6 +166,47 @@ class Backend {
 
   // Asynchronous copy within the backend's memory space (on `stream`).
   virtual void copy(void* dst, const void* src, size_t bytes, void* stream) = 0;
+
+  // ---- Row movement and loss shares of expert parallelism (src/ep) --------------------------
+  // What the expert-parallel layer needs beyond the calls above. None allocates; every reduction
+  // runs in a fixed order (bitwise repeatable). `index_rows` bounds the rows an index may name:
+  // an entry outside [0, index_rows) is skipped (gather: the row is zeroed), never followed, so a
+  // corrupted index buffer cannot move memory outside the buffers (the CPU EP layer also checks
+  // the indices first and reports them; the CUDA one cannot read them without a host sync).
+
+  // dst[i] = src[index[i]] for i < n; rows of row_bytes bytes (row_bytes a multiple of 2).
+  virtual void gather_rows(void* dst, const void* src, const int32_t* index, int64_t n,
+                           int64_t index_rows, size_t row_bytes, void* stream) = 0;
+  // dst[index[i]] = src[i] for i < n; `index` is a permutation of 0..n-1 (no two writes collide).
+  virtual void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n,
+                            int64_t index_rows, size_t row_bytes, void* stream) = 0;
+  // out[t] = sum_{j=0..k-1} rows[index[t*k+j]] in the accumulation type (F64 for F64, else F32),
+  // j ascending from 0, rounded once to `dtype`. out [T,d], rows [index_rows,d], both `dtype`.
+  virtual void combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index,
+                            int64_t T, int64_t k, int64_t d, int64_t index_rows, void* stream) = 0;
+  // Received rows arrive by source rank, then local expert, then token: local_ids[i] is the local
+  // expert of row i. table [W,E] int32 (row s = per-expert counts of source s); this rank owns the
+  // experts [expert_begin, expert_begin + local_experts). R = rows received.
+  virtual void local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
+                                int64_t local_experts, int64_t R, int32_t* local_ids,
+                                void* stream) = 0;
+  // counts[e] = sum_s table[s][e] (int32), s ascending.
+  virtual void global_counts(const int32_t* table, int64_t W, int64_t E, int32_t* counts,
+                             void* stream) = 0;
+  // losses [2] rtype = this rank's shares of {aux, z} of the global batch; as the router's
+  // definitions (moeblaze_router_forward()) with the global counts and token count.
+  virtual void loss_shares_forward(const LayerDesc& desc, const LossShareCall& call,
+                                   void* losses) = 0;
+  // d_logits [T,E] rtype += the gradient of d_losses[0] * aux share + d_losses[1] * z share, the
+  // same per-token arithmetic as the router's backward (d_losses [2] rtype; NULL means {1, 1}).
+  virtual void loss_shares_backward(const LayerDesc& desc, const LossShareCall& call,
+                                    const void* d_losses, void* d_logits) = 0;
+  // Copies `bytes` to host memory and waits for `stream` (the one host synchronisation of EP).
+  virtual void copy_to_host(void* host_dst, const void* src, size_t bytes, void* stream) = 0;
+  // dst, src: memory of any rank of a LOCAL group (for CUDA: any device); synchronous.
+  virtual void copy_between_ranks(void* dst, const void* src, size_t bytes) = 0;
+  // Blocks until the work enqueued on `stream` is done (no-op on CPU).
+  virtual void synchronize(void* stream) = 0;
 
   // CPU: worker threads (0 = hardware concurrency). Others: ignored.
   virtual void set_num_threads(int32_t num_threads) { (void)num_threads; }

@@ -85,6 +85,42 @@ class CpuBackend final : public Backend {
 
   void set_num_threads(int32_t num_threads) override { pool_.set_num_threads(num_threads); }
 
+  // Expert parallelism: host memory, synchronous.
+  void gather_rows(void* dst, const void* src, const int32_t* index, int64_t n, int64_t index_rows,
+                   size_t row_bytes, void*) override {
+    cpu::ep_gather_rows(dst, src, index, n, index_rows, row_bytes);
+  }
+  void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n, int64_t index_rows,
+                    size_t row_bytes, void*) override {
+    cpu::ep_scatter_rows(dst, src, index, n, index_rows, row_bytes);
+  }
+  void combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index, int64_t T,
+                    int64_t k, int64_t d, int64_t index_rows, void*) override {
+    cpu::ep_combine_rows(dtype, out, rows, index, T, k, d, index_rows);
+  }
+  void local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
+                        int64_t local_experts, int64_t R, int32_t* local_ids, void*) override {
+    cpu::ep_local_expert_ids(table, W, E, expert_begin, local_experts, R, local_ids);
+  }
+  void global_counts(const int32_t* table, int64_t W, int64_t E, int32_t* counts, void*) override {
+    cpu::ep_global_counts(table, W, E, counts);
+  }
+  void loss_shares_forward(const LayerDesc& desc, const LossShareCall& call,
+                           void* losses) override {
+    cpu::ep_loss_shares_forward(desc, call, losses);
+  }
+  void loss_shares_backward(const LayerDesc& desc, const LossShareCall& call, const void* d_losses,
+                            void* d_logits) override {
+    cpu::ep_loss_shares_backward(desc, call, d_losses, d_logits);
+  }
+  void copy_to_host(void* host_dst, const void* src, size_t bytes, void*) override {
+    if (bytes) std::memcpy(host_dst, src, bytes);
+  }
+  void copy_between_ranks(void* dst, const void* src, size_t bytes) override {
+    if (bytes && dst != src) std::memcpy(dst, src, bytes);
+  }
+  void synchronize(void*) override {}
+
  private:
   cpu::ThreadPool pool_;
 };

@@ -185,5 +185,19 @@ void router_project_backward(const LayerDesc& desc, const RouterProjectBackwardC
 void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, ThreadPool& pool);
 void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, ThreadPool& pool);
 
+// The row movement and loss shares of expert parallelism (Backend's declarations; cpu/ep_ops.cpp).
+void ep_gather_rows(void* dst, const void* src, const int32_t* index, int64_t n, int64_t index_rows,
+                    size_t row_bytes);
+void ep_scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n,
+                     int64_t index_rows, size_t row_bytes);
+void ep_combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index, int64_t T,
+                     int64_t k, int64_t d, int64_t index_rows);
+void ep_local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
+                         int64_t local_experts, int64_t R, int32_t* local_ids);
+void ep_global_counts(const int32_t* table, int64_t W, int64_t E, int32_t* counts);
+void ep_loss_shares_forward(const LayerDesc& desc, const LossShareCall& call, void* losses);
+void ep_loss_shares_backward(const LayerDesc& desc, const LossShareCall& call, const void* d_losses,
+                             void* d_logits);
+
 }  // namespace cpu
 }  // namespace moeblaze

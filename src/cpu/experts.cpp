@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "common/activation_math.hpp"
+#include "common/routing_index.hpp"
 #include "cpu/cpu_kernels.hpp"
 
 namespace moeblaze {
@@ -167,6 +168,10 @@ void check_saved_header(const LayerDesc& desc, const ExpertsBackwardCall& call) 
              "saved: written by pass %u, but this backward pass needs the buffer of pass %u "
              "(experts and layer forward buffers are not interchangeable)",
              unsigned(header->pass), unsigned(call.saved_pass));
+  MB_REQUIRE(header->reserved == 0, MOEBLAZE_ERR_VERSION_MISMATCH,
+             "saved: header field `reserved` = %u, but this library writes 0 (the buffer was "
+             "overwritten or comes from another version)",
+             unsigned(header->reserved));
   MB_REQUIRE(header->layer_hash == desc.hash(), MOEBLAZE_ERR_VERSION_MISMATCH,
              "saved: written by a layer with another configuration (hash 0x%016llx, this layer "
              "0x%016llx)",
@@ -174,25 +179,6 @@ void check_saved_header(const LayerDesc& desc, const ExpertsBackwardCall& call) 
   MB_REQUIRE(header->num_tokens == call.T, MOEBLAZE_ERR_VERSION_MISMATCH,
              "saved: written for num_tokens = %lld, but backward got num_tokens = %lld",
              (long long)header->num_tokens, (long long)call.T);
-}
-
-// The ids given to backward must be those the saved indices were built from.
-void check_ids_match_index(const LayerDesc& desc, int64_t T, const int32_t* ids,
-                           const RoutingIndex& index) {
-  const int64_t k = desc.k;
-  for (int64_t t = 0; t < T; ++t) {
-    for (int64_t j = 0; j < k; ++j) {
-      const int32_t e = ids[t * k + j];
-      MB_REQUIRE_ARG(e >= 0 && e < desc.E, "ids[t=%lld, j=%lld] = %d is out of range [0, E=%lld)",
-                     (long long)t, (long long)j, int(e), (long long)desc.E);
-      const int32_t r = index.token_index_map[t * k + j];
-      MB_REQUIRE_ARG(r >= index.expert_offsets[e] && r < index.expert_offsets[e + 1] &&
-                         index.expert_token_indices[r] == t,
-                     "ids[t=%lld, j=%lld] = %d differs from the ids of the forward pass that "
-                     "filled `saved`",
-                     (long long)t, (long long)j, int(e));
-    }
-  }
 }
 
 template <typename S>
@@ -216,7 +202,13 @@ void experts_backward_typed(const LayerDesc& desc, const ExpertsBackwardCall& ca
   check_saved_header(desc, call);
   const SavedView& saved = call.saved;
   const RoutingIndex index{saved.expert_offsets, saved.expert_token_indices, saved.token_index_map};
-  check_ids_match_index(desc, T, call.ids, index);
+  // The saved buffer is the caller's memory: its indices are checked before any is followed, and
+  // the ids given to backward must be those they were built from (the whole-layer backward takes
+  // them from `saved` too).
+  check_routing_index(T, k, E, index.expert_offsets, index.expert_token_indices,
+                      index.token_index_map, "saved");
+  check_ids_match_routing_index(T, k, E, call.ids, index.expert_offsets, index.token_index_map,
+                                call.ids == saved.ids ? "saved ids" : "ids", "saved");
 
   Carver carver(call.workspace.ptr);
   const ExpertsBackwardScratch scratch = carve_experts_backward_scratch(carver, desc, T);

@@ -59,8 +59,8 @@ void top_k(R* scores, int64_t E, int64_t k, int32_t* ids) {
 }
 
 // The routing weights of one token from its logits and its selected ids. `probs` receives the
-// softmax (SOFTMAX_TOPK, TOPK_SOFTMAX) or sigmoid (SIGMOID) scores of all E experts. Returns the
-// renormalisation denominator S (1 when there is none).
+// softmax (SOFTMAX_TOPK, TOPK_SOFTMAX) or the sigmoid_scores() (SIGMOID: sigmoid up to a common
+// factor) of all E experts. Returns the renormalisation denominator S (1 when there is none).
 template <typename R>
 R routing_weights(const LayerDesc& desc, const R* logits, const int32_t* ids, R* probs, R* g) {
   const int64_t E = desc.E;
@@ -68,7 +68,11 @@ R routing_weights(const LayerDesc& desc, const R* logits, const int32_t* ids, R*
   switch (desc.score_function) {
     case ScoreFunction::SoftmaxTopk: softmax(logits, E, probs); break;
     case ScoreFunction::Sigmoid:
-      for (int64_t e = 0; e < E; ++e) probs[e] = sigmoid(logits[e]);
+      if (sigmoid_scores(logits, E, probs) && !desc.renormalize) {
+        // Scaled scores: the weights are the plain sigmoid (tiny or 0, as exact as R allows).
+        for (int64_t j = 0; j < k; ++j) g[j] = sigmoid(logits[ids[j]]);
+        return R(1);
+      }
       break;
     case ScoreFunction::TopkSoftmax: {
       softmax(logits, E, probs);
@@ -123,12 +127,10 @@ void router_forward_typed(const LayerDesc& desc, const RouterForwardCall& call, 
       R* balance_row = balance_scores + t * E;
       lse[t] = softmax(row, E, balance_row);
       if (desc.score_function == ScoreFunction::Sigmoid) {
-        // Aux loss uses sigmoid scores normalised over the experts.
+        // Aux loss uses sigmoid scores normalised over the experts (any common factor cancels).
+        sigmoid_scores(row, E, score_row);
         R sum = 0;
-        for (int64_t e = 0; e < E; ++e) {
-          score_row[e] = sigmoid(row[e]);
-          sum += score_row[e];
-        }
+        for (int64_t e = 0; e < E; ++e) sum += score_row[e];
         for (int64_t e = 0; e < E; ++e) balance_row[e] = score_row[e] / sum;
       } else if (desc.score_function == ScoreFunction::SoftmaxTopk) {
         std::copy(balance_row, balance_row + E, score_row);
@@ -160,9 +162,20 @@ void router_forward_typed(const LayerDesc& desc, const RouterForwardCall& call, 
     }
     if (T > 0 && desc.z_loss_coeff != 0.0f) {
       R total = 0;
-      for (int64_t t = 0; t < T; ++t) total += lse[t] * lse[t];
+      for (int64_t t = 0; t < T; ++t) {
+        check_z_loss_term(desc.z_loss_coeff, lse[t], t);
+        total += lse[t] * lse[t];
+      }
       losses[1] = R(desc.z_loss_coeff) * total / R(T);
+      MB_REQUIRE(std::isfinite(losses[1]), MOEBLAZE_ERR_NON_FINITE,
+                 "losses[1]: the z-loss z_loss_coeff * mean_t logsumexp(logits[t])^2 overflows "
+                 "the routing dtype (the sum of the squares does); scale the logits down or set "
+                 "z_loss_coeff to 0");
     }
+    MB_REQUIRE(std::isfinite(losses[0]), MOEBLAZE_ERR_NON_FINITE,
+               "losses[0]: the aux loss overflows the routing dtype (aux_loss_coeff = %g is too "
+               "large)",
+               double(desc.aux_loss_coeff));
   }
 }
 
@@ -197,6 +210,10 @@ void router_backward_typed(const LayerDesc& desc, const RouterBackwardCall& call
   }
   const bool with_aux = T > 0 && desc.aux_loss_coeff != 0.0f;
   const bool with_z = T > 0 && desc.z_loss_coeff != 0.0f;
+  if (with_z) {  // before the threads, so that the first failing token is the one reported
+    for (int64_t t = 0; t < T; ++t)
+      check_z_loss_term(desc.z_loss_coeff, logsumexp(logits + t * E, E), t);
+  }
 
   pool.parallel_for(T, [&](int64_t begin, int64_t end) {
     R g[MOEBLAZE_MAX_TOP_K];
@@ -224,9 +241,12 @@ void router_backward_typed(const LayerDesc& desc, const RouterBackwardCall& call
             d_score[j] = desc.renormalize ? (token_dg[j] - g_dot_dg) / denominator : token_dg[j];
           }
           if (desc.score_function == ScoreFunction::Sigmoid) {
+            // dg/dlogit: renormalised, the scores' common factor cancels (probs may be scaled);
+            // otherwise g is the plain sigmoid s, with ds/dlogit = s (1 - s).
             for (int64_t j = 0; j < k; ++j) {
-              const R s = probs[token_ids[j]];
-              out[token_ids[j]] = d_score[j] * s * (R(1) - s);
+              const R s = sigmoid(row[token_ids[j]]);
+              const R score = desc.renormalize ? probs[token_ids[j]] : s;
+              out[token_ids[j]] = d_score[j] * score * (R(1) - s);
             }
           } else {
             // Softmax Jacobian: d_logits = p * (dp - <p, dp>), dp nonzero on the picks only.
@@ -246,6 +266,7 @@ void router_backward_typed(const LayerDesc& desc, const RouterBackwardCall& call
         const R scale = d_aux * R(desc.aux_loss_coeff) * R(E) / (R(T) * R(T * k));
         if (desc.score_function == ScoreFunction::Sigmoid) {
           // q = s / sum(s): dq_e/ds_i = (delta_ei - q_e) / sum(s); then ds/dlogit = s (1 - s).
+          // probs holds the scores up to a common factor, which cancels in q and in this product.
           R sum = 0;
           for (int64_t e = 0; e < E; ++e) sum += probs[e];
           R q_dot_w = 0;
@@ -254,7 +275,7 @@ void router_backward_typed(const LayerDesc& desc, const RouterBackwardCall& call
           }
           for (int64_t e = 0; e < E; ++e) {
             const R w = scale * R(scratch.counts[e]);
-            out[e] += (w - q_dot_w) / sum * probs[e] * (R(1) - probs[e]);
+            out[e] += (w - q_dot_w) / sum * probs[e] * (R(1) - sigmoid(row[e]));
           }
         } else {
           // Softmax score functions: q = softmax(logits), which routing_weights left in probs.

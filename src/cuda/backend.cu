@@ -14,7 +14,9 @@
 #include "common/backend.hpp"
 #include "common/carver.hpp"
 #include "common/status.hpp"
+#include "cuda/cublaslt_api.hpp"
 #include "cuda/cuda_util.cuh"
+#include "cuda/ep_ops.hpp"
 #include "cuda/experts.hpp"
 #include "cuda/gemm.cuh"
 #include "cuda/kernels.hpp"
@@ -90,36 +92,35 @@ struct LtPlan {
 
 std::shared_ptr<const LtPlan> make_lt_plan(cublasLtHandle_t handle, const LtGemm& g,
                                            size_t workspace_bytes) {
+  const CublasLtApi& lt = cublaslt_api();
   auto plan = std::make_shared<LtPlan>();
-  plan->op.destroy = cublasLtMatmulDescDestroy;
-  check_lt(cublasLtMatmulDescCreate(&plan->op.h, CUBLAS_COMPUTE_32F, CUDA_R_32F),
+  plan->op.destroy = lt.matmul_desc_destroy;
+  check_lt(lt.matmul_desc_create(&plan->op.h, CUBLAS_COMPUTE_32F, CUDA_R_32F),
            "cublasLtMatmulDescCreate");
-  check_lt(cublasLtMatmulDescSetAttribute(plan->op.h, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a,
-                                          sizeof(g.op_a)),
+  check_lt(lt.matmul_desc_set_attribute(plan->op.h, CUBLASLT_MATMUL_DESC_TRANSA, &g.op_a,
+                                        sizeof(g.op_a)),
            "cublasLtMatmulDescSetAttribute(TRANSA)");
-  check_lt(cublasLtMatmulDescSetAttribute(plan->op.h, CUBLASLT_MATMUL_DESC_TRANSB, &g.op_b,
-                                          sizeof(g.op_b)),
+  check_lt(lt.matmul_desc_set_attribute(plan->op.h, CUBLASLT_MATMUL_DESC_TRANSB, &g.op_b,
+                                        sizeof(g.op_b)),
            "cublasLtMatmulDescSetAttribute(TRANSB)");
   const bool ta = g.op_a == CUBLAS_OP_T, tb = g.op_b == CUBLAS_OP_T;
-  plan->la.destroy = plan->lb.destroy = plan->ld.destroy = cublasLtMatrixLayoutDestroy;
-  check_lt(
-      cublasLtMatrixLayoutCreate(&plan->la.h, g.ab_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda),
-      "cublasLtMatrixLayoutCreate(A)");
-  check_lt(
-      cublasLtMatrixLayoutCreate(&plan->lb.h, g.ab_type, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb),
-      "cublasLtMatrixLayoutCreate(B)");
-  check_lt(cublasLtMatrixLayoutCreate(&plan->ld.h, g.d_type, g.m, g.n, g.ldd),
+  plan->la.destroy = plan->lb.destroy = plan->ld.destroy = lt.matrix_layout_destroy;
+  check_lt(lt.matrix_layout_create(&plan->la.h, g.ab_type, ta ? g.k : g.m, ta ? g.m : g.k, g.lda),
+           "cublasLtMatrixLayoutCreate(A)");
+  check_lt(lt.matrix_layout_create(&plan->lb.h, g.ab_type, tb ? g.n : g.k, tb ? g.k : g.n, g.ldb),
+           "cublasLtMatrixLayoutCreate(B)");
+  check_lt(lt.matrix_layout_create(&plan->ld.h, g.d_type, g.m, g.n, g.ldd),
            "cublasLtMatrixLayoutCreate(D)");
   LtHandle<cublasLtMatmulPreference_t> pref;
-  pref.destroy = cublasLtMatmulPreferenceDestroy;
-  check_lt(cublasLtMatmulPreferenceCreate(&pref.h), "cublasLtMatmulPreferenceCreate");
-  check_lt(cublasLtMatmulPreferenceSetAttribute(pref.h, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                &workspace_bytes, sizeof(workspace_bytes)),
+  pref.destroy = lt.preference_destroy;
+  check_lt(lt.preference_create(&pref.h), "cublasLtMatmulPreferenceCreate");
+  check_lt(lt.preference_set_attribute(pref.h, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                       &workspace_bytes, sizeof(workspace_bytes)),
            "cublasLtMatmulPreferenceSetAttribute");
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  check_lt(cublasLtMatmulAlgoGetHeuristic(handle, plan->op.h, plan->la.h, plan->lb.h, plan->ld.h,
-                                          plan->ld.h, pref.h, 1, &result, &found),
+  check_lt(lt.algo_get_heuristic(handle, plan->op.h, plan->la.h, plan->lb.h, plan->ld.h, plan->ld.h,
+                                 pref.h, 1, &result, &found),
            "cublasLtMatmulAlgoGetHeuristic");
   MB_REQUIRE(found > 0, MOEBLAZE_ERR_NOT_SUPPORTED,
              "cuBLASLt has no algorithm for the router GEMM");
@@ -157,17 +158,17 @@ void lt_matmul(cublasLtHandle_t handle, LtPlanCache& cache, const LtGemm& g, voi
                size_t workspace_bytes, cudaStream_t stream) {
   const std::shared_ptr<const LtPlan> plan = cache.get(handle, g, workspace_bytes);
   const float alpha = 1.f;
-  check_lt(
-      cublasLtMatmul(handle, plan->op.h, &alpha, g.a, plan->la.h, g.b, plan->lb.h, &g.beta, g.d,
-                     plan->ld.h, g.d, plan->ld.h, &plan->algo, workspace, workspace_bytes, stream),
-      "cublasLtMatmul");
+  check_lt(cublaslt_api().matmul(handle, plan->op.h, &alpha, g.a, plan->la.h, g.b, plan->lb.h,
+                                 &g.beta, g.d, plan->ld.h, g.d, plan->ld.h, &plan->algo, workspace,
+                                 workspace_bytes, stream),
+           "cublasLtMatmul");
 }
 
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(int32_t device) : device_(device), tuning_(CudaTuning::from_environment()) {
     DeviceGuard guard(device_);
-    check_lt(cublasLtCreate(&lt_), "cublasLtCreate");
+    check_lt(cublaslt_api().create(&lt_), "cublasLtCreate");  // loads cuBLASLt (cublaslt_api.hpp)
     gemm_init_attributes();
     sm90_prepare_device(device_);  // Hopper kernel attributes, outside any graph capture
   }
@@ -176,7 +177,7 @@ class CudaBackend final : public Backend {
       int previous = 0;
       const bool have = cudaGetDevice(&previous) == cudaSuccess;
       cudaSetDevice(device_);
-      cublasLtDestroy(lt_);
+      cublaslt_api().destroy(lt_);
       if (have) cudaSetDevice(previous);
     }
   }
@@ -371,6 +372,56 @@ class CudaBackend final : public Backend {
           "cudaMemcpyAsync");
   }
 
+  // Expert parallelism (cuda/ep_ops.cu).
+  void gather_rows(void* dst, const void* src, const int32_t* index, int64_t n, int64_t index_rows,
+                   size_t row_bytes, void* stream) override {
+    DeviceGuard guard(device_);
+    ep_gather_rows(dst, src, index, n, index_rows, row_bytes, as_stream(stream));
+  }
+  void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n, int64_t index_rows,
+                    size_t row_bytes, void* stream) override {
+    DeviceGuard guard(device_);
+    ep_scatter_rows(dst, src, index, n, index_rows, row_bytes, as_stream(stream));
+  }
+  void combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index, int64_t T,
+                    int64_t k, int64_t d, int64_t index_rows, void* stream) override {
+    DeviceGuard guard(device_);
+    ep_combine_rows(dtype, out, rows, index, T, k, d, index_rows, as_stream(stream));
+  }
+  void local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
+                        int64_t local_experts, int64_t R, int32_t* local_ids,
+                        void* stream) override {
+    DeviceGuard guard(device_);
+    ep_local_expert_ids(table, W, E, expert_begin, local_experts, R, local_ids, as_stream(stream));
+  }
+  void global_counts(const int32_t* table, int64_t W, int64_t E, int32_t* counts,
+                     void* stream) override {
+    DeviceGuard guard(device_);
+    ep_global_counts(table, W, E, counts, as_stream(stream));
+  }
+  void loss_shares_forward(const LayerDesc& desc, const LossShareCall& call,
+                           void* losses) override {
+    DeviceGuard guard(device_);
+    ep_loss_shares_forward(desc, call, losses);
+  }
+  void loss_shares_backward(const LayerDesc& desc, const LossShareCall& call, const void* d_losses,
+                            void* d_logits) override {
+    DeviceGuard guard(device_);
+    ep_loss_shares_backward(desc, call, d_losses, d_logits);
+  }
+  void copy_to_host(void* host_dst, const void* src, size_t bytes, void* stream) override {
+    DeviceGuard guard(device_);
+    ep_copy_to_host(host_dst, src, bytes, as_stream(stream));
+  }
+  void copy_between_ranks(void* dst, const void* src, size_t bytes) override {
+    DeviceGuard guard(device_);
+    ep_copy_between_ranks(dst, src, bytes);
+  }
+  void synchronize(void* stream) override {
+    DeviceGuard guard(device_);
+    ep_synchronize(as_stream(stream));
+  }
+
   bool pointer_usable(const void* ptr) const override {
     if (ptr == nullptr) return true;
     cudaPointerAttributes attr{};
@@ -452,7 +503,7 @@ bool cuda_backend_available() {
     int major = 0;
     if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, i) == cudaSuccess &&
         major >= 8)
-      return true;
+      return cuda::cublaslt_available();  // a context also needs cuBLASLt (loaded at run time)
   }
   (void)cudaGetLastError();
   return false;

@@ -44,12 +44,21 @@ __device__ __forceinline__ float sigmoidf_(float l) {
   return 1.f / (1.f + expf(-l));
 }
 
+// SIGMOID scores up to a common factor, the CPU's cpu::sigmoid_scores() rule: the plain sigmoid
+// when the token's largest logit m is at least -60, else sigmoid(l) * exp(-m), so that top-k, the
+// renormalised weights and the aux loss's normalised scores stay exact where every sigmoid
+// underflows to 0.
+constexpr float kSigmoidScaleBelow = -60.f;
+__device__ __forceinline__ float sigmoid_score(float l, float m) {
+  return m >= kSigmoidScaleBelow ? sigmoidf_(l) : expf(l - m) / (1.f + expf(l));
+}
+
 // The value top-k ranks expert e by.
 __device__ __forceinline__ float rank_score(ScoreFunction fn, float l, const TokenStats& st) {
   switch (fn) {
     case ScoreFunction::SoftmaxTopk: return expf(l - st.max) / st.sum;
     case ScoreFunction::TopkSoftmax: return l;
-    case ScoreFunction::Sigmoid: return sigmoidf_(l);
+    case ScoreFunction::Sigmoid: return sigmoid_score(l, st.max);
   }
   return l;
 }
@@ -90,7 +99,13 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_forward_kernel(Route
     const float* row = p.logits + t * E;
     const bool need_stats = p.fn != ScoreFunction::Sigmoid || p.want_z;
     TokenStats st{0.f, 1.f};
-    if (need_stats) st = softmax_stats(row, E, lane);
+    if (need_stats) {
+      st = softmax_stats(row, E, lane);
+    } else {  // SIGMOID needs the largest logit only (sigmoid_score's scale)
+      float m = -INFINITY;
+      for (int e = lane; e < E; e += 32) m = fmaxf(m, row[e]);
+      st.max = warp_max(m);
+    }
     // Lane-owned experts e = lane + 32*i; bit i of `taken` marks those already selected.
     uint32_t taken = 0;
     float g_mine = 0.f;  // lane j keeps the j-th pick's weight
@@ -132,6 +147,8 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_forward_kernel(Route
     } else if (p.renormalize) {
       sel_sum = warp_sum(lane < k ? g_mine : 0.f);
       g_mine = g_mine / sel_sum;
+    } else if (p.fn == ScoreFunction::Sigmoid && lane < k) {
+      g_mine = sigmoidf_(row[id_mine]);  // the plain sigmoid (the rank score may be scaled)
     }
     if (lane < k) {
       p.ids[t * k + lane] = id_mine;
@@ -140,9 +157,9 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_forward_kernel(Route
     if (p.want_aux) {
       if (p.fn == ScoreFunction::Sigmoid) {
         float s = 0.f;
-        for (int e = lane; e < E; e += 32) s += sigmoidf_(row[e]);
+        for (int e = lane; e < E; e += 32) s += sigmoid_score(row[e], st.max);
         s = warp_sum(s);
-        for (int e = lane; e < E; e += 32) my_p[e] += sigmoidf_(row[e]) / s;
+        for (int e = lane; e < E; e += 32) my_p[e] += sigmoid_score(row[e], st.max) / s;
       } else {
         for (int e = lane; e < E; e += 32) my_p[e] += expf(row[e] - st.max) / st.sum;
       }
@@ -279,7 +296,7 @@ __global__ void __launch_bounds__(256) router_backward_kernel(RouterBwdParams p)
     if (id >= 0) {
       const float l = row[id];
       score = p.fn == ScoreFunction::SoftmaxTopk ? expf(l - st.max) / st.sum
-              : sigmoid                          ? sigmoidf_(l)
+              : sigmoid                          ? sigmoid_score(l, st.max)
                                                  : l;
     }
   }
@@ -309,11 +326,11 @@ __global__ void __launch_bounds__(256) router_backward_kernel(RouterBwdParams p)
     const float scale = d_aux * p.aux_coeff * float(E) / (float(p.T) * float(p.T * k));
     if (sigmoid) {
       float s = 0.f;
-      for (int e = lane; e < E; e += 32) s += sigmoidf_(row[e]);
+      for (int e = lane; e < E; e += 32) s += sigmoid_score(row[e], st.max);
       sig_sum = warp_sum(s);
       float dot = 0.f;
       for (int e = lane; e < E; e += 32)
-        dot += scale * float(p.counts[e]) * sigmoidf_(row[e]) / sig_sum;
+        dot += scale * float(p.counts[e]) * sigmoid_score(row[e], st.max) / sig_sum;
       wq_dot = warp_sum(dot);
     } else {
       float dot = 0.f;
@@ -344,14 +361,14 @@ __global__ void __launch_bounds__(256) router_backward_kernel(RouterBwdParams p)
     } else if (p.fn == ScoreFunction::TopkSoftmax) {
       grad = sel;
     } else {
+      // Renormalised, the scores' common factor cancels; otherwise g is the plain sigmoid.
       const float s = sigmoidf_(l);
-      grad = sel * s * (1.f - s);
+      grad = sel * (p.renormalize ? sigmoid_score(l, st.max) : s) * (1.f - s);
     }
     if (aux) {
       const float w = aux_scale * float(p.counts[e]);
       if (sigmoid) {
-        const float s = sigmoidf_(l);
-        grad += (w - wq_dot) / sig_sum * s * (1.f - s);
+        grad += (w - wq_dot) / sig_sum * sigmoid_score(l, st.max) * (1.f - sigmoidf_(l));
       } else {
         grad += pe * (w - wq_dot);
       }

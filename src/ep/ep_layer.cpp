@@ -4,8 +4,9 @@
 #include <cstring>
 #include <mutex>
 
-#include "api/checks.hpp"
 #include "common/carver.hpp"
+#include "common/checks.hpp"
+#include "common/routing_index.hpp"
 #include "common/saved_layout.hpp"
 #include "common/status.hpp"
 
@@ -19,6 +20,7 @@ namespace {
 
 // The HOME saved buffer: everything about this rank's tokens that finish and backward need.
 struct HomeSaved {
+  HomeHeader* header = nullptr;
   int32_t* table = nullptr;                 // [W,E] per-expert counts of every rank
   void* logits = nullptr;                   // [T,E] rtype
   int32_t* ids = nullptr;                   // [T,k] global expert ids
@@ -31,6 +33,7 @@ struct HomeSaved {
 HomeSaved carve_home(Carver& c, const LayerDesc& desc, int64_t W, int64_t T) {
   const int64_t N = T * desc.k;
   HomeSaved s;
+  s.header = c.carve<HomeHeader>(sizeof(HomeHeader));
   s.table = c.carve<int32_t>(sizeof(int32_t) * size_t(W * desc.E));
   s.logits = c.carve(desc.relem_size() * size_t(T * desc.E));
   s.ids = c.carve<int32_t>(sizeof(int32_t) * size_t(N));
@@ -149,7 +152,7 @@ uint64_t make_layer_tag(const LayerDesc& desc, int32_t world_size) {
 
 // ---- construction -------------------------------------------------------------------------------
 
-EpLayer::EpLayer(std::shared_ptr<api::ContextState> context, const LayerDesc& global_desc,
+EpLayer::EpLayer(std::shared_ptr<ContextState> context, const LayerDesc& global_desc,
                  int32_t transport_kind, int32_t rank, int32_t world_size, void* communicator,
                  std::shared_ptr<LocalGroupState> group)
     : context_(std::move(context)),
@@ -184,12 +187,10 @@ EpLayer::EpLayer(std::shared_ptr<api::ContextState> context, const LayerDesc& gl
   backend.check_supported(local_desc_);
   layer_tag_ = make_layer_tag(global_desc_, world_size);
 
-  ops_ = context_->backend_kind == MOEBLAZE_BACKEND_CUDA ? make_cuda_ep_ops(context_->device)
-                                                         : make_cpu_ep_ops();
   if (transport_kind == MOEBLAZE_EP_TRANSPORT_LOCAL) {
-    transport_ = make_local_transport(group_, rank, *ops_);
+    transport_ = make_local_transport(group_, rank, backend);
   } else {
-    transport_ = make_nccl_transport(communicator, rank, world_size, context_->device, *ops_);
+    transport_ = make_nccl_transport(communicator, rank, world_size, context_->device, backend);
   }
 
   const size_t W = size_t(world_size);
@@ -232,7 +233,7 @@ size_t EpLayer::workspace_size(EpPass pass, int64_t T, int64_t R, uint32_t backw
 }
 
 void EpLayer::require_recv_rows(int64_t R, const char* argument) const {
-  MB_REQUIRE_ARG(R >= 0 && R <= api::kMaxRoutedRows,
+  MB_REQUIRE_ARG(R >= 0 && R <= kMaxRoutedRows,
                  "%s = %lld must be in [0, 2^31) (the rows this rank's experts receive)", argument,
                  (long long)R);
 }
@@ -250,7 +251,7 @@ struct EpLayer::Step {
 
 EpLayer::Step EpLayer::read_step(const void* exchange, size_t exchange_bytes, int64_t T,
                                  uint32_t expected_state, const char* call) const {
-  api::require_num_tokens(router_desc_, T, "args->num_tokens");
+  require_num_tokens(router_desc_, T, "args->num_tokens");
   MB_REQUIRE_ARG(exchange != nullptr, "exchange is NULL");
   MB_REQUIRE_ARG(reinterpret_cast<uintptr_t>(exchange) % 8 == 0,
                  "exchange (%p) must be 8-byte aligned", exchange);
@@ -283,7 +284,74 @@ EpLayer::Step EpLayer::read_step(const void* exchange, size_t exchange_bytes, in
   step.table = reinterpret_cast<const int32_t*>(static_cast<const unsigned char*>(exchange) +
                                                 kExchangeTableOffset);
   step.R = header->recv_rows;
+  check_count_table(step, T);
   return step;
+}
+
+// `exchange` is the caller's memory: its counts size every exchange, gather and buffer of the step,
+// so they are checked as forward_begin left them before any is used.
+void EpLayer::check_count_table(const Step& step, int64_t T) const {
+  const int64_t E = global_desc_.E;
+  const int64_t k = global_desc_.k;
+  MB_REQUIRE_ARG(step.R >= 0 && step.R <= kMaxRoutedRows,
+                 "exchange: recv_rows = %lld is out of range [0, 2^31) (the buffer was modified "
+                 "after moeblaze_ep_forward_begin)",
+                 (long long)step.R);
+  int64_t received = 0;
+  for (int64_t s = 0; s < world_size_; ++s) {
+    int64_t routed = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int32_t count = step.table[s * E + e];
+      MB_REQUIRE_ARG(count >= 0,
+                     "exchange: count table [rank %lld, expert %lld] = %d is negative (the buffer "
+                     "was modified after moeblaze_ep_forward_begin)",
+                     (long long)s, (long long)e, int(count));
+      routed += count;
+      if (e >= expert_begin_ && e < expert_end_) received += count;
+    }
+    MB_REQUIRE_ARG(routed % k == 0 && routed <= kMaxRoutedRows && (s != rank_ || routed == T * k),
+                   "exchange: count table row of rank %lld routes %lld rows, which is not what "
+                   "moeblaze_ep_forward_begin wrote (the buffer was modified)",
+                   (long long)s, (long long)routed);
+  }
+  MB_REQUIRE_ARG(received == step.R,
+                 "exchange: the count table gives %lld received rows, its header %lld (the buffer "
+                 "was modified after moeblaze_ep_forward_begin)",
+                 (long long)received, (long long)step.R);
+}
+
+// The HOME saved buffer is the caller's memory, and its indices address x, dy and the workspace:
+// on a CPU context every one is checked before any is followed. (A CUDA context cannot read it
+// without a host synchronisation; its kernels skip indices out of range instead.)
+void EpLayer::check_home_saved(const Step& step, int64_t T) const {
+  const HomeSaved& home = step.home;
+  const HomeHeader& h = *home.header;
+  const int64_t E = global_desc_.E;
+  const int64_t k = global_desc_.k;
+  MB_REQUIRE_ARG(h.magic == kHomeMagic && h.version == uint32_t(MOEBLAZE_VERSION) &&
+                     h.layer_tag == layer_tag_ && h.rank == rank_ && h.world_size == world_size_,
+                 "args->home_saved was not filled by moeblaze_ep_forward_begin of this layer and "
+                 "rank (or was overwritten since)");
+  MB_REQUIRE_ARG(h.step == step.header->step && h.num_tokens == T,
+                 "args->home_saved belongs to another forward step than `exchange` (step %llu "
+                 "with %lld tokens; `exchange` holds step %llu with %lld)",
+                 (unsigned long long)h.step, (long long)h.num_tokens,
+                 (unsigned long long)step.header->step, (long long)T);
+  MB_REQUIRE_ARG(
+      std::memcmp(home.table, step.table, sizeof(int32_t) * size_t(world_size_ * E)) == 0,
+      "args->home_saved: its count table differs from the one in `exchange` (one of "
+      "them was modified after moeblaze_ep_forward_begin)");
+  check_routing_index(T, k, E, home.expert_offsets, home.expert_token_indices, home.token_index_map,
+                      "args->home_saved");
+  for (int64_t e = 0; e < E; ++e) {
+    MB_REQUIRE_ARG(home.expert_offsets[e + 1] - home.expert_offsets[e] == step.table[rank_ * E + e],
+                   "args->home_saved: corrupted routing index: expert %lld has %d rows, the count "
+                   "table %d",
+                   (long long)e, int(home.expert_offsets[e + 1] - home.expert_offsets[e]),
+                   int(step.table[rank_ * E + e]));
+  }
+  check_ids_match_routing_index(T, k, E, home.ids, home.expert_offsets, home.token_index_map,
+                                "args->home_saved ids", "args->home_saved");
 }
 
 template <class Args>
@@ -298,18 +366,17 @@ void EpLayer::open_step(Step& step, const Args& a, EpPass pass) {
                    "args->home_saved and args->expert_saved must be the buffers of the forward "
                    "step (one is NULL)");
   }
-  api::require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
-                      "args->home_saved", "args->home_saved_bytes",
-                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
+  require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
+                 "args->home_saved", "args->home_saved_bytes",
+                 "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
   if (pass == EpPass::ForwardFinish) {
     MB_REQUIRE_ARG(a.expert_saved != nullptr,
                    "args->expert_saved is NULL: forward_finish writes the received rows there "
                    "(moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows) bytes)");
   }
-  api::require_buffer(backend, a.expert_saved, a.expert_saved_bytes,
-                      saved_size(EpSaved::Expert, T, R), "args->expert_saved",
-                      "args->expert_saved_bytes",
-                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows)");
+  require_buffer(backend, a.expert_saved, a.expert_saved_bytes, saved_size(EpSaved::Expert, T, R),
+                 "args->expert_saved", "args->expert_saved_bytes",
+                 "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_EXPERT, recv_rows)");
   // Name the query that gives the size asked for: the flags-aware one where the flags change it.
   const char* workspace_query =
       pass == EpPass::ForwardFinish
@@ -318,8 +385,8 @@ void EpLayer::open_step(Step& step, const Args& a, EpPass pass) {
           ? "moeblaze_ep_layer_workspace_size_with_flags(MOEBLAZE_EP_PASS_BACKWARD, recv_rows, "
             "flags)"
           : "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_BACKWARD, recv_rows)";
-  api::require_buffer(backend, a.workspace, a.workspace_bytes, workspace_size(pass, T, R, a.flags),
-                      "args->workspace", "args->workspace_bytes", workspace_query);
+  require_buffer(backend, a.workspace, a.workspace_bytes, workspace_size(pass, T, R, a.flags),
+                 "args->workspace", "args->workspace_bytes", workspace_query);
 
   compute_splits(*step.header, step.table);
   // The backward arguments hold the saved buffers as const: it only reads them.
@@ -327,6 +394,7 @@ void EpLayer::open_step(Step& step, const Args& a, EpPass pass) {
   step.home = carve_home(home_carver, router_desc_, world_size_, T);
   Carver expert_carver(const_cast<void*>(a.expert_saved));
   step.expert = carve_expert(expert_carver, local_desc_, R);
+  if (backend.kind() == MOEBLAZE_BACKEND_CPU) check_home_saved(step, T);
 }
 
 void EpLayer::compute_splits(const ExchangeHeader& header, const int32_t* table) {
@@ -406,17 +474,17 @@ int64_t EpLayer::forward_begin(const moeblaze_ep_forward_args_t& a, void* exchan
   const int64_t W = world_size_;
 
   MB_REQUIRE_ARG(a.flags == 0, "args->flags = %u must be 0 (reserved)", a.flags);
-  api::require_num_tokens(rd, T, "args->num_tokens");
+  require_num_tokens(rd, T, "args->num_tokens");
   const bool empty = T == 0;
-  api::require_tensor(backend, a.x, true, empty, rd.elem_size(), "args->x");
-  api::require_tensor(backend, a.w_router, true, false, rd.elem_size(), "args->w_router");
-  api::require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
-                      "args->home_saved", "args->home_saved_bytes",
-                      "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
-  api::require_buffer(backend, a.workspace, a.workspace_bytes,
-                      workspace_size(EpPass::ForwardBegin, T, 0), "args->workspace",
-                      "args->workspace_bytes",
-                      "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_FORWARD_BEGIN)");
+  require_tensor(backend, a.x, true, empty, rd.elem_size(), "args->x");
+  require_tensor(backend, a.w_router, true, false, rd.elem_size(), "args->w_router");
+  require_buffer(backend, a.home_saved, a.home_saved_bytes, saved_size(EpSaved::Home, T, 0),
+                 "args->home_saved", "args->home_saved_bytes",
+                 "moeblaze_ep_layer_saved_size(MOEBLAZE_EP_SAVED_HOME)");
+  require_buffer(backend, a.workspace, a.workspace_bytes,
+                 workspace_size(EpPass::ForwardBegin, T, 0), "args->workspace",
+                 "args->workspace_bytes",
+                 "moeblaze_ep_layer_workspace_size(MOEBLAZE_EP_PASS_FORWARD_BEGIN)");
   MB_REQUIRE_ARG(exchange != nullptr, "exchange is NULL");
   MB_REQUIRE_ARG(reinterpret_cast<uintptr_t>(exchange) % 8 == 0,
                  "exchange (%p) must be 8-byte aligned", exchange);
@@ -479,10 +547,21 @@ int64_t EpLayer::forward_begin(const moeblaze_ep_forward_args_t& a, void* exchan
   }
   transport_->exchange(exchange_tensors_, 1, "forward_begin: count exchange", layer_tag_, stream);
 
+  // The HOME header, before the synchronisation below (which also waits for this copy).
+  const uint64_t step = ++steps_begun_;
+  home_header_.magic = kHomeMagic;
+  home_header_.version = uint32_t(MOEBLAZE_VERSION);
+  home_header_.layer_tag = layer_tag_;
+  home_header_.step = step;
+  home_header_.num_tokens = T;
+  home_header_.rank = rank_;
+  home_header_.world_size = world_size_;
+  backend.copy(home.header, &home_header_, sizeof(HomeHeader), stream);
+
   // F1': the one host synchronisation.
   auto* table =
       reinterpret_cast<int32_t*>(static_cast<unsigned char*>(exchange) + kExchangeTableOffset);
-  ops_->copy_to_host(table, home.table, row_bytes * size_t(W), stream);
+  backend.copy_to_host(table, home.table, row_bytes * size_t(W), stream);
 
   int64_t recv_rows = 0;
   for (int64_t s = 0; s < W; ++s) {
@@ -511,6 +590,7 @@ int64_t EpLayer::forward_begin(const moeblaze_ep_forward_args_t& a, void* exchan
   header->recv_rows = recv_rows;
   header->rank = rank_;
   header->world_size = world_size_;
+  header->step = step;
   header->magic = kExchangeMagic;
   return recv_rows;
 }
@@ -524,25 +604,24 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   const int64_t W = world_size_;
   const int64_t k = rd.k;
   const int64_t d = rd.d;
-  const int64_t N = T * k;
   const size_t es = rd.elem_size();
   const size_t rs = rd.relem_size();
 
   MB_REQUIRE_ARG(a.flags == 0, "args->flags = %u must be 0 (reserved)", a.flags);
   Step step = read_step(exchange, exchange_bytes, T, kStepBegun, "moeblaze_ep_forward_finish");
+  const int64_t N = T * k;  // only now: read_step has checked T
   const int64_t R = step.R;
   const bool empty = T == 0;
-  api::require_tensor(backend, a.x, true, empty, es, "args->x");
-  api::require_tensor(backend, a.w_gate, true, false, es, "args->w_gate");
-  api::require_tensor(backend, a.w_up, rd.gated(), false, es, "args->w_up");
-  api::require_tensor(backend, a.w_down, true, false, es, "args->w_down");
-  api::require_tensor(backend, a.y, true, empty, es, "args->y");
-  api::require_tensor(backend, a.logits_out, false, false, rs, "args->logits_out");
-  api::require_tensor(backend, a.ids_out, false, false, sizeof(int32_t), "args->ids_out");
-  api::require_tensor(backend, a.g_out, false, false, rs, "args->g_out");
-  api::require_tensor(backend, a.expert_counts, false, false, sizeof(int32_t),
-                      "args->expert_counts");
-  api::require_tensor(backend, a.losses, false, false, rs, "args->losses");
+  require_tensor(backend, a.x, true, empty, es, "args->x");
+  require_tensor(backend, a.w_gate, true, false, es, "args->w_gate");
+  require_tensor(backend, a.w_up, rd.gated(), false, es, "args->w_up");
+  require_tensor(backend, a.w_down, true, false, es, "args->w_down");
+  require_tensor(backend, a.y, true, empty, es, "args->y");
+  require_tensor(backend, a.logits_out, false, false, rs, "args->logits_out");
+  require_tensor(backend, a.ids_out, false, false, sizeof(int32_t), "args->ids_out");
+  require_tensor(backend, a.g_out, false, false, rs, "args->g_out");
+  require_tensor(backend, a.expert_counts, false, false, sizeof(int32_t), "args->expert_counts");
+  require_tensor(backend, a.losses, false, false, rs, "args->losses");
   open_step(step, a, EpPass::ForwardFinish);
 
   const HomeSaved& home = step.home;
@@ -552,8 +631,8 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
 
   // F2: the routed rows in send order (by expert, hence by destination rank; tokens ascending),
   // and g along with them (option B of the design: the expert rank applies it).
-  ops_->gather_rows(scratch.rows, a.x, home.expert_token_indices, N, es * size_t(d), stream);
-  ops_->scatter_rows(scratch.send_g, home.g, home.token_index_map, N, rs, stream);
+  backend.gather_rows(scratch.rows, a.x, home.expert_token_indices, N, T, es * size_t(d), stream);
+  backend.scatter_rows(scratch.send_g, home.g, home.token_index_map, N, N, rs, stream);
 
   // F3: dispatch.
   set_rows_tensor(0, scratch.rows, expert.recv, es * size_t(d), true);
@@ -561,8 +640,8 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   transport_->exchange(exchange_tensors_, 2, "forward_finish: dispatch", layer_tag_, stream);
 
   // F4: the local experts on the received rows, a batch of R tokens with top_k = 1.
-  ops_->local_expert_ids(home.table, W, E, expert_begin_, expert_end_ - expert_begin_, R,
-                         expert.local_ids, stream);
+  backend.local_expert_ids(home.table, W, E, expert_begin_, expert_end_ - expert_begin_, R,
+                           expert.local_ids, stream);
   {
     ExpertsForwardCall experts;
     experts.T = R;
@@ -588,10 +667,10 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   transport_->exchange(exchange_tensors_, 1, "forward_finish: return", layer_tag_, stream);
 
   // F6: y_t = sum_j rows[(t, j)], j ascending, rounded once.
-  ops_->combine_rows(rd.dtype, a.y, scratch.rows, home.token_index_map, T, k, d, stream);
+  backend.combine_rows(rd.dtype, a.y, scratch.rows, home.token_index_map, T, k, d, N, stream);
 
   if (a.expert_counts || a.losses) {
-    ops_->global_counts(home.table, W, E, scratch.global_counts, stream);
+    backend.global_counts(home.table, W, E, scratch.global_counts, stream);
   }
   if (a.expert_counts) {
     backend.copy(a.expert_counts, scratch.global_counts, sizeof(int32_t) * size_t(E), stream);
@@ -604,7 +683,7 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
     loss.global_counts = scratch.global_counts;
     loss.scratch = scratch.loss_scratch;
     loss.stream = stream;
-    ops_->loss_shares_forward(global_desc_, loss, a.losses);
+    backend.loss_shares_forward(global_desc_, loss, a.losses);
   }
   if (a.logits_out) backend.copy(a.logits_out, home.logits, rs * size_t(T * E), stream);
   if (a.ids_out) backend.copy(a.ids_out, home.ids, sizeof(int32_t) * size_t(N), stream);
@@ -624,28 +703,28 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   const int64_t W = world_size_;
   const int64_t k = rd.k;
   const int64_t d = rd.d;
-  const int64_t N = T * k;
   const size_t es = rd.elem_size();
   const size_t rs = rd.relem_size();
 
-  api::require_backward_flags(a.flags, "args->flags");
+  require_backward_flags(a.flags, "args->flags");
   Step step = read_step(exchange, exchange_bytes, T, kStepFinished, "moeblaze_ep_backward");
+  const int64_t N = T * k;  // only now: read_step has checked T
   const int64_t R = step.R;
   const bool empty = T == 0;
-  api::require_tensor(backend, a.dy, true, empty, es, "args->dy");
-  api::require_tensor(backend, a.d_losses, false, false, rs, "args->d_losses");
-  api::require_tensor(backend, a.x, true, empty, es, "args->x");
-  api::require_tensor(backend, a.w_router, true, false, es, "args->w_router");
-  api::require_tensor(backend, a.w_gate, true, false, es, "args->w_gate");
-  api::require_tensor(backend, a.w_up, rd.gated(), false, es, "args->w_up");
-  api::require_tensor(backend, a.w_down, true, false, es, "args->w_down");
-  api::require_tensor(backend, a.dx, false, false, es, "args->dx");
-  api::require_tensor(backend, a.dw_router, false, false, es, "args->dw_router");
-  api::require_tensor(backend, a.dw_gate, false, false, es, "args->dw_gate");
-  api::require_tensor(backend, a.dw_up, false, false, es, "args->dw_up");
-  api::require_tensor(backend, a.dw_down, false, false, es, "args->dw_down");
-  api::require_tensor(backend, a.dg, false, false, rs, "args->dg");
-  api::require_tensor(backend, a.d_logits, false, false, rs, "args->d_logits");
+  require_tensor(backend, a.dy, true, empty, es, "args->dy");
+  require_tensor(backend, a.d_losses, false, false, rs, "args->d_losses");
+  require_tensor(backend, a.x, true, empty, es, "args->x");
+  require_tensor(backend, a.w_router, true, false, es, "args->w_router");
+  require_tensor(backend, a.w_gate, true, false, es, "args->w_gate");
+  require_tensor(backend, a.w_up, rd.gated(), false, es, "args->w_up");
+  require_tensor(backend, a.w_down, true, false, es, "args->w_down");
+  require_tensor(backend, a.dx, false, false, es, "args->dx");
+  require_tensor(backend, a.dw_router, false, false, es, "args->dw_router");
+  require_tensor(backend, a.dw_gate, false, false, es, "args->dw_gate");
+  require_tensor(backend, a.dw_up, false, false, es, "args->dw_up");
+  require_tensor(backend, a.dw_down, false, false, es, "args->dw_down");
+  require_tensor(backend, a.dg, false, false, rs, "args->dg");
+  require_tensor(backend, a.d_logits, false, false, rs, "args->d_logits");
   open_step(step, a, EpPass::Backward);
   const bool accumulate = (a.flags & MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD) != 0;
   const bool consume = (a.flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
@@ -656,7 +735,7 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   const BackwardScratch scratch = carve_backward(ws, backend, rd, local_desc_, T, R, a.flags);
 
   // B0, B1: the unscaled dy rows to the experts' ranks, with the forward's sizes.
-  ops_->gather_rows(scratch.rows, a.dy, home.expert_token_indices, N, es * size_t(d), stream);
+  backend.gather_rows(scratch.rows, a.dy, home.expert_token_indices, N, T, es * size_t(d), stream);
   set_rows_tensor(0, scratch.rows, scratch.recv_dy, es * size_t(d), true);
   transport_->exchange(exchange_tensors_, 1, "backward: dispatch", layer_tag_, stream);
 
@@ -696,8 +775,10 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   const bool need_router = a.dx != nullptr || a.dw_router != nullptr || a.d_logits != nullptr;
   if (!need_router && a.dg == nullptr) return;
   void* dg = a.dg ? a.dg : scratch.dg;
-  ops_->gather_rows(dg, scratch.back_dg, home.token_index_map, N, rs, stream);
-  if (a.dx) ops_->combine_rows(rd.dtype, a.dx, scratch.rows, home.token_index_map, T, k, d, stream);
+  backend.gather_rows(dg, scratch.back_dg, home.token_index_map, N, N, rs, stream);
+  if (a.dx) {
+    backend.combine_rows(rd.dtype, a.dx, scratch.rows, home.token_index_map, T, k, d, N, stream);
+  }
   if (!need_router) return;
 
   void* d_logits = a.d_logits ? a.d_logits : scratch.d_logits;
@@ -714,7 +795,7 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
     backend.router_backward(rd, route);
   }
   if (global_desc_.aux_loss_coeff != 0.0f || global_desc_.z_loss_coeff != 0.0f) {
-    ops_->global_counts(home.table, W, E, scratch.global_counts, stream);
+    backend.global_counts(home.table, W, E, scratch.global_counts, stream);
     LossShareCall loss;
     loss.T = T;
     loss.global_tokens = splits_.global_tokens;
@@ -722,7 +803,7 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
     loss.global_counts = scratch.global_counts;
     loss.scratch = scratch.loss_scratch;
     loss.stream = stream;
-    ops_->loss_shares_backward(global_desc_, loss, a.d_losses, d_logits);
+    backend.loss_shares_backward(global_desc_, loss, a.d_losses, d_logits);
   }
   if (a.dx == nullptr && a.dw_router == nullptr) return;
   RouterProjectBackwardCall project;

@@ -1,18 +1,17 @@
 // One rank's expert-parallel plan: the global layer's router (replicated), this rank's experts run
 // as a local layer (E_r experts, top_k = 1) on the rows the exchange brings, and the transport.
 // The data flow is that of docs/design/expert-parallel.md, sections 2 and 3; the arithmetic is the
-// backend's own (router projection, router, routing build, experts) plus EpOps (gathers, the
-// combine, loss shares), so that results equal the one-device layer on the global batch.
+// backend's own (router projection, router, routing build, experts, and its row movement and loss
+// shares), so that results equal the one-device layer on the global batch.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <vector>
 
-#include "api/handles.hpp"
 #include "common/backend.hpp"
+#include "common/context.hpp"
 #include "common/layer_desc.hpp"
-#include "ep/ep_ops.hpp"
 #include "ep/local_group.hpp"
 #include "ep/transport.hpp"
 
@@ -28,12 +27,26 @@ struct ExchangeHeader {
   int64_t recv_rows;
   int32_t rank;
   int32_t world_size;
+  uint64_t step;  // the forward_begin that filled it (EpLayer::steps_begun_), also in HomeHeader
 };
 constexpr uint32_t kExchangeMagic = 0x5845424du;  // "MBEX" little-endian
 constexpr uint32_t kStepBegun = 1;
 constexpr uint32_t kStepFinished = 2;
 constexpr size_t kExchangeTableOffset = 64;  // the table starts here, 8-byte aligned
 static_assert(sizeof(ExchangeHeader) <= kExchangeTableOffset, "exchange header too large");
+
+// First bytes of the HOME saved buffer: which layer, rank and step wrote it. The CPU layer checks
+// it (and the indices after it) in finish and backward: the buffer is the caller's memory.
+struct HomeHeader {
+  uint32_t magic;    // kHomeMagic
+  uint32_t version;  // MOEBLAZE_VERSION
+  uint64_t layer_tag;
+  uint64_t step;  // as ExchangeHeader::step
+  int64_t num_tokens;
+  int32_t rank;
+  int32_t world_size;
+};
+constexpr uint32_t kHomeMagic = 0x4845424du;  // "MBEH" little-endian
 
 enum class EpPass : int32_t { ForwardBegin = 0, ForwardFinish = 1, Backward = 2 };
 enum class EpSaved : int32_t { Home = 0, Expert = 1 };
@@ -43,7 +56,7 @@ enum class EpSaved : int32_t { Home = 0, Expert = 1 };
 // an execute call never allocates). They are collectives, so one layer never runs two at once.
 class EpLayer {
  public:
-  EpLayer(std::shared_ptr<api::ContextState> context, const LayerDesc& global_desc,
+  EpLayer(std::shared_ptr<ContextState> context, const LayerDesc& global_desc,
           int32_t transport_kind, int32_t rank, int32_t world_size, void* communicator,
           std::shared_ptr<LocalGroupState> group);
 
@@ -91,6 +104,10 @@ class EpLayer {
   // stay empty until open_step: each call checks its own tensors in between.
   Step read_step(const void* exchange, size_t exchange_bytes, int64_t T, uint32_t expected_state,
                  const char* call) const;
+  // The count table of `exchange` as forward_begin wrote it for T tokens (else INVALID_ARGUMENT).
+  void check_count_table(const Step& step, int64_t T) const;
+  // The HOME saved buffer as forward_begin of this step wrote it (host memory only).
+  void check_home_saved(const Step& step, int64_t T) const;
   // Checks the step's buffers (both saved ones, then the workspace of `pass`), fills splits_ and
   // carves the saved views. Args: the forward or backward arguments (the same buffer fields).
   template <class Args>
@@ -102,7 +119,7 @@ class EpLayer {
   void set_rows_tensor(size_t slot, const void* send, void* recv, size_t row_bytes,
                        bool to_experts);
 
-  std::shared_ptr<api::ContextState> context_;
+  std::shared_ptr<ContextState> context_;
   LayerDesc global_desc_;  // as created: the losses' coefficients
   LayerDesc router_desc_;  // the global router without loss terms (EP computes loss shares)
   LayerDesc local_desc_;   // this rank's experts: E_r experts, top_k = 1
@@ -112,7 +129,8 @@ class EpLayer {
   int64_t expert_end_;
   std::vector<int64_t> rank_expert_begin_;  // [W + 1]
   uint64_t layer_tag_;
-  std::unique_ptr<EpOps> ops_;
+  uint64_t steps_begun_ = 0;  // forward_begin calls so far: the step id of the next one is this + 1
+  HomeHeader home_header_{};  // the source of forward_begin's (asynchronous) header copy
   std::shared_ptr<LocalGroupState> group_;
   std::unique_ptr<Transport> transport_;
   // Host scratch of the execute calls, sized at creation (see the class comment).
@@ -123,11 +141,3 @@ class EpLayer {
 
 }  // namespace ep
 }  // namespace moeblaze
-
-struct moeblaze_ep_layer_s {
-  std::unique_ptr<moeblaze::ep::EpLayer> layer;
-};
-
-struct moeblaze_ep_group_s {
-  std::shared_ptr<moeblaze::ep::LocalGroupState> state;
-};

@@ -51,9 +51,9 @@ void LocalGroupState::barrier(std::unique_lock<std::mutex>& lock, int32_t rank, 
   }
 }
 
-void LocalGroupState::exchange(int32_t rank, EpOps& ops, const ExchangeTensor* tensors,
+void LocalGroupState::exchange(int32_t rank, Backend& backend, const ExchangeTensor* tensors,
                                size_t count, const char* step, uint64_t layer_tag, void* stream) {
-  ops.synchronize(stream);  // the send data must be complete before another rank reads it
+  backend.synchronize(stream);  // the send data must be complete before another rank reads it
   {
     std::unique_lock<std::mutex> lock(mutex_);
     postings_[size_t(rank)] = Posting{tensors, count, step, layer_tag};
@@ -84,7 +84,7 @@ void LocalGroupState::exchange(int32_t rank, EpOps& ops, const ExchangeTensor* t
                    "'%s': rank %d sends %zu bytes to rank %d, which expects %zu", step, int(source),
                    sent.send_bytes[size_t(rank)], int(rank), bytes);
         if (bytes == 0) continue;
-        ops.copy_between_ranks(
+        backend.copy_between_ranks(
             static_cast<unsigned char*>(mine.recv) + mine.recv_offset[size_t(source)],
             static_cast<const unsigned char*>(sent.send) + sent.send_offset[size_t(rank)], bytes);
       }
@@ -113,25 +113,25 @@ namespace {
 
 class LocalTransport final : public Transport {
  public:
-  LocalTransport(std::shared_ptr<LocalGroupState> group, int32_t rank, EpOps& ops)
-      : group_(std::move(group)), rank_(rank), ops_(ops) {}
+  LocalTransport(std::shared_ptr<LocalGroupState> group, int32_t rank, Backend& backend)
+      : group_(std::move(group)), rank_(rank), backend_(backend) {}
 
   void exchange(const ExchangeTensor* tensors, size_t count, const char* step, uint64_t layer_tag,
                 void* stream) override {
-    group_->exchange(rank_, ops_, tensors, count, step, layer_tag, stream);
+    group_->exchange(rank_, backend_, tensors, count, step, layer_tag, stream);
   }
 
  private:
   std::shared_ptr<LocalGroupState> group_;
   int32_t rank_;
-  EpOps& ops_;
+  Backend& backend_;
 };
 
 }  // namespace
 
 std::unique_ptr<Transport> make_local_transport(std::shared_ptr<LocalGroupState> group,
-                                                int32_t rank, EpOps& ops) {
-  return std::make_unique<LocalTransport>(std::move(group), rank, ops);
+                                                int32_t rank, Backend& backend) {
+  return std::make_unique<LocalTransport>(std::move(group), rank, backend);
 }
 
 }  // namespace ep

@@ -31,7 +31,7 @@ class LocalGroupState {
   void check_backend(int32_t backend_kind, int32_t rank);
 
   // The exchange protocol above, for rank `rank`.
-  void exchange(int32_t rank, EpOps& ops, const ExchangeTensor* tensors, size_t count,
+  void exchange(int32_t rank, Backend& backend, const ExchangeTensor* tensors, size_t count,
                 const char* step, uint64_t layer_tag, void* stream);
 
  private:

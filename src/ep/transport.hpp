@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <memory>
 
-#include "ep/ep_ops.hpp"
+#include "common/backend.hpp"
 
 namespace moeblaze {
 namespace ep {
@@ -39,11 +39,11 @@ class Transport {
 class LocalGroupState;  // ep/local_group.hpp
 
 std::unique_ptr<Transport> make_local_transport(std::shared_ptr<LocalGroupState> group,
-                                                int32_t rank, EpOps& ops);
+                                                int32_t rank, Backend& backend);
 // `comm` is an ncclComm_t. Throws Error(NOT_SUPPORTED) when the build has no NCCL. Checks that
 // the communicator's rank and size are `rank` and `world_size`, and its device is `device`.
 std::unique_ptr<Transport> make_nccl_transport(void* comm, int32_t rank, int32_t world_size,
-                                               int32_t device, EpOps& ops);
+                                               int32_t device, Backend& backend);
 bool nccl_transport_built();
 
 }  // namespace ep

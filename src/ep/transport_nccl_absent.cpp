@@ -11,7 +11,7 @@ bool nccl_transport_built() {
   return false;
 }
 
-std::unique_ptr<Transport> make_nccl_transport(void*, int32_t, int32_t, int32_t, EpOps&) {
+std::unique_ptr<Transport> make_nccl_transport(void*, int32_t, int32_t, int32_t, Backend&) {
   fail(MOEBLAZE_ERR_NOT_SUPPORTED,
        "MOEBLAZE_EP_TRANSPORT_NCCL: this libmoeblaze was built without NCCL (configure the CUDA "
        "backend with -DMOEBLAZE_NCCL=ON or AUTO where nccl.h is found, e.g. NCCL_HOME); "

@@ -504,3 +504,120 @@ TEST_CASE("ep errors: a collective mismatch fails on every rank instead of corru
                   message[size_t(rank)]);
   }
 }
+
+TEST_CASE("ep errors: a HOME saved buffer or exchange overwritten between calls is refused") {
+  // The HOME buffer and `exchange` are the caller's memory between forward_begin, forward_finish
+  // and backward; their indices and counts address x, dy and the workspace. Every overwrite below
+  // once read or wrote outside the buffers (scatter_rows, gather_rows); now each is reported.
+  OneRank one;
+  const int64_t T = 6, k = one.c.k, E = one.c.E;
+  const int32_t N = int32_t(T * k);
+  std::vector<int32_t> ids(size_t(T * k), -1);
+  one.fa.ids_out = ids.data();
+  MB_CHECK(one.begin(one.fa));
+  MB_CHECK(one.finish(one.fa));
+  one.fa.ids_out = nullptr;
+  const ReferenceRoutingIndex index = routing_index_of(ids, T, E, k);
+
+  MB_CHECK(one.begin(one.fa));  // a fresh step; the same inputs route the same way
+  const std::vector<unsigned char> home(
+      static_cast<const unsigned char*>(one.home.data()),
+      static_cast<const unsigned char*>(one.home.data()) + one.home.size());
+  const std::vector<unsigned char> exchange(
+      static_cast<const unsigned char*>(one.exchange.data()),
+      static_cast<const unsigned char*>(one.exchange.data()) + one.exchange.size());
+  auto restore = [&] {
+    std::memcpy(one.home.data(), home.data(), home.size());
+    std::memcpy(one.exchange.data(), exchange.data(), exchange.size());
+  };
+  const int64_t tokens_at =
+      find_int32_sequence(one.home.data(), one.home.size(), index.expert_token_indices);
+  const int64_t map_at =
+      find_int32_sequence(one.home.data(), one.home.size(), index.token_index_map);
+  const int64_t offsets_at =
+      find_int32_sequence(one.home.data(), one.home.size(), index.expert_offsets);
+  const int64_t ids_at = find_int32_sequence(one.home.data(), one.home.size(), ids);
+  REQUIRE(tokens_at >= 0);
+  REQUIRE(map_at >= 0);
+  REQUIRE(offsets_at >= 0);
+  REQUIRE(ids_at >= 0);
+  auto home_word = [&](int64_t at, int64_t i) -> int32_t& {
+    return reinterpret_cast<int32_t*>(static_cast<unsigned char*>(one.home.data()) + at)[i];
+  };
+
+  struct Overwrite {
+    const char* what;
+    int64_t at, i;
+    int32_t value;
+  };
+  const Overwrite overwrites[] = {
+      {"a token index past T", tokens_at, 2, int32_t(T) + 1000},
+      {"a negative token index", tokens_at, 0, -100000},
+      {"a row index past N", map_at, 3, N + 1000},
+      {"a negative row index", map_at, 1, -1},
+      {"a row named twice", map_at, 1, index.token_index_map[0]},
+      {"offsets past N", offsets_at, E, N + 64},
+      {"an id out of range", ids_at, 4, int32_t(E) + 3},
+  };
+  for (const Overwrite& o : overwrites) {
+    CAPTURE(o.what);
+    restore();
+    home_word(o.at, o.i) = o.value;
+    CHECK_ERROR_NAMES(one.finish(one.fa), MOEBLAZE_ERR_INVALID_ARGUMENT, "home_saved");
+  }
+  // The whole buffer cleared (or never written by this layer's forward_begin).
+  restore();
+  std::memset(one.home.data(), 0, one.home.size());
+  CHECK_ERROR_NAMES(one.finish(one.fa), MOEBLAZE_ERR_INVALID_ARGUMENT, "home_saved");
+  // Its count table changed against the one in `exchange`.
+  restore();
+  std::vector<int32_t> counts(
+      static_cast<size_t>(E));  // the count table of one rank: tokens per expert
+  for (int64_t e = 0; e < E; ++e) {
+    counts[size_t(e)] = index.expert_offsets[size_t(e + 1)] - index.expert_offsets[size_t(e)];
+  }
+  const int64_t table_at = find_int32_sequence(one.home.data(), one.home.size(), counts);
+  const int64_t exchange_table_at =
+      find_int32_sequence(one.exchange.data(), one.exchange.size(), counts);
+  REQUIRE(table_at >= 0);
+  REQUIRE(exchange_table_at >= 0);
+  int32_t* table = reinterpret_cast<int32_t*>(static_cast<unsigned char*>(one.exchange.data()) +
+                                              exchange_table_at);
+  home_word(table_at, 0) += 1;
+  CHECK_ERROR_NAMES(one.finish(one.fa), MOEBLAZE_ERR_INVALID_ARGUMENT, "count table");
+  // The count table in `exchange`: a negative count, and one that no longer matches T * k.
+  restore();
+  table[1] = -3;
+  CHECK_ERROR_NAMES(one.finish(one.fa), MOEBLAZE_ERR_INVALID_ARGUMENT, "exchange");
+  restore();
+  table[0] += 1 << 20;
+  CHECK_ERROR_NAMES(one.finish(one.fa), MOEBLAZE_ERR_INVALID_ARGUMENT, "exchange");
+
+  // The HOME buffer of another step: a second forward_begin into other buffers, then finish with
+  // this step's `exchange` and the other step's HOME buffer.
+  restore();
+  {
+    AlignedBytes other_home(one.home.size()), other_exchange(one.exchange.size());
+    moeblaze_ep_forward_args_t a = one.fa;
+    a.home_saved = other_home.data();
+    int64_t recv = 0;
+    MB_CHECK(moeblaze_ep_forward_begin(one.layer, &a, other_exchange.data(), other_exchange.size(),
+                                       &recv, nullptr));
+    CHECK_ERROR_NAMES(one.finish(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "another forward step");
+  }
+
+  // Untouched, the step finishes; then backward refuses a HOME buffer overwritten after finish
+  // (its gather once read before the caller's dy).
+  MB_CHECK(one.finish(one.fa));
+  const std::vector<unsigned char> finished(
+      static_cast<const unsigned char*>(one.home.data()),
+      static_cast<const unsigned char*>(one.home.data()) + one.home.size());
+  for (const Overwrite& o : overwrites) {
+    CAPTURE(o.what);
+    std::memcpy(one.home.data(), finished.data(), finished.size());
+    home_word(o.at, o.i) = o.value;
+    CHECK_ERROR_NAMES(one.backward(one.ba), MOEBLAZE_ERR_INVALID_ARGUMENT, "home_saved");
+  }
+  std::memcpy(one.home.data(), finished.data(), finished.size());
+  MB_CHECK(one.backward(one.ba));
+}

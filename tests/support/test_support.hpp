@@ -360,6 +360,45 @@ inline std::vector<int32_t> random_ids(Rng& rng, int64_t T, int64_t E, int64_t k
   return ids;
 }
 
+// The routing index moeblaze_routing_build() defines, computed independently from `ids` [T,k].
+struct ReferenceRoutingIndex {
+  std::vector<int32_t> expert_offsets;        // [E+1]
+  std::vector<int32_t> expert_token_indices;  // [N]
+  std::vector<int32_t> token_index_map;       // [N]
+};
+
+inline ReferenceRoutingIndex routing_index_of(const std::vector<int32_t>& ids, int64_t T, int64_t E,
+                                              int64_t k) {
+  ReferenceRoutingIndex index;
+  index.expert_offsets.assign(size_t(E + 1), 0);
+  for (int32_t e : ids) ++index.expert_offsets[size_t(e) + 1];
+  for (int64_t e = 0; e < E; ++e)
+    index.expert_offsets[size_t(e + 1)] += index.expert_offsets[size_t(e)];
+  index.expert_token_indices.assign(size_t(T * k), -1);
+  index.token_index_map.assign(size_t(T * k), -1);
+  std::vector<int32_t> next(index.expert_offsets.begin(), index.expert_offsets.end() - 1);
+  for (int64_t t = 0; t < T; ++t) {  // tokens ascending inside each expert
+    for (int64_t j = 0; j < k; ++j) {
+      const int32_t row = next[size_t(ids[size_t(t * k + j)])]++;
+      index.expert_token_indices[size_t(row)] = int32_t(t);
+      index.token_index_map[size_t(t * k + j)] = row;
+    }
+  }
+  return index;
+}
+
+// The byte offset of the first occurrence of `words` (int32, 4-byte aligned) in a buffer, or -1.
+// Finds an array inside a saved buffer by its known content, without relying on the layout.
+inline int64_t find_int32_sequence(const void* buffer, size_t bytes,
+                                   const std::vector<int32_t>& words) {
+  const size_t length = words.size() * sizeof(int32_t);
+  const auto* base = static_cast<const unsigned char*>(buffer);
+  for (size_t at = 0; length > 0 && at + length <= bytes; at += sizeof(int32_t)) {
+    if (std::memcmp(base + at, words.data(), length) == 0) return int64_t(at);
+  }
+  return -1;
+}
+
 // ---- comparison
 // -----------------------------------------------------------------------------------
 

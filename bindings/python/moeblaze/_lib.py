@@ -13,6 +13,8 @@ import os
 import threading
 from pathlib import Path
 
+from . import _args
+
 # ------------------------------------------------------------------------------------------------
 # Constants (values frozen by the header; bindings/python/tests/test_layout.py checks them against it)
 # ------------------------------------------------------------------------------------------------
@@ -103,8 +105,8 @@ BACKENDS = {"cpu": BACKEND_CPU, "cuda": BACKEND_CUDA}
 
 def lookup(table: dict, name, what: str) -> int:
     """Maps a case-insensitive name (or an already numeric code) through `table`."""
-    if isinstance(name, int):
-        return name
+    if isinstance(name, int) and not isinstance(name, bool):
+        return _args.integer(name, what, "int32")  # the library checks that it is a known code
     key = str(name).lower()
     if key not in table:
         raise ValueError(f"unknown {what} {name!r}; expected one of {sorted(table)}")
@@ -199,8 +201,28 @@ def _status_name(status: int) -> str:
 c_void_p = ctypes.c_void_p
 c_int32_p = ctypes.POINTER(ctypes.c_int32)
 
+_FIELD_KINDS = {ctypes.c_int32: "int32", ctypes.c_uint32: "uint32", ctypes.c_int64: "int64",
+                ctypes.c_size_t: "size_t", ctypes.c_float: "float", ctypes.c_void_p: "pointer"}
 
-class LayerConfig(ctypes.Structure):
+
+class _CheckedStructure(ctypes.Structure):
+    """A struct mirror whose numeric fields refuse what their C type cannot hold, naming the field:
+    ctypes itself keeps the low bits of an integer that does not fit (2**64 + 8 becomes 8)."""
+
+    def __setattr__(self, name, value):
+        kind = _FIELD_KINDS.get(dict(type(self)._fields_).get(name))
+        where = f"{type(self).__name__}.{name}"
+        if kind == "float":
+            value = _args.real(value, where)
+        elif kind == "pointer":
+            if value is not None and not isinstance(value, ctypes._SimpleCData):
+                value = _args.integer(value, where, "size_t")
+        elif kind is not None:
+            value = _args.integer(value, where, kind)
+        super().__setattr__(name, value)
+
+
+class LayerConfig(_CheckedStructure):
     """moeblaze_layer_config_t. Construct with LayerConfig.create() (runs *_init)."""
 
     _fields_ = [
@@ -227,7 +249,7 @@ class LayerConfig(ctypes.Structure):
         return config
 
 
-class ForwardArgs(ctypes.Structure):
+class ForwardArgs(_CheckedStructure):
     """moeblaze_forward_args_t. Construct with ForwardArgs.create() (runs *_init)."""
 
     _fields_ = [
@@ -260,7 +282,7 @@ class ForwardArgs(ctypes.Structure):
         return args
 
 
-class BackwardArgs(ctypes.Structure):
+class BackwardArgs(_CheckedStructure):
     """moeblaze_backward_args_t. Construct with BackwardArgs.create() (runs *_init)."""
 
     _fields_ = [
@@ -296,7 +318,7 @@ class BackwardArgs(ctypes.Structure):
         return args
 
 
-class EpConfig(ctypes.Structure):
+class EpConfig(_CheckedStructure):
     """moeblaze_ep_config_t. Construct with EpConfig.create() (runs *_init)."""
 
     _fields_ = [
@@ -314,7 +336,7 @@ class EpConfig(ctypes.Structure):
         return config
 
 
-class EpForwardArgs(ctypes.Structure):
+class EpForwardArgs(_CheckedStructure):
     """moeblaze_ep_forward_args_t. Construct with EpForwardArgs.create() (runs *_init)."""
 
     _fields_ = [
@@ -347,7 +369,7 @@ class EpForwardArgs(ctypes.Structure):
         return args
 
 
-class EpBackwardArgs(ctypes.Structure):
+class EpBackwardArgs(_CheckedStructure):
     """moeblaze_ep_backward_args_t. Construct with EpBackwardArgs.create() (runs *_init)."""
 
     _fields_ = [

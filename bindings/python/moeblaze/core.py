@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from . import _lib
+from . import _args, _lib
 
 ALIGNMENT = 64  # the library needs 16; 64 keeps vector loads on cache lines
 
@@ -114,7 +114,7 @@ class Context(_OwnedHandle):
         handle = _lib.context_t()
         self._lib.moeblaze_context_create(ctypes.byref(handle),
                                           _lib.lookup(_lib.BACKENDS, backend, "backend"),
-                                          int(device))
+                                          _args.integer(device, "device", "int32"))
         self._handle = handle
         backend_code, device_id = ctypes.c_int32(), ctypes.c_int32()
         self._lib.moeblaze_context_get_info(handle, ctypes.byref(backend_code),
@@ -129,7 +129,8 @@ class Context(_OwnedHandle):
         return {v: k for k, v in _lib.BACKENDS.items()}.get(self.backend, str(self.backend))
 
     def set_num_threads(self, num_threads: int) -> None:
-        self._lib.moeblaze_context_set_num_threads(self.handle, int(num_threads))
+        self._lib.moeblaze_context_set_num_threads(
+            self.handle, _args.integer(num_threads, "num_threads", "int32"))
 
     def __repr__(self):
         state = "closed" if self._handle is None else f"{self.backend_name}:{self.device}"
@@ -225,16 +226,16 @@ def make_config(*, d_model, d_ffn, num_experts, top_k=1, activation="swiglu", dt
     """A moeblaze_layer_config_t filled from Python names (validated by the library on create)."""
     config = _lib.LayerConfig.create()
     config.dtype = _lib.lookup(_lib.DTYPES, dtype, "dtype")
-    config.d_model = int(d_model)
-    config.d_ffn = int(d_ffn)
-    config.num_experts = int(num_experts)
-    config.top_k = int(top_k)
+    config.d_model = _args.integer(d_model, "d_model")
+    config.d_ffn = _args.integer(d_ffn, "d_ffn")
+    config.num_experts = _args.integer(num_experts, "num_experts")
+    config.top_k = _args.integer(top_k, "top_k")
     config.activation = _lib.lookup(_lib.ACTIVATIONS, activation, "activation")
     config.checkpoint = _lib.lookup(_lib.CHECKPOINTS, checkpoint, "checkpoint")
     config.score_function = _lib.lookup(_lib.SCORE_FUNCTIONS, score_function, "score_function")
     config.renormalize = 1 if renormalize else 0
-    config.aux_loss_coeff = float(aux_loss_coeff)
-    config.z_loss_coeff = float(z_loss_coeff)
+    config.aux_loss_coeff = _args.real(aux_loss_coeff, "aux_loss_coeff")
+    config.z_loss_coeff = _args.real(z_loss_coeff, "z_loss_coeff")
     config.deterministic = 1 if deterministic else 0
     return config
 
@@ -290,14 +291,17 @@ class Layer(_OwnedHandle):
         call will be made with (BACKWARD_CONSUME_SAVED may need less), or FORWARD_WITH_SAVED for
         a forward call that is given a saved buffer (training: needs less)."""
         size = ctypes.c_size_t()
-        self._lib.moeblaze_layer_workspace_size_with_flags(self.handle, int(pass_code),
-                                                           int(num_tokens), int(flags),
-                                                           ctypes.byref(size))
+        self._lib.moeblaze_layer_workspace_size_with_flags(
+            self.handle, _args.integer(pass_code, "pass_code", "int32"),
+            _args.integer(num_tokens, "num_tokens"), _args.integer(flags, "flags", "uint32"),
+            ctypes.byref(size))
         return size.value
 
     def saved_size(self, pass_code: int, num_tokens: int) -> int:
         size = ctypes.c_size_t()
-        self._lib.moeblaze_layer_saved_size(self.handle, int(pass_code), int(num_tokens),
+        self._lib.moeblaze_layer_saved_size(self.handle,
+                                            _args.integer(pass_code, "pass_code", "int32"),
+                                            _args.integer(num_tokens, "num_tokens"),
                                             ctypes.byref(size))
         return size.value
 
@@ -319,6 +323,7 @@ class Layer(_OwnedHandle):
         if array.dtype != dtype:
             if not np.can_cast(array.dtype, dtype, casting="same_kind"):
                 raise TypeError(f"{name}: expected {dtype}, got {array.dtype}")
+            _args.fits(array, dtype, name)  # int64 ids beyond int32 are refused, not wrapped
             array = array.astype(dtype)
         shape = tuple(int(s) for s in shape)
         if array.shape != shape:
@@ -596,8 +601,10 @@ def backend_available(backend) -> bool:
 
 
 def status_name(status: int) -> str:
-    return _lib.lib().moeblaze_status_name(int(status)).decode("utf-8", "replace")
+    return _lib.lib().moeblaze_status_name(_args.integer(status, "status", "int32")).decode(
+        "utf-8", "replace")
 
 
 def status_string(status: int) -> str:
-    return _lib.lib().moeblaze_status_string(int(status)).decode("utf-8", "replace")
+    return _lib.lib().moeblaze_status_string(_args.integer(status, "status", "int32")).decode(
+        "utf-8", "replace")

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from . import _lib
-from .torch import (_init_moe_module, _reset_moe_parameters, get_layer, moe_experts,
+from .torch import (MoE, _init_moe_module, _reset_moe_parameters, get_layer, moe_experts,
                     routing_dtype)
 
 _ALIGNMENT = 16
@@ -566,3 +566,8 @@ class ExpertParallelMoE(torch.nn.Module):
                 f"top_k={self.top_k}, activation={self.activation!r}, "
                 f"experts=[{self.expert_begin}, {self.expert_end}) of rank {self.rank}/"
                 f"{self.world_size}, weights_on={self.weights_on!r}")
+
+
+# moeblaze.torch.MoE(..., process_group=pg) builds this class (the torch module cannot import this
+# one, which builds on it).
+MoE.expert_parallel_class = ExpertParallelMoE

@@ -45,7 +45,7 @@ from typing import Callable, List, Optional
 
 import numpy as np
 
-from . import _lib
+from . import _args, _lib
 from .core import (
     Context,
     Layer,
@@ -87,9 +87,10 @@ class LocalGroup(_OwnedHandle):
     def __init__(self, world_size: int):
         self._lib = _lib.lib()
         handle = _lib.ep_group_t()
-        self._lib.moeblaze_ep_local_group_create(ctypes.byref(handle), int(world_size))
+        world_size = _args.integer(world_size, "world_size", "int32")
+        self._lib.moeblaze_ep_local_group_create(ctypes.byref(handle), world_size)
         self._handle = handle
-        self.world_size = int(world_size)
+        self.world_size = world_size
 
     def __repr__(self):
         state = "closed" if self._handle is None else f"world_size={self.world_size}"
@@ -106,7 +107,7 @@ def run_local(world_size: int, fn: Callable[[int], object], *,
     function waits for them before re-raising anyway (their threads are daemons and stay blocked
     in the library until its timeout).
     """
-    world_size = int(world_size)
+    world_size = _args.integer(world_size, "world_size", "int32")
     if world_size < 1:
         raise ValueError(f"world_size = {world_size} must be >= 1")
     results: List[object] = [None] * world_size
@@ -132,7 +133,7 @@ def run_local(world_size: int, fn: Callable[[int], object], *,
             if timeout is not None and failed.is_set():
                 # After a failure the others may be stuck in a collective: wait at most `timeout`.
                 if deadline is None:
-                    deadline = time.monotonic() + float(timeout)
+                    deadline = time.monotonic() + _args.real(timeout, "timeout")
                 thread.join(max(0.0, deadline - time.monotonic()))
                 break
             thread.join(0.05)
@@ -198,7 +199,7 @@ def _communicator_pointer(communicator) -> int:
     if isinstance(communicator, bool) or not isinstance(communicator, (int, np.integer)):
         raise TypeError("communicator: the NCCL transport takes an ncclComm_t as an int address "
                         f"(or ctypes.c_void_p), got {type(communicator).__name__}")
-    return int(communicator)
+    return _args.integer(communicator, "communicator", "size_t")
 
 
 class EpLayer(_OwnedHandle):
@@ -228,7 +229,7 @@ class EpLayer(_OwnedHandle):
         transport_code = _lib.lookup(TRANSPORTS, transport, "transport")
         ep_config = _lib.EpConfig.create()
         ep_config.transport = transport_code
-        ep_config.rank = int(rank)
+        ep_config.rank = _args.integer(rank, "rank", "int32")
         if transport_code == _lib.EP_TRANSPORT_LOCAL:
             if group is None and isinstance(communicator, LocalGroup):
                 group, communicator = communicator, None
@@ -238,8 +239,8 @@ class EpLayer(_OwnedHandle):
                 raise TypeError(f"group: expected a moeblaze.ep.LocalGroup, got "
                                 f"{type(group).__name__}")
             ep_config.communicator = ctypes.cast(group.handle, ctypes.c_void_p).value
-            ep_config.world_size = int(world_size if world_size is not None
-                                       else group.world_size)
+            ep_config.world_size = _args.integer(
+                world_size if world_size is not None else group.world_size, "world_size", "int32")
         else:
             if group is not None:
                 raise TypeError(f"group is for transport='local'; transport={transport!r} takes "
@@ -249,7 +250,7 @@ class EpLayer(_OwnedHandle):
             if world_size is None:
                 raise TypeError("transport='nccl' needs `world_size` (the communicator's size)")
             ep_config.communicator = _communicator_pointer(communicator)
-            ep_config.world_size = int(world_size)
+            ep_config.world_size = _args.integer(world_size, "world_size", "int32")
         self.group = group  # kept so the Python object outlives the layer, as the C handle does
         self.transport = _name_of(TRANSPORTS, transport_code)
         self.rank = int(ep_config.rank)
@@ -309,15 +310,18 @@ class EpLayer(_OwnedHandle):
         passes ignore them)."""
         size = ctypes.c_size_t()
         self._lib.moeblaze_ep_layer_workspace_size_with_flags(
-            self.handle, int(pass_code), int(num_tokens), int(recv_rows), int(flags),
-            ctypes.byref(size))
+            self.handle, _args.integer(pass_code, "pass_code", "int32"),
+            _args.integer(num_tokens, "num_tokens"), _args.integer(recv_rows, "recv_rows"),
+            _args.integer(flags, "flags", "uint32"), ctypes.byref(size))
         return size.value
 
     def saved_size(self, part: int, num_tokens: int, recv_rows: int = 0) -> int:
         """Bytes of the saved buffer `part` (``_lib.EP_SAVED_HOME`` or ``_lib.EP_SAVED_EXPERT``)."""
         size = ctypes.c_size_t()
-        self._lib.moeblaze_ep_layer_saved_size(self.handle, int(part), int(num_tokens),
-                                               int(recv_rows), ctypes.byref(size))
+        self._lib.moeblaze_ep_layer_saved_size(self.handle, _args.integer(part, "part", "int32"),
+                                               _args.integer(num_tokens, "num_tokens"),
+                                               _args.integer(recv_rows, "recv_rows"),
+                                               ctypes.byref(size))
         return size.value
 
     # -- numpy plumbing ---------------------------------------------------------------------------

@@ -966,10 +966,16 @@ class MoE(torch.nn.Module):
     backward through the same graph (retain_graph=True, gradcheck) recomputes them from x first.
     Works with torch.compile (fullgraph), torch.export, autocast and activation checkpointing."""
 
+    # The expert-parallel class, registered by moeblaze.distributed when it is imported (it builds
+    # on this module, so this module does not import it: no import cycle).
+    expert_parallel_class = None
+
     def __new__(cls, *args, process_group=None, **kwargs):
         if cls is MoE and process_group is not None:
-            from .distributed import ExpertParallelMoE
-            return ExpertParallelMoE(*args, process_group=process_group, **kwargs)
+            if MoE.expert_parallel_class is None:
+                raise RuntimeError("MoE(process_group=...) is expert parallel: import "
+                                   "moeblaze.distributed first")
+            return MoE.expert_parallel_class(*args, process_group=process_group, **kwargs)
         return super().__new__(cls)
 
     def __init__(self, d_model: int, d_ffn: int, num_experts: int, top_k: int = 1, *,

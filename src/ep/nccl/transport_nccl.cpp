@@ -118,7 +118,7 @@ bool nccl_transport_built() {
 }
 
 std::unique_ptr<Transport> make_nccl_transport(void* comm_ptr, int32_t rank, int32_t world_size,
-                                               int32_t device, EpOps&) {
+                                               int32_t device, Backend&) {
   const NcclApi& nccl = require_nccl();
   ncclComm_t comm = static_cast<ncclComm_t>(comm_ptr);
   int comm_rank = -1;

@@ -176,7 +176,10 @@ extern "C" {
     #[doc = "  \\param[in]  backend  a ::moeblaze_backend_code."]
     #[doc = "  \\param[in]  device   CPU: must be 0. CUDA: the CUDA device ordinal."]
     #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (NULL `out`, unknown backend, bad"]
-    #[doc = "          device); ::MOEBLAZE_ERR_NOT_SUPPORTED (backend not compiled in or no usable GPU);"]
+    #[doc = "          device); ::MOEBLAZE_ERR_NOT_SUPPORTED (backend not compiled in, no usable GPU, or"]
+    #[doc = "          cuBLASLt cannot be loaded: the CUDA backend loads `libcublasLt.so.<major>` when its"]
+    #[doc = "          first context is created, from `MOEBLAZE_CUBLASLT_LIBRARY` if set, else the process's"]
+    #[doc = "          copy, the system's search path or the CUDA toolkit it was built with);"]
     #[doc = "          ::MOEBLAZE_ERR_CUDA; ::MOEBLAZE_ERR_OUT_OF_MEMORY."]
     #[doc = ""]
     #[doc = "  The CPU backend uses `MOEBLAZE_NUM_THREADS` threads if that environment variable is set, else"]
@@ -267,8 +270,8 @@ extern "C" {
     #[doc = " \\brief Fills `*config` with defaults and sets `struct_size`."]
     #[doc = "  \\param[out] config       the struct to fill."]
     #[doc = "  \\param[in]  struct_size  `sizeof *config` as the caller sees it."]
-    #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (NULL); ::MOEBLAZE_ERR_VERSION_MISMATCH"]
-    #[doc = "          (`struct_size` smaller than any published version)."]
+    #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT (NULL, or `struct_size` above 1 MiB);"]
+    #[doc = "          ::MOEBLAZE_ERR_VERSION_MISMATCH (`struct_size` smaller than any published version)."]
     pub fn moeblaze_layer_config_init(
         config: *mut moeblaze_layer_config_t,
         struct_size: usize,
@@ -302,7 +305,10 @@ extern "C" {
 extern "C" {
     #[must_use]
     #[doc = " \\brief Copies the layer's validated configuration into `*config`, whose `struct_size` the"]
-    #[doc = "  caller must have set (moeblaze_layer_config_init() does)."]
+    #[doc = "  caller must have set (moeblaze_layer_config_init() does). Bytes past the fields this library"]
+    #[doc = "  knows are zeroed. \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_HANDLE;"]
+    #[doc = "  ::MOEBLAZE_ERR_INVALID_ARGUMENT (NULL `config`, `struct_size` above 1 MiB: nothing is"]
+    #[doc = "  written); ::MOEBLAZE_ERR_VERSION_MISMATCH (`struct_size` below the first published size)."]
     pub fn moeblaze_layer_get_config(
         layer: moeblaze_layer_t,
         config: *mut moeblaze_layer_config_t,
@@ -376,10 +382,15 @@ extern "C" {
     #[doc = "  \\param losses            [2] routing dtype, out, optional (NULL): see above."]
     #[doc = "  \\param workspace         moeblaze_layer_workspace_size(::MOEBLAZE_PASS_ROUTER_FORWARD) bytes."]
     #[doc = "  \\param stream            cudaStream_t or NULL; ignored on CPU."]
+    #[doc = "  SIGMOID scores are exact for any finite logits: where every sigmoid of a token underflows"]
+    #[doc = "  (its logits all below about -88 in F32), the top-k, the renormalised weights and the aux"]
+    #[doc = "  loss's normalised scores are computed from the scores up to a common factor, never 0/0."]
+    #[doc = ""]
     #[doc = "  \\return ::MOEBLAZE_OK; ::MOEBLAZE_ERR_INVALID_ARGUMENT; ::MOEBLAZE_ERR_INVALID_HANDLE;"]
     #[doc = "          ::MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE; ::MOEBLAZE_ERR_NON_FINITE (CPU: a logit is NaN or"]
-    #[doc = "          Inf; the CUDA backend cannot report this without a host sync and orders NaN below every"]
-    #[doc = "          number); ::MOEBLAZE_ERR_CUDA."]
+    #[doc = "          Inf, or, with `losses`, the z-loss of a token does not fit the routing dtype (logits"]
+    #[doc = "          near its largest value); the CUDA backend cannot report either without a host sync:"]
+    #[doc = "          it orders NaN below every number and returns an Inf z-loss); ::MOEBLAZE_ERR_CUDA."]
     pub fn moeblaze_router_forward(
         layer: moeblaze_layer_t,
         num_tokens: i64,
@@ -407,7 +418,8 @@ extern "C" {
     #[doc = "  \\param d_losses    [2] routing dtype, in, optional: dLoss/dlosses[i]. NULL means {1, 1}: the"]
     #[doc = "                     losses were added to the training objective as returned."]
     #[doc = "  \\param d_logits    [T,E] routing dtype, out (overwritten)."]
-    #[doc = "  \\return as moeblaze_router_forward()."]
+    #[doc = "  \\return as moeblaze_router_forward() (the z-loss check applies whenever `z_loss_coeff` is not"]
+    #[doc = "          0)."]
     pub fn moeblaze_router_backward(
         layer: moeblaze_layer_t,
         num_tokens: i64,
@@ -608,7 +620,9 @@ extern "C" {
     #[doc = ""]
     #[doc = "  \\return as moeblaze_experts_forward(), and ::MOEBLAZE_ERR_VERSION_MISMATCH when the CPU backend"]
     #[doc = "          finds that `saved` was written by another layer configuration, token count or library"]
-    #[doc = "          version (the CUDA backend cannot read the buffer's header without a host sync)."]
+    #[doc = "          version, ::MOEBLAZE_ERR_INVALID_ARGUMENT when its routing index was modified after the"]
+    #[doc = "          forward pass (every index is checked before use; the CUDA backend cannot read the"]
+    #[doc = "          buffer without a host sync)."]
     pub fn moeblaze_experts_backward(
         layer: moeblaze_layer_t,
         args: *const moeblaze_backward_args_t,
@@ -1014,8 +1028,11 @@ extern "C" {
     #[doc = "  Enqueues work on `stream` and never waits for the device."]
     #[doc = ""]
     #[doc = "  \\return as moeblaze_ep_forward_begin(), and ::MOEBLAZE_ERR_INVALID_ARGUMENT when `exchange`"]
-    #[doc = "          was not filled by forward_begin of this layer, was already finished, or belongs to"]
-    #[doc = "          another `num_tokens`."]
+    #[doc = "          was not filled by forward_begin of this layer, was already finished, belongs to"]
+    #[doc = "          another `num_tokens`, or its count table was modified; on a CPU context also when"]
+    #[doc = "          `home_saved` is not the HOME buffer of the step in `exchange` or was modified (its"]
+    #[doc = "          header, count table, ids and routing index are checked before use; a CUDA context"]
+    #[doc = "          cannot read it without a host sync, and its kernels skip indices out of range)."]
     pub fn moeblaze_ep_forward_finish(
         layer: moeblaze_ep_layer_t,
         args: *const moeblaze_ep_forward_args_t,

@@ -58,10 +58,22 @@ public final class Buffers {
     return out;
   }
 
-  /** The native address of a direct buffer (its start, whatever its position). */
+  /** The native address of a direct buffer (its start, whatever its position); 0 for null. */
   public static long address(ByteBuffer buffer) {
+    return address("buffer", buffer);
+  }
+
+  /**
+   * As {@link #address(ByteBuffer)}; {@code name} names the argument in the exception thrown for a
+   * heap buffer (ByteBuffer.allocate or wrap), which has no native address.
+   */
+  public static long address(String name, ByteBuffer buffer) {
     if (buffer == null) return 0;
-    if (!buffer.isDirect()) throw new IllegalArgumentException("not a direct buffer");
+    if (!buffer.isDirect()) {
+      throw new IllegalArgumentException(name + " is a heap ByteBuffer (ByteBuffer.allocate or "
+          + "wrap), which has no native address: pass a direct buffer (Buffers.allocate or "
+          + "ByteBuffer.allocateDirect)");
+    }
     return com.moeblaze.internal.moeblaze.moeblaze_java_buffer_address(buffer);
   }
 }

@@ -153,7 +153,7 @@ public final class Layer implements AutoCloseable {
       throw new IllegalArgumentException(
           name + " has " + buffer.capacity() + " bytes, needs " + bytes);
     }
-    return Buffers.address(buffer);
+    return Buffers.address(name, buffer);
   }
 
   private long numTokens(ByteBuffer x) {
@@ -200,7 +200,7 @@ public final class Layer implements AutoCloseable {
     moeblaze_forward_args_t args = new moeblaze_forward_args_t();
     try {
       args.setNum_tokens(t);
-      args.setX(Buffers.address(x));
+      args.setX(Buffers.address("x", x));
       args.setW_router(w[0]);
       args.setW_gate(w[1]);
       args.setW_up(w[2]);
@@ -247,12 +247,12 @@ public final class Layer implements AutoCloseable {
       args.setNum_tokens(t);
       args.setDy(need("dy", dy, t * d * es));
       args.setD_losses(dLosses == null ? 0 : need("dLosses", dLosses, 2L * rs));
-      args.setX(Buffers.address(x));
+      args.setX(Buffers.address("x", x));
       args.setW_router(w[0]);
       args.setW_gate(w[1]);
       args.setW_up(w[2]);
       args.setW_down(w[3]);
-      args.setSaved(Buffers.address(forward.saved));
+      args.setSaved(Buffers.address("forward.saved", forward.saved));
       args.setSaved_bytes(forward.saved.capacity());
       args.setDx(Buffers.address(grads.dx));
       args.setDw_router(Buffers.address(grads.dwRouter));
@@ -280,8 +280,8 @@ public final class Layer implements AutoCloseable {
     ByteBuffer indexMap = Buffers.allocate(t * k * 4);
     long workspaceBytes = workspaceSize(Enums.Pass.ROUTING_BUILD, t);
     ByteBuffer workspace = Buffers.allocate(workspaceBytes);
-    moeblaze.moeblaze_routing_build(handle(), t, Buffers.address(ids), Buffers.address(offsets),
-        Buffers.address(tokenIndices), Buffers.address(indexMap),
+    moeblaze.moeblaze_routing_build(handle(), t, Buffers.address("ids", ids),
+        Buffers.address(offsets), Buffers.address(tokenIndices), Buffers.address(indexMap),
         workspaceBytes == 0 ? 0 : Buffers.address(workspace), workspaceBytes, 0);
     return new ByteBuffer[] {offsets, tokenIndices, indexMap};
   }

@@ -163,6 +163,35 @@ public class LayerTest {
   }
 
   @Test
+  public void heapBuffersAreRefusedNamingTheArgument() {
+    try (Context context = Context.cpu(); Layer layer = new Layer(context,
+        new LayerConfig(D, H, E, K))) {
+      ByteBuffer wRouter = Buffers.allocate(4L * E * D), wGate = Buffers.allocate(4L * E * H * D);
+      ByteBuffer wUp = Buffers.allocate(4L * E * H * D), wDown = Buffers.allocate(4L * E * D * H);
+      ByteBuffer heap = ByteBuffer.allocate(4 * T * D);
+      try {
+        layer.forward(heap, wRouter, wGate, wUp, wDown, true);
+        fail("expected IllegalArgumentException");
+      } catch (IllegalArgumentException error) {
+        assertTrue(error.getMessage(), error.getMessage().startsWith("x is a heap ByteBuffer"));
+      }
+      try {
+        layer.forward(Buffers.allocate(4L * T * D), wRouter, ByteBuffer.allocate(4 * E * H * D),
+            wUp, wDown, true);
+        fail("expected IllegalArgumentException");
+      } catch (IllegalArgumentException error) {
+        assertTrue(error.getMessage(), error.getMessage().startsWith("wGate is a heap"));
+      }
+      try {
+        layer.routingBuild(ByteBuffer.allocate(4 * K));
+        fail("expected IllegalArgumentException");
+      } catch (IllegalArgumentException error) {
+        assertTrue(error.getMessage(), error.getMessage().startsWith("ids is a heap"));
+      }
+    }
+  }
+
+  @Test
   public void trainingForwardNeedsLessWorkspace() {
     try (Context context = Context.cpu(); Layer layer = new Layer(context,
         new LayerConfig(D, H, E, K))) {

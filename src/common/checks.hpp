@@ -1,5 +1,5 @@
-// Argument checks shared by the entry points. Each throws moeblaze::Error with a message that names
-// the argument as the caller wrote it ("args->x", "ids").
+// Argument checks shared by the C API (src/api) and expert parallelism (src/ep). Each throws
+// moeblaze::Error with a message that names the argument as the caller wrote it ("args->x", "ids").
 #pragma once
 
 #include <cstdint>
@@ -8,7 +8,6 @@
 #include "common/status.hpp"
 
 namespace moeblaze {
-namespace api {
 
 // Maximum routed rows: indices are int32.
 constexpr int64_t kMaxRoutedRows = int64_t(INT32_MAX);
@@ -72,5 +71,4 @@ inline void require_buffer(const Backend& backend, const void* ptr, size_t bytes
                  argument, ptr);
 }
 
-}  // namespace api
 }  // namespace moeblaze

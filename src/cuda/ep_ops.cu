@@ -1,46 +1,26 @@
-// EpOps for the CUDA backend: small memory-bound kernels on the caller's stream. Each output
-// element is written by one thread that reduces in a fixed order (no atomics): bitwise repeatable.
+// The CUDA backend's operations for expert parallelism (Backend's row movement and loss shares):
+// small memory-bound kernels on the caller's stream. Each output element is written by one thread
+// that reduces in a fixed order (no atomics): bitwise repeatable. An index outside the rows it may
+// address is skipped (a gathered row is zeroed): the indices come from the caller's HOME saved
+// buffer, which the host cannot check without a synchronisation, and must never move memory outside
+// the buffers. The caller (CudaBackend) has made the context's device current.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "common/backend.hpp"
 #include "common/layer_desc.hpp"
 #include "common/status.hpp"
 #include "cuda/cuda_util.cuh"
-#include "ep/ep_ops.hpp"
+#include "cuda/ep_ops.hpp"
 
 namespace moeblaze {
-namespace ep {
+namespace cuda {
 namespace {
-
-void check(cudaError_t result, const char* what) {
-  if (result == cudaSuccess) return;
-  fail(MOEBLAZE_ERR_CUDA, "EP: %s failed: %s", what, cudaGetErrorString(result));
-}
-
-cudaStream_t as_stream(void* stream) {
-  return static_cast<cudaStream_t>(stream);
-}
-
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-    device_ = device;
-  }
-  ~DeviceScope() {
-    if (previous_ != device_) cudaSetDevice(previous_);
-  }
-
- private:
-  int previous_ = 0;
-  int device_ = 0;
-};
 
 constexpr int kThreads = 256;
 
-int blocks_for(int64_t work) {
+int ep_blocks_for(int64_t work) {
   const int64_t blocks = (work + kThreads - 1) / kThreads;
   return int(blocks < 65535 * 32 ? (blocks > 0 ? blocks : 1) : 65535 * 32);
 }
@@ -48,39 +28,43 @@ int blocks_for(int64_t work) {
 // Row moves in units of Unit (16, 8, 4 or 2 bytes, whatever divides the row and the pointers).
 template <typename Unit, bool kScatter>
 __global__ void move_rows_kernel(Unit* dst, const Unit* src, const int32_t* index, int64_t n,
-                                 int64_t units_per_row) {
+                                 int64_t index_rows, int64_t units_per_row) {
   const int64_t total = n * units_per_row;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t row = i / units_per_row;
     const int64_t unit = i - row * units_per_row;
     const int64_t other = index[row];
+    const bool valid = other >= 0 && other < index_rows;
     if (kScatter) {
-      dst[other * units_per_row + unit] = src[row * units_per_row + unit];
+      if (valid) dst[other * units_per_row + unit] = src[row * units_per_row + unit];
     } else {
-      dst[row * units_per_row + unit] = src[other * units_per_row + unit];
+      dst[row * units_per_row + unit] = valid ? src[other * units_per_row + unit] : Unit{};
     }
   }
 }
 
 template <bool kScatter>
-void move_rows(void* dst, const void* src, const int32_t* index, int64_t n, size_t row_bytes,
-               cudaStream_t stream) {
+void move_rows(void* dst, const void* src, const int32_t* index, int64_t n, int64_t index_rows,
+               size_t row_bytes, cudaStream_t stream) {
   if (n == 0 || row_bytes == 0) return;
   const uintptr_t alignment =
       reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(row_bytes);
   const int64_t total_bytes = n * int64_t(row_bytes);
   if (alignment % 16 == 0) {
-    move_rows_kernel<uint4, kScatter><<<blocks_for(total_bytes / 16), kThreads, 0, stream>>>(
-        static_cast<uint4*>(dst), static_cast<const uint4*>(src), index, n, row_bytes / 16);
+    move_rows_kernel<uint4, kScatter><<<ep_blocks_for(total_bytes / 16), kThreads, 0, stream>>>(
+        static_cast<uint4*>(dst), static_cast<const uint4*>(src), index, n, index_rows,
+        row_bytes / 16);
   } else if (alignment % 4 == 0) {
-    move_rows_kernel<uint32_t, kScatter><<<blocks_for(total_bytes / 4), kThreads, 0, stream>>>(
-        static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), index, n, row_bytes / 4);
+    move_rows_kernel<uint32_t, kScatter><<<ep_blocks_for(total_bytes / 4), kThreads, 0, stream>>>(
+        static_cast<uint32_t*>(dst), static_cast<const uint32_t*>(src), index, n, index_rows,
+        row_bytes / 4);
   } else {
-    move_rows_kernel<uint16_t, kScatter><<<blocks_for(total_bytes / 2), kThreads, 0, stream>>>(
-        static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), index, n, row_bytes / 2);
+    move_rows_kernel<uint16_t, kScatter><<<ep_blocks_for(total_bytes / 2), kThreads, 0, stream>>>(
+        static_cast<uint16_t*>(dst), static_cast<const uint16_t*>(src), index, n, index_rows,
+        row_bytes / 2);
   }
-  check(cudaGetLastError(), kScatter ? "scatter_rows launch" : "gather_rows launch");
+  check_launch(kScatter ? "EP scatter_rows" : "EP gather_rows");
 }
 
 __device__ inline float load_float(const float* p) {
@@ -105,14 +89,17 @@ __device__ inline void store_float(__half* p, float v) {
 // out[t, c] = sum_j rows[index[t*k+j], c], j ascending from 0 in F32, rounded once.
 template <typename S>
 __global__ void combine_kernel(S* out, const S* rows, const int32_t* index, int64_t T, int64_t k,
-                               int64_t d) {
+                               int64_t d, int64_t index_rows) {
   const int64_t total = T * d;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
        i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / d;
     const int64_t c = i - t * d;
     float acc = 0.0f;
-    for (int64_t j = 0; j < k; ++j) acc += load_float(rows + int64_t(index[t * k + j]) * d + c);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t r = index[t * k + j];
+      if (r >= 0 && r < index_rows) acc += load_float(rows + r * d + c);
+    }
     store_float(out + i, acc);
   }
 }
@@ -160,14 +147,20 @@ __device__ __forceinline__ float loss_sigmoid(float l) {
   return 1.f / (1.f + expf(-l));
 }
 
+// SIGMOID scores up to a common factor, as the router's sigmoid_score (cuda/router.cu): scaled by
+// exp(-m) when the token's largest logit m is below -60, so that normalised scores never are 0/0.
+__device__ __forceinline__ float loss_sigmoid_score(float l, float m) {
+  return m >= -60.f ? loss_sigmoid(l) : expf(l - m) / (1.f + expf(l));
+}
+
 // Softmax statistics of one row, in every lane of the warp: max and sum of exp(l - max).
 __device__ __forceinline__ float2 loss_row_stats(const float* row, int E, int lane) {
   float m = -INFINITY;
   for (int e = lane; e < E; e += 32) m = fmaxf(m, row[e]);
-  m = cuda::warp_max(m);
+  m = warp_max(m);
   float s = 0.f;
   for (int e = lane; e < E; e += 32) s += expf(row[e] - m);
-  return make_float2(m, cuda::warp_sum(s));
+  return make_float2(m, warp_sum(s));
 }
 
 struct LossShareParams {
@@ -206,12 +199,12 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_forward_kernel(LossSh
         float sig_sum = 1.f;
         if (p.sigmoid) {
           float s = 0.f;
-          for (int e = lane; e < E; e += 32) s += loss_sigmoid(row[e]);
-          sig_sum = cuda::warp_sum(s);
+          for (int e = lane; e < E; e += 32) s += loss_sigmoid_score(row[e], st.x);
+          sig_sum = warp_sum(s);
         }
         for (int e = lane; e < chunk; e += 32) {
           const float l = row[e0 + e];
-          acc[warp][e] += p.sigmoid ? loss_sigmoid(l) / sig_sum : expf(l - st.x) / st.y;
+          acc[warp][e] += p.sigmoid ? loss_sigmoid_score(l, st.x) / sig_sum : expf(l - st.x) / st.y;
         }
       }
     }
@@ -223,7 +216,7 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_forward_kernel(LossSh
       const float gT = float(p.global_T);
       part += (float(p.global_counts[e0 + e]) / float(p.global_T * p.k)) * (score_sum / gT);
     }
-    part = cuda::warp_sum(part);
+    part = warp_sum(part);
     if (lane == 0) warp_part[warp] = part;
     __syncthreads();
     if (threadIdx.x == 0)
@@ -261,15 +254,15 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_backward_kernel(LossS
     float dot = 0.f;
     if (p.sigmoid) {
       float s = 0.f;
-      for (int e = lane; e < E; e += 32) s += loss_sigmoid(row[e]);
-      sig_sum = cuda::warp_sum(s);
+      for (int e = lane; e < E; e += 32) s += loss_sigmoid_score(row[e], st.x);
+      sig_sum = warp_sum(s);
       for (int e = lane; e < E; e += 32)
-        dot += aux_scale * float(p.global_counts[e]) * loss_sigmoid(row[e]) / sig_sum;
+        dot += aux_scale * float(p.global_counts[e]) * loss_sigmoid_score(row[e], st.x) / sig_sum;
     } else {
       for (int e = lane; e < E; e += 32)
         dot += aux_scale * float(p.global_counts[e]) * expf(row[e] - st.x) / st.y;
     }
-    wq_dot = cuda::warp_sum(dot);
+    wq_dot = warp_sum(dot);
   }
   const float lse = st.x + logf(st.y);
   const float z_scale = p.z_coeff != 0.f ? d_z * p.z_coeff * 2.f * lse / float(p.global_T) : 0.f;
@@ -280,8 +273,7 @@ __global__ void __launch_bounds__(kLossThreads) loss_share_backward_kernel(LossS
     if (aux) {
       const float w = aux_scale * float(p.global_counts[e]);
       if (p.sigmoid) {
-        const float s = loss_sigmoid(l);
-        grad += (w - wq_dot) / sig_sum * s * (1.f - s);
+        grad += (w - wq_dot) / sig_sum * loss_sigmoid_score(l, st.x) * (1.f - loss_sigmoid(l));
       } else {
         grad += pe * (w - wq_dot);
       }
@@ -308,127 +300,103 @@ LossShareParams loss_share_params(const LayerDesc& desc, const LossShareCall& ca
   return p;
 }
 
-class CudaEpOps final : public EpOps {
- public:
-  explicit CudaEpOps(int32_t device) : device_(device) {}
-
-  void gather_rows(void* dst, const void* src, const int32_t* index, int64_t n, size_t row_bytes,
-                   void* stream) override {
-    DeviceScope scope(device_);
-    move_rows<false>(dst, src, index, n, row_bytes, as_stream(stream));
-  }
-
-  void scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n, size_t row_bytes,
-                    void* stream) override {
-    DeviceScope scope(device_);
-    move_rows<true>(dst, src, index, n, row_bytes, as_stream(stream));
-  }
-
-  void combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index, int64_t T,
-                    int64_t k, int64_t d, void* stream) override {
-    if (T == 0) return;
-    DeviceScope scope(device_);
-    const int blocks = blocks_for(T * d);
-    const cudaStream_t s = as_stream(stream);
-    switch (dtype) {
-      case Dtype::F32:
-        combine_kernel<float><<<blocks, kThreads, 0, s>>>(
-            static_cast<float*>(out), static_cast<const float*>(rows), index, T, k, d);
-        break;
-      case Dtype::BF16:
-        combine_kernel<__nv_bfloat16>
-            <<<blocks, kThreads, 0, s>>>(static_cast<__nv_bfloat16*>(out),
-                                         static_cast<const __nv_bfloat16*>(rows), index, T, k, d);
-        break;
-      case Dtype::F16:
-        combine_kernel<__half><<<blocks, kThreads, 0, s>>>(
-            static_cast<__half*>(out), static_cast<const __half*>(rows), index, T, k, d);
-        break;
-      default: fail(MOEBLAZE_ERR_NOT_SUPPORTED, "EP on CUDA: %s is CPU only", dtype_name(dtype));
-    }
-    check(cudaGetLastError(), "combine_rows launch");
-  }
-
-  void local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
-                        int64_t local_experts, int64_t R, int32_t* local_ids,
-                        void* stream) override {
-    if (R == 0) return;
-    DeviceScope scope(device_);
-    local_ids_kernel<<<blocks_for(R), kThreads, 0, as_stream(stream)>>>(
-        table, W, E, expert_begin, local_experts, R, local_ids);
-    check(cudaGetLastError(), "local_expert_ids launch");
-  }
-
-  void global_counts(const int32_t* table, int64_t W, int64_t E, int32_t* counts,
-                     void* stream) override {
-    DeviceScope scope(device_);
-    global_counts_kernel<<<blocks_for(E), kThreads, 0, as_stream(stream)>>>(table, W, E, counts);
-    check(cudaGetLastError(), "global_counts launch");
-  }
-
-  void loss_shares_forward(const LayerDesc& desc, const LossShareCall& call,
-                           void* losses) override {
-    DeviceScope scope(device_);
-    const cudaStream_t s = as_stream(call.stream);
-    if ((desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f) || call.global_tokens == 0) {
-      check(cudaMemsetAsync(losses, 0, 2 * desc.relem_size(), s), "cudaMemsetAsync (losses)");
-      return;
-    }
-    LossShareParams p = loss_share_params(desc, call);
-    p.losses = static_cast<float*>(losses);
-    loss_share_forward_kernel<<<1, kLossThreads, 0, s>>>(p);
-    check(cudaGetLastError(), "loss_share_forward launch");
-  }
-
-  void loss_shares_backward(const LayerDesc& desc, const LossShareCall& call, const void* d_losses,
-                            void* d_logits) override {
-    if ((desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f) || call.global_tokens == 0 ||
-        call.T == 0)
-      return;
-    DeviceScope scope(device_);
-    LossShareParams p = loss_share_params(desc, call);
-    p.d_losses = static_cast<const float*>(d_losses);
-    p.d_logits = static_cast<float*>(d_logits);
-    const int blocks = int((call.T + kLossWarps - 1) / kLossWarps);
-    loss_share_backward_kernel<<<blocks, kLossThreads, 0, as_stream(call.stream)>>>(p);
-    check(cudaGetLastError(), "loss_share_backward launch");
-  }
-
-  void copy_to_host(void* host_dst, const void* src, size_t bytes, void* stream) override {
-    DeviceScope scope(device_);
-    if (bytes) {
-      check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, as_stream(stream)),
-            "cudaMemcpyAsync (count table to the host)");
-    }
-    // The one host synchronisation of the EP forward.
-    check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize (count table)");
-  }
-
-  void copy_between_ranks(void* dst, const void* src, size_t bytes) override {
-    if (bytes == 0 || dst == src) return;
-    DeviceScope scope(device_);
-    check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy (LOCAL transport)");
-    // A device-to-device cudaMemcpy returns before the copy is done (no host synchronisation for
-    // such transfers): wait for it, so the received data is complete when the exchange's closing
-    // barrier lets this rank's (non-blocking) stream read it and the sender reuse its buffer
-    // (without it a rank on another GPU can read its count table before the copy lands).
-    check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize (LOCAL transport copy)");
-  }
-
-  void synchronize(void* stream) override {
-    DeviceScope scope(device_);
-    check(cudaStreamSynchronize(as_stream(stream)), "cudaStreamSynchronize (LOCAL transport)");
-  }
-
- private:
-  int32_t device_;
-};
-
 }  // namespace
 
-std::unique_ptr<EpOps> make_cuda_ep_ops(int32_t device) {
-  return std::make_unique<CudaEpOps>(device);
+void ep_gather_rows(void* dst, const void* src, const int32_t* index, int64_t n, int64_t index_rows,
+                    size_t row_bytes, cudaStream_t stream) {
+  move_rows<false>(dst, src, index, n, index_rows, row_bytes, stream);
 }
 
-}  // namespace ep
+void ep_scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n,
+                     int64_t index_rows, size_t row_bytes, cudaStream_t stream) {
+  move_rows<true>(dst, src, index, n, index_rows, row_bytes, stream);
+}
+
+void ep_combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index, int64_t T,
+                     int64_t k, int64_t d, int64_t index_rows, cudaStream_t stream) {
+  if (T == 0) return;
+  const int blocks = ep_blocks_for(T * d);
+  switch (dtype) {
+    case Dtype::F32:
+      combine_kernel<float><<<blocks, kThreads, 0, stream>>>(
+          static_cast<float*>(out), static_cast<const float*>(rows), index, T, k, d, index_rows);
+      break;
+    case Dtype::BF16:
+      combine_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
+          static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(rows), index, T, k, d,
+          index_rows);
+      break;
+    case Dtype::F16:
+      combine_kernel<__half><<<blocks, kThreads, 0, stream>>>(
+          static_cast<__half*>(out), static_cast<const __half*>(rows), index, T, k, d, index_rows);
+      break;
+    default: fail(MOEBLAZE_ERR_NOT_SUPPORTED, "EP on CUDA: %s is CPU only", dtype_name(dtype));
+  }
+  check_launch("EP combine_rows");
+}
+
+void ep_local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
+                         int64_t local_experts, int64_t R, int32_t* local_ids,
+                         cudaStream_t stream) {
+  if (R == 0) return;
+  local_ids_kernel<<<ep_blocks_for(R), kThreads, 0, stream>>>(table, W, E, expert_begin,
+                                                              local_experts, R, local_ids);
+  check_launch("EP local_expert_ids");
+}
+
+void ep_global_counts(const int32_t* table, int64_t W, int64_t E, int32_t* counts,
+                      cudaStream_t stream) {
+  global_counts_kernel<<<ep_blocks_for(E), kThreads, 0, stream>>>(table, W, E, counts);
+  check_launch("EP global_counts");
+}
+
+void ep_loss_shares_forward(const LayerDesc& desc, const LossShareCall& call, void* losses) {
+  const cudaStream_t s = as_stream(call.stream);
+  if ((desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f) || call.global_tokens == 0) {
+    check(cudaMemsetAsync(losses, 0, 2 * desc.relem_size(), s), "cudaMemsetAsync (losses)");
+    return;
+  }
+  LossShareParams p = loss_share_params(desc, call);
+  p.losses = static_cast<float*>(losses);
+  loss_share_forward_kernel<<<1, kLossThreads, 0, s>>>(p);
+  check_launch("EP loss_share_forward_kernel");
+}
+
+void ep_loss_shares_backward(const LayerDesc& desc, const LossShareCall& call, const void* d_losses,
+                             void* d_logits) {
+  if ((desc.aux_loss_coeff == 0.0f && desc.z_loss_coeff == 0.0f) || call.global_tokens == 0 ||
+      call.T == 0)
+    return;
+  LossShareParams p = loss_share_params(desc, call);
+  p.d_losses = static_cast<const float*>(d_losses);
+  p.d_logits = static_cast<float*>(d_logits);
+  const int blocks = int((call.T + kLossWarps - 1) / kLossWarps);
+  loss_share_backward_kernel<<<blocks, kLossThreads, 0, as_stream(call.stream)>>>(p);
+  check_launch("EP loss_share_backward_kernel");
+}
+
+void ep_copy_to_host(void* host_dst, const void* src, size_t bytes, cudaStream_t stream) {
+  if (bytes) {
+    check(cudaMemcpyAsync(host_dst, src, bytes, cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpyAsync (count table to the host)");
+  }
+  // The one host synchronisation of the EP forward.
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (count table)");
+}
+
+void ep_copy_between_ranks(void* dst, const void* src, size_t bytes) {
+  if (bytes == 0 || dst == src) return;
+  check(cudaMemcpy(dst, src, bytes, cudaMemcpyDefault), "cudaMemcpy (LOCAL transport)");
+  // A device-to-device cudaMemcpy returns before the copy is done (no host synchronisation for
+  // such transfers): wait for it, so the received data is complete when the exchange's closing
+  // barrier lets this rank's (non-blocking) stream read it and the sender reuse its buffer
+  // (without it a rank on another GPU can read its count table before the copy lands).
+  check(cudaStreamSynchronize(cudaStreamLegacy), "cudaStreamSynchronize (LOCAL transport copy)");
+}
+
+void ep_synchronize(cudaStream_t stream) {
+  check(cudaStreamSynchronize(stream), "cudaStreamSynchronize (LOCAL transport)");
+}
+
+}  // namespace cuda
 }  // namespace moeblaze
