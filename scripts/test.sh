@@ -121,7 +121,7 @@ run_fuzz() {
   echo "== moeblaze_fuzz_layer (libFuzzer, ASan + UBSan, ${seconds}s, corpus $corpus)"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
     "$dir/tests/moeblaze_fuzz_layer" -max_total_time="$seconds" -rss_limit_mb=4096 \
-    -print_final_stats=1 "$corpus"
+    -artifact_prefix="$dir/" -print_final_stats=1 "$corpus"
 }
 
 mb_phase setup mb_setup_packages || status=1

@@ -130,9 +130,21 @@ int run_one(const uint8_t* data, size_t size) {
   config.renormalize = int32_t(in.small(0, 1));
   config.aux_loss_coeff = (in.byte() & 1) ? in.any_float() : 0.0f;
   config.z_loss_coeff = (in.byte() & 1) ? in.any_float() : 0.0f;
-  if (in.byte() == 7) config.struct_size = in.u32();
+  // struct_size: the library may read that many bytes, so the struct lives in a block that large
+  // (a newer caller's struct: the tail is fuzzed too); beyond 1 MiB it must refuse before reading.
+  Block versioned(sizeof config + 256);
+  std::memcpy(versioned.ptr, &config, sizeof config);
+  auto* passed = static_cast<moeblaze_layer_config_t*>(versioned.ptr);
+  const uint8_t size_kind = in.byte();
+  if (size_kind == 7) {
+    passed->struct_size = in.u32() % uint32_t(versioned.size + 1);
+    unsigned char* tail = static_cast<unsigned char*>(versioned.ptr) + sizeof config;
+    for (size_t i = 0; i < versioned.size - sizeof config; ++i) tail[i] = in.byte() == 1 ? 1 : 0;
+  } else if (size_kind == 8) {
+    passed->struct_size = (uint32_t(1) << 20) + 1 + in.u32() % 1000;
+  }
   moeblaze_layer_t layer = nullptr;
-  moeblaze_status_t status = moeblaze_layer_create(&layer, context, &config);
+  moeblaze_status_t status = moeblaze_layer_create(&layer, context, passed);
   check(status);
   if (status != MOEBLAZE_OK) return 0;
   struct Destroy {
@@ -152,7 +164,8 @@ int run_one(const uint8_t* data, size_t size) {
   check(moeblaze_layer_workspace_size(layer, bwd_pass, T, &bwd_ws));
 
   const int64_t d = config.d_model, h = config.d_ffn, E = config.num_experts, k = config.top_k;
-  if (d * h * E > (int64_t(1) << 16)) return 0;  // valid but too large to be worth allocating
+  // Valid but too large to be worth allocating and running (the size queries above ran).
+  if (d * h * E > (int64_t(1) << 16) || T * (d + E) > (int64_t(1) << 16)) return 0;
   const size_t es = dtype_size(config.dtype);
   const size_t rs = config.dtype == MOEBLAZE_DTYPE_F64 ? 8 : 4;
   Block x(es * T * d), w_router(es * E * d), w_gate(es * E * h * d), w_up(es * E * h * d),
