@@ -216,7 +216,9 @@ def test_harness_smoke(tmp_path):
         assert r["err_ok"] is True and r["bitwise_repeat"] is True
     for r in rows:
         if r["impl"] == "moeblaze" and have_moeblaze:
-            assert r["saved_bytes"] == r["saved_bytes_library"]
+            # The torch binding allocates an affine-in-T bound of the library's size
+            # (moeblaze.torch._SavedSize): exact up to one 256-byte alignment pad per part.
+            assert 0 <= r["saved_bytes"] - r["saved_bytes_library"] < 8 * 256, r
             assert "speedup_vs_grouped_mm" in r and "saved_ratio_vs_grouped_mm" in r
     if have_moeblaze:
         by = {(r["config"], r["act"], r["policy"]): r["saved_bytes"] for r in rows

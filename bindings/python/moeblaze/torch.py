@@ -620,6 +620,9 @@ def _layer_setup_context(ctx, inputs, output):
      renormalize, aux_loss_coeff, z_loss_coeff, training, consume_saved) = inputs
     _, _, counts, ids, g, saved = output
     ctx.mark_non_differentiable(counts, ids, g, saved)
+    # Unmaterialised gradients: autograd would otherwise pass a zero tensor the size of every
+    # non-differentiable output to the backward, `saved` included (as large as the activations).
+    ctx.set_materialize_grads(False)
     ctx.config = (top_k, activation, checkpoint, score_function, renormalize, aux_loss_coeff,
                   z_loss_coeff)
     ctx.consume_saved = consume_saved
@@ -647,6 +650,7 @@ def _experts_setup_context(ctx, inputs, output):
     (x, ids, g, w_gate, w_up, w_down, activation, checkpoint, training, consume_saved) = inputs
     _, saved = output
     ctx.mark_non_differentiable(saved)
+    ctx.set_materialize_grads(False)  # no zero gradient the size of `saved` (as above)
     ctx.config = (activation, checkpoint)
     ctx.consume_saved = consume_saved
     ctx.training = training

@@ -349,6 +349,53 @@ def test_retain_graph_second_backward_equals_first(seed, device):
         assert torch.equal(a, b)
 
 
+class _FillRecorder:
+    """Records the size of every tensor a zero-filling op creates or fills while active."""
+
+    FILLS = ("zeros", "zeros_like", "new_zeros", "zero_", "fill_", "full", "full_like")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        sizes = self.sizes = []
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                if func.overloadpacket.__name__ in _FillRecorder.FILLS:
+                    first = out if isinstance(out, torch.Tensor) else args[0]
+                    sizes.append(first.numel() * first.element_size())
+                return out
+
+        self.mode = Mode()
+
+
+@needs_ops
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("api", ["experts", "layer"])
+def test_backward_materialises_no_gradient_of_the_saved_buffer(seed, device, api):
+    """`saved` and the routing outputs are not differentiable: autograd must not hand the backward
+    a zero tensor of their size (as large as the activations, it would raise the backward's
+    peak by that much)."""
+    torch.manual_seed(seed)
+    T, d, h, E, k = 64, 32, 48, 4, 2
+    x = torch.randn(T, d, device=device, requires_grad=True)
+    w = [(torch.randn(*s, device=device) * 0.1).requires_grad_()
+         for s in ((E, h, d), (E, h, d), (E, d, h))]
+    if api == "experts":
+        ids = torch.stack([torch.randperm(E)[:k] for _ in range(T)]).int().to(device)
+        g = torch.rand(T, k, device=device, requires_grad=True)
+        y = mbt.moe_experts(x, ids, g, *w)
+    else:
+        w_router = torch.randn(E, d, device=device, requires_grad=True)
+        y = mbt.moe_layer(x, w_router, *w, top_k=k, aux_loss_coeff=0.01)[0]
+    recorder = _FillRecorder()
+    with recorder.mode:
+        y.backward(torch.randn_like(y))
+    assert x.grad is not None and torch.isfinite(x.grad).all()
+    assert all(size < x.numel() * x.element_size() for size in recorder.sizes), recorder.sizes
+
+
 def test_consumed_record_holds_only_live_buffers():
     """The host-side record of consumed buffers forgets a buffer when it is freed: a long run
     does not grow it."""
