@@ -234,13 +234,47 @@ def _sizes(config: _Config, num_tokens: int, whole_layer: bool) -> dict:
     return sizes
 
 
+_BACKEND_OF_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda"}
+
+
+def _concrete_value(a):
+    """The concrete array under eager transformations' tracers (grad, vjp, vmap run op by op and
+    wrap it: primal or val), or None under jit, where the value does not exist yet."""
+    for _ in range(64):
+        if not isinstance(a, jax.core.Tracer):
+            return a if isinstance(a, jax.Array) else None
+        inner = getattr(a, "primal", None)
+        a = inner if inner is not None else getattr(a, "val", None)
+    return None
+
+
+def _concrete_backend(operands) -> Optional[str]:
+    """The backend that runs an eager call on these operands: that of their device when every
+    operand is a concrete array (under eager transformations too) on one platform, else None
+    (traced by jit, or mixed)."""
+    backends = set()
+    for a in operands:
+        if a is None:
+            continue
+        a = _concrete_value(a)
+        if a is None:
+            return None
+        for device in a.devices():
+            backends.add(_BACKEND_OF_PLATFORM.get(device.platform))
+    return backends.pop() if len(backends) == 1 else None
+
+
 def _per_platform(sizes: dict, call, *operands):
-    """Runs `call(backend_sizes, *operands)` with the sizes of the platform the program is lowered
-    for: one branch per backend through lax.platform_dependent (only the lowered platform's branch
-    is compiled)."""
+    """Runs `call(backend_sizes, *operands)` with the sizes of the platform that runs it. An eager
+    call runs where its operands live, which need not be the default device's platform (the one
+    lax.platform_dependent picks outside jit), so concrete operands choose; traced ones get one
+    branch per backend through lax.platform_dependent (only the lowered platform's is compiled)."""
     if len(sizes) == 1:
         (only,) = sizes.values()
         return call(only, *operands)
+    backend = _concrete_backend(operands)
+    if backend in sizes:
+        return call(sizes[backend], *operands)
     branches = {backend: functools.partial(call, s) for backend, s in sizes.items()}
     return jax.lax.platform_dependent(*operands, **branches)
 

@@ -430,6 +430,26 @@ def test_each_platform_gets_its_own_workspace_size(monkeypatch):
     assert_close("y", step(x), experts_ref(x, ids, g, w_gate, w_up, w_down, "swiglu"), 1e-12)
 
 
+def test_eager_calls_take_the_sizes_of_their_operands_platform():
+    """Outside jit a call runs where its operands live, whatever the default device (on which
+    lax.platform_dependent would decide): the operands choose the sizes, under eager grad, vjp
+    and vmap too; under jit the choice is left to the lowering."""
+    x = jnp.ones((4, 8), jnp.float32)
+    assert mbj._concrete_backend([x, None]) == "cpu"
+    assert mbj._concrete_backend([x, np.ones(3)]) is None  # not a jax array: no decision here
+    seen = []
+
+    def probe(v):
+        seen.append(mbj._concrete_backend([v]))
+        return (v * v).sum()
+
+    jax.grad(probe)(x)
+    jax.vjp(probe, x)
+    jax.vmap(probe)(x)
+    jax.jit(probe)(x)
+    assert seen == ["cpu", "cpu", "cpu", None]
+
+
 def test_repeatable_on_cpu(seed):
     x, ids, g, w_gate, w_up, w_down, dy = experts_problem(seed, 17, 16, 8, 4, 2, "swiglu",
                                                           jnp.float32)
