@@ -206,7 +206,7 @@ if [ "$BUILD_OK" = 1 ] && [ "$RUN_SASS" = 1 ]; then
     python3 "$ROOT/tools/sass_loops.py" "$LIB" --filter bfloat16 || echo "sass_loops failed"
     section "ptxas resource usage (gemm.cu, sm_90a)"
     nvcc -std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-      -I"$ROOT/include" -I"$ROOT/src" -Xptxas -v -c "$ROOT/src/cuda/gemm.cu" -o "$OUT/gemm_check.o" 2>&1 |
+      -I"$ROOT/include" -I"$ROOT/src" -Xptxas -v -c "$ROOT/src/cuda/engines/portable/gemm.cu" -o "$OUT/gemm_check.o" 2>&1 |
       grep -E "Compiling entry|registers|spill" | sed 's/ptxas info *: //'
   } >>"$OUT/build.log" 2>&1
   hmma=$(grep -E '^(all|sm_90a|sm_80) H(G)?MMA' "$OUT/build.log" | awk '{printf "%s %s=%s ", $1, $2, $4}')

@@ -14,7 +14,7 @@ them is predicted from the SASS before it is timed (docs/performance.md, "Where 
 Usage:
   tools/sass_loops.py FILE.sass [--filter SUBSTRING]     cuobjdump -sass output
   tools/sass_loops.py LIB_OR_CUBIN [--filter S] [--arch sm_90a] [--cuobjdump PATH]
-  tools/sass_loops.py --compile src/cuda/sm90/wgrad_gemm.cu [--filter S] [--include DIR ...]
+  tools/sass_loops.py --compile src/cuda/engines/sm90/wgrad_gemm.cu [--filter S] [--include DIR ...]
   tools/sass_loops.py --self-test
 
 cuobjdump comes with the CUDA toolkit; on a machine without one, the PyPI wheel works:

@@ -16,13 +16,10 @@
 #include "common/status.hpp"
 #include "cuda/cublaslt_api.hpp"
 #include "cuda/cuda_util.cuh"
+#include "cuda/engines/engine_set.hpp"
 #include "cuda/ep_ops.hpp"
 #include "cuda/experts.hpp"
-#include "cuda/gemm.cuh"
 #include "cuda/kernels.hpp"
-#include "cuda/sm90/device.hpp"
-#include "cuda/sm90/f1_gemm.hpp"
-#include "cuda/sm90/rows_gemm.hpp"
 #include "cuda/tuning.hpp"
 
 #ifndef MOEBLAZE_CUDA_VERSION
@@ -169,8 +166,7 @@ class CudaBackend final : public Backend {
   explicit CudaBackend(int32_t device) : device_(device), tuning_(CudaTuning::from_environment()) {
     DeviceGuard guard(device_);
     check_lt(cublaslt_api().create(&lt_), "cublasLtCreate");  // loads cuBLASLt (cublaslt_api.hpp)
-    gemm_init_attributes();
-    sm90_prepare_device(device_);  // Hopper kernel attributes, outside any graph capture
+    EngineSet::prepare_device(device_);  // kernel attributes, outside any graph capture
   }
   ~CudaBackend() override {
     if (lt_) {

@@ -1,5 +1,7 @@
 // Expert MLP forward (F1, F2, combine) and backward (B1, B2, B3, B4, per-token dx and dg
-// reductions) on top of the grouped GEMM engine. Transients (never saved): u unless SAVE_ALL, the
+// reductions): the orchestration. It carves the workspace, chooses the column chunks, describes
+// each GEMM as an operation (engines/gemm_ops.hpp) and hands it to the engines (engine_set.hpp);
+// the per-token reductions are its own kernels. Transients (never saved): u unless SAVE_ALL, the
 // [N, d] rows of F2 and B4 (each weighted and rounded once to the storage dtype, then summed per
 // token in fixed j order in fp32 and rounded again, so y and dx are deterministic without atomics
 // and equal the expert-parallel layer's bit for bit), da|db and g*u in the storage dtype, B1's
@@ -12,11 +14,8 @@
 
 #include "common/saved_layout.hpp"
 #include "cuda/cuda_util.cuh"
-#include "cuda/gemm.cuh"
+#include "cuda/engines/engine_set.hpp"
 #include "cuda/kernels.hpp"
-#include "cuda/sm90/f1_gemm.hpp"
-#include "cuda/sm90/rows_gemm.hpp"
-#include "cuda/sm90/wgrad_gemm.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -157,14 +156,9 @@ void zero_dropped(int64_t T_, const LayerDesc& desc, const int32_t* tim, void* o
   check_launch("zero_dropped_kernel");
 }
 
-// Every B1 tile width (sm90 256, mma.sync 128, SIMT 64) divides a chunk's width, so each chunk's
-// n-tiles are exactly the unchunked kernel's and its dg partials keep their absolute index.
-constexpr int64_t kGuChunkAlign = 256;
+// Column chunks start at multiples of kGemmColumnAlign (gemm_ops.hpp), so each chunk's tiles are
+// the unchunked launch's (the same bits) and B1's dg partials keep their absolute index.
 constexpr int64_t kMaxGuChunks = 4;
-
-// Every F2 / B4 tile width (sm90 256, mma.sync 128, SIMT 64) divides a column chunk's offset, so
-// each chunk's tiles are the unchunked launch's and give the same bits.
-constexpr int64_t kRowChunkAlign = 256;
 constexpr int64_t kMaxRowChunks = 2;
 
 int64_t chunk_width(int64_t total, int64_t chunks, int64_t align) {
@@ -188,7 +182,7 @@ int64_t row_chunk_cols(const LayerDesc& desc, int64_t N, bool direct, int forced
     const int64_t activations = es * N * desc.h * (desc.gated() ? 2 : 1);
     chunks = rows > activations ? kMaxRowChunks : 1;
   }
-  return chunk_width(d, chunks, kRowChunkAlign);
+  return chunk_width(d, chunks, kGemmColumnAlign);
 }
 
 // Width of B1/B2's column chunks of h (h itself: one chunk). g*u ([N, h], storage dtype) is the
@@ -218,41 +212,7 @@ int64_t gu_chunk_cols(const LayerDesc& desc, int64_t T, int64_t N, int64_t row_c
     while (chunks < kMaxGuChunks && backward(chunks) > forward && (gu + chunks - 1) / chunks > rows)
       ++chunks;
   }
-  return chunk_width(h, chunks, kGuChunkAlign);
-}
-
-// B1's dg partials per row, for whichever B1 kernel runs: one per tile of kSimtBN or kMmaBN
-// columns, kSm90B1DgPartsPerTile per tile of kSm90B1TileCols.
-int64_t max_b1_dg_parts(const LayerDesc& desc) {
-  const int64_t portable = (desc.h + kSimtBN - 1) / kSimtBN;  // kSimtBN <= kMmaBN
-  const int64_t sm90 = (desc.h + kSm90B1TileCols - 1) / kSm90B1TileCols * kSm90B1DgPartsPerTile;
-  return portable > sm90 ? portable : sm90;
-}
-
-GemmParams f1_params(const LayerDesc& desc, const int32_t* offsets, int32_t* mtile,
-                     const int32_t* eti, const void* x, const void* w_gate, const void* w_up) {
-  GemmParams p;
-  p.E = int(desc.E);
-  p.N = int(desc.h);
-  p.K = int(desc.d);
-  p.offsets = offsets;
-  p.mtile_start = mtile;
-  p.dual = desc.gated();
-  p.A.p0 = x;
-  p.A.ld = desc.d;
-  p.A.routed = true;
-  p.A.gather = eti;
-  p.B.p0 = w_gate;
-  p.B.p1 = desc.gated() ? w_up : nullptr;
-  p.B.ld = desc.d;
-  p.B.expert_stride = desc.h * desc.d;
-  p.B.split = int32_t(desc.h);
-  p.ep.act = desc.activation;
-  p.ep.gated = desc.gated();
-  p.ep.h = desc.h;
-  p.ep.d = desc.d;
-  p.ep.ab_ld = desc.h;
-  return p;
+  return chunk_width(h, chunks, kGemmColumnAlign);
 }
 
 }  // namespace
@@ -272,7 +232,7 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   int32_t* ws_eti = ws.carve<int32_t>(saved ? 0 : sizeof(int32_t) * size_t(N));
   int32_t* ws_tim = ws.carve<int32_t>(saved ? 0 : sizeof(int32_t) * size_t(N));
   int32_t* row_pair = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
-  int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
+  int32_t* tile_scratch = ws.carve<int32_t>(sizeof(int32_t) * EngineSet::tile_scratch_ints(N, E));
   void* ws_u = ws.carve(save_all ? 0 : es * size_t(N) * size_t(h));
   const bool direct = direct_rows(desc, tuning);
   const int64_t row_cols = row_chunk_cols(desc, N, direct, tuning.row_chunks);
@@ -293,61 +253,37 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
 
   const bool save_preact = saved && desc.checkpoint != Checkpoint::Recompute;
   void* u = save_all ? call.saved.u : ws_u;
-  const bool mma = can_use_mma(desc, {call.x, call.w_gate, call.w_up, call.w_down, call.saved.a,
-                                      call.saved.b, call.saved.u});
+  const EngineSet engines(tuning, can_use_mma(desc, {call.x, call.w_gate, call.w_up, call.w_down,
+                                                     call.saved.a, call.saved.b, call.saved.u}));
+  const RoutedRows rows{T, offsets, eti, row_pair, tile_scratch};
 
-  GemmParams f1 = f1_params(desc, offsets, mtile, eti, call.x, call.w_gate, call.w_up);
-  f1.ep.out_a = save_preact ? call.saved.a : nullptr;
-  f1.ep.out_b = save_preact && desc.gated() ? call.saved.b : nullptr;
-  if (save_preact) f1.ep.ab_ld = call.saved.ab_ld;  // the saved [N, 2h] a|b block (gated)
-  f1.ep.out_u = u;
-  if (tuning.sm90 && sm90_f1_supported(desc, T, call.x, call.w_gate, call.w_up, f1.ep.out_a,
-                                       f1.ep.out_b, f1.ep.out_u, f1.ep.ab_ld)) {
-    sm90_f1_launch(desc, T, call.x, offsets, eti, call.w_gate, call.w_up, f1.ep.out_a, f1.ep.out_b,
-                   f1.ep.out_u, f1.ep.ab_ld, tuning.sm90_forms, stream);
-  } else {
-    launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), tuning.mma_warps, stream);
-  }
+  F1Op f1;
+  f1.rows = rows;
+  f1.x = call.x;
+  f1.w_gate = call.w_gate;
+  f1.w_up = call.w_up;
+  f1.out_a = save_preact ? call.saved.a : nullptr;
+  f1.out_b = save_preact && desc.gated() ? call.saved.b : nullptr;
+  f1.ab_ld = save_preact ? call.saved.ab_ld : 0;  // the saved [N, 2h] a|b block (gated)
+  f1.out_u = u;
+  engines.launch(desc, f1, stream);
 
   // F2 over column chunks of d: row r = g_r * (u_r . w_down[e]^T), rounded once, into y2 and
   // summed per token into those columns of y; or (direct) straight into y.
-  const float* g = static_cast<const float*>(call.g);
-  const bool f2_sm90 = tuning.sm90 && sm90_rows_supported(desc, T, {u, call.w_down, y2, call.y});
   for (int64_t col0 = 0; col0 < d; col0 += row_cols) {
-    const int64_t cols = d - col0 < row_cols ? d - col0 : row_cols;
-    Sm90RowsOut out;
-    out.rows =
+    F2Op f2;
+    f2.rows = rows;
+    f2.u = u;
+    f2.w_down = call.w_down;
+    f2.col0 = col0;
+    f2.cols = d - col0 < row_cols ? d - col0 : row_cols;
+    f2.out.rows =
         direct ? static_cast<void*>(static_cast<unsigned char*>(call.y) + es * size_t(col0)) : y2;
-    out.ld = direct ? d : cols;
-    out.pair = row_pair;
-    out.weights = g;
-    out.by_pair = direct;
-    if (f2_sm90) {
-      sm90_f2_launch(desc, T, u, offsets, call.w_down, {col0, cols}, out, tuning.sm90_forms,
-                     stream);
-    } else {
-      GemmParams f2;
-      f2.E = int(E);
-      f2.N = int(cols);
-      f2.K = int(h);
-      f2.offsets = offsets;
-      f2.mtile_start = mtile;
-      f2.A.p0 = u;
-      f2.A.ld = h;
-      f2.A.routed = true;
-      f2.B.p0 = static_cast<const unsigned char*>(call.w_down) + es * size_t(col0 * h);
-      f2.B.ld = h;
-      f2.B.expert_stride = d * h;
-      f2.ep.d = cols;
-      f2.ep.h = h;
-      f2.ep.out_rows = out.rows;
-      f2.ep.rows_ld = out.ld;
-      f2.ep.out_pair = out.pair;
-      f2.ep.out_w = out.weights;
-      f2.ep.out_by_pair = out.by_pair;
-      launch_gemm(desc.dtype, Epi::F2, mma, f2, int(N), tuning.mma_warps, stream);
-    }
-    if (!direct) reduce_rows(T, desc, tim, y2, col0, cols, call.y, stream);
+    f2.out.ld = direct ? d : f2.cols;
+    f2.out.weights = static_cast<const float*>(call.g);
+    f2.out.by_pair = direct;
+    engines.launch(desc, f2, stream);
+    if (!direct) reduce_rows(T, desc, tim, y2, col0, f2.cols, call.y, stream);
   }
   if (direct) zero_dropped(T, desc, tim, call.y, stream);
 }
@@ -361,12 +297,11 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   const bool gated = desc.gated();
   const bool recompute = desc.checkpoint == Checkpoint::Recompute;
   const int64_t dadb_ld = gated ? 2 * h : h;
-  const int64_t b1_dg_parts = max_b1_dg_parts(desc);
   // With MOEBLAZE_BACKWARD_CONSUME_SAVED, B1 writes da|db over the saved a|b block, whose layout is
   // da|db's own ([N, 2h] gated, [N, h] otherwise): no da|db region in the workspace.
   const bool consume = call.consume_saved && !recompute;
   int32_t* row_pair = ws.carve<int32_t>(sizeof(int32_t) * size_t(N));
-  int32_t* mtile = ws.carve<int32_t>(sizeof(int32_t) * gemm_tile_scratch_ints(N, E));
+  int32_t* tile_scratch = ws.carve<int32_t>(sizeof(int32_t) * EngineSet::tile_scratch_ints(N, E));
   // g*u for one column chunk of h at a time (gu_chunk_cols; all of h when that is one chunk).
   const bool direct = direct_rows(desc, tuning);  // B4 writes dx itself: no rows
   const int64_t row_cols = row_chunk_cols(desc, N, direct, tuning.row_chunks);
@@ -377,12 +312,15 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   // both, and all kernels run in order on one stream. (RECOMPUTE's a, b need no region: below.)
   void* dadb = consume ? nullptr : ws.carve(es * size_t(N) * size_t(dadb_ld));
   void* gu = ws.carve(gu_bytes > dxr_bytes ? gu_bytes : dxr_bytes);
-  float* dg_part = ws.carve<float>(sizeof(float) * size_t(b1_dg_parts) * size_t(N));
+  float* dg_part =
+      ws.carve<float>(sizeof(float) * size_t(EngineSet::max_b1_dg_parts(h)) * size_t(N));
   if (!run) return;
   cudaStream_t stream = as_stream(call.stream);
   const SavedView& sv = call.saved;
-  const bool mma = can_use_mma(desc, {call.x, call.dy, call.w_gate, call.w_up, call.w_down, sv.a,
-                                      sv.b, sv.u, call.dw_gate, call.dw_up, call.dw_down});
+  const EngineSet engines(
+      tuning, can_use_mma(desc, {call.x, call.dy, call.w_gate, call.w_up, call.w_down, sv.a, sv.b,
+                                 sv.u, call.dw_gate, call.dw_up, call.dw_down}));
+  const RoutedRows rows{T, sv.expert_offsets, sv.expert_token_indices, row_pair, tile_scratch};
 
   build_row_pair(N, sv.token_index_map, row_pair, stream);
 
@@ -399,22 +337,17 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
     // The recomputed a, b go where B1 writes da, db (a at [r, 0, h), b at [r, h, 2h) of row r of
     // da|db): B1 reads every a, b element exactly once, in the thread that then overwrites that
     // same element with da or db, and no other thread touches it.
-    void* a_ws = dadb;
-    void* b_ws = gated ? static_cast<unsigned char*>(dadb) + es * size_t(h) : nullptr;
-    GemmParams f1 = f1_params(desc, sv.expert_offsets, mtile, sv.expert_token_indices, call.x,
-                              call.w_gate, call.w_up);
-    f1.ep.out_a = a_ws;
-    f1.ep.out_b = b_ws;
-    f1.ep.ab_ld = dadb_ld;
-    if (tuning.sm90 && sm90_f1_supported(desc, T, call.x, call.w_gate, call.w_up, a_ws, b_ws,
-                                         nullptr, f1.ep.ab_ld)) {
-      sm90_f1_launch(desc, T, call.x, sv.expert_offsets, sv.expert_token_indices, call.w_gate,
-                     call.w_up, a_ws, b_ws, nullptr, f1.ep.ab_ld, tuning.sm90_forms, stream);
-    } else {
-      launch_gemm(desc.dtype, Epi::F1, mma, f1, int(N), tuning.mma_warps, stream);
-    }
-    a_src = a_ws;
-    b_src = b_ws;
+    F1Op f1;
+    f1.rows = rows;
+    f1.x = call.x;
+    f1.w_gate = call.w_gate;
+    f1.w_up = call.w_up;
+    f1.out_a = dadb;
+    f1.out_b = gated ? static_cast<unsigned char*>(dadb) + es * size_t(h) : nullptr;
+    f1.ab_ld = dadb_ld;
+    engines.launch(desc, f1, stream);
+    a_src = f1.out_a;
+    b_src = f1.out_b;
     u_src = nullptr;
     ab_ld = dadb_ld;
   }
@@ -423,178 +356,78 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   // B2: dw_down[e] [d, h] = sum_r dy[tok_r]^T (g u)_r.
   // Both per column chunk [h0, h0 + cols) of h: B1 writes da|db's columns of the chunk and its g*u
   // into the [N, cols] region, B2 turns that into the same columns of dw_down. Every output tile
-  // of either kernel is the unchunked one, so the results do not depend on the chunking.
-  const int64_t ab_ld_full = ab_ld != 0 ? ab_ld : h;
-  const bool b1_sm90 =
-      tuning.sm90 &&
-      sm90_rows_supported(desc, T, {call.dy, call.w_down, a_src, b_src, u_src, dadb, gu});
-  const bool b2_sm90 = call.dw_down != nullptr && tuning.sm90 &&
-                       sm90_wgrad_supported(desc, T, {call.dy, gu, call.dw_down});
-  const int b1_tile_cols = b1_sm90 ? kSm90B1TileCols : (mma ? kMmaBN : kSimtBN);
-  const int b1_parts_per_tile = b1_sm90 ? kSm90B1DgPartsPerTile : 1;
-  const auto column = [es](const void* base, int64_t col) -> void* {
-    return base == nullptr ? nullptr
-                           : const_cast<unsigned char*>(static_cast<const unsigned char*>(base)) +
-                                 es * size_t(col);
-  };
+  // of either kernel is the unchunked one, so the results do not depend on the chunking. One
+  // engine runs every chunk's B1 (the dg partials' layout is that engine's).
+  B1Op b1;
+  b1.rows = rows;
+  b1.dy = call.dy;
+  b1.w_down = call.w_down;
+  b1.a_src = a_src;
+  b1.b_src = b_src;
+  b1.ab_ld = ab_ld != 0 ? ab_ld : h;
+  b1.u_src = u_src;
+  b1.u_ld = h;
+  b1.g = static_cast<const float*>(call.g);
+  b1.dadb = dadb;
+  b1.dadb_ld = dadb_ld;
+  b1.gu = gu;
+  b1.dg_part = dg_part;
+  const GemmEngine& b1_engine = engines.pick(desc, b1);
   for (int64_t h0 = 0; h0 < h; h0 += gu_cols) {
-    const int64_t cols = h - h0 < gu_cols ? h - h0 : gu_cols;
-    float* dg_chunk = dg_part + size_t(h0 / b1_tile_cols * b1_parts_per_tile) * size_t(N);
-    if (b1_sm90) {
-      Sm90B1Epilogue ep;
-      ep.a_src = column(a_src, h0);
-      ep.b_src = column(b_src, h0);
-      ep.ab_ld = ab_ld_full;
-      ep.u_src = column(u_src, h0);
-      ep.u_ld = h;
-      ep.g = static_cast<const float*>(call.g);
-      ep.row_pair = row_pair;
-      ep.dadb = column(dadb, h0);
-      ep.dadb_ld = dadb_ld;
-      ep.gu = gu;
-      ep.dg_part = dg_chunk;
-      ep.col0 = h0;
-      ep.cols = cols;
-      sm90_b1_launch(desc, T, call.dy, sv.expert_offsets, sv.expert_token_indices, call.w_down, ep,
-                     tuning.sm90_forms, stream);
-    } else {
-      GemmParams b1;
-      b1.E = int(E);
-      b1.N = int(cols);
-      b1.K = int(d);
-      b1.offsets = sv.expert_offsets;
-      b1.mtile_start = mtile;
-      b1.A.p0 = call.dy;
-      b1.A.ld = d;
-      b1.A.routed = true;
-      b1.A.gather = sv.expert_token_indices;
-      b1.B.p0 = column(call.w_down, h0);  // MN-major: row k (of d) is w_down[e][k, h0:]
-      b1.B.ld = h;
-      b1.B.expert_stride = d * h;
-      b1.ep.act = desc.activation;
-      b1.ep.gated = gated;
-      b1.ep.h = cols;
-      b1.ep.d = d;
-      b1.ep.total_rows = N;
-      b1.ep.a_src = column(a_src, h0);
-      b1.ep.b_src = column(b_src, h0);
-      b1.ep.ab_ld = ab_ld_full;
-      b1.ep.u_src = column(u_src, h0);
-      b1.ep.u_ld = h;
-      b1.ep.g = static_cast<const float*>(call.g);
-      b1.ep.row_pair = row_pair;
-      b1.ep.dadb = column(dadb, h0);
-      b1.ep.dadb_ld = dadb_ld;
-      b1.ep.db_offset = h;
-      b1.ep.gu = gu;
-      b1.ep.dg_part = dg_chunk;
-      launch_gemm(desc.dtype, Epi::B1, mma, b1, int(N), tuning.mma_warps, stream);
-    }
-
-    if (b2_sm90) {
-      sm90_b2_launch(desc, T, call.dy, sv.expert_offsets, sv.expert_token_indices, gu, call.dw_down,
-                     call.accumulate_wgrad, stream, h0, cols);
-    } else if (call.dw_down) {
-      GemmParams b2;
-      b2.E = int(E);
-      b2.M = int(d);
-      b2.N = int(cols);
-      b2.offsets = sv.expert_offsets;
-      b2.A.p0 = call.dy;
-      b2.A.ld = d;
-      b2.A.routed = true;
-      b2.A.gather = sv.expert_token_indices;
-      b2.B.p0 = gu;
-      b2.B.ld = cols;
-      b2.B.routed = true;
-      b2.ep.out0 = column(call.dw_down, h0);
-      b2.ep.out_ld = h;
-      b2.ep.out_expert_stride = d * h;
-      b2.ep.out_split = int32_t(d);
-      b2.ep.accumulate = call.accumulate_wgrad;
-      launch_gemm(desc.dtype, Epi::Wgrad, mma, b2, int(N), tuning.mma_warps, stream);
+    b1.col0 = h0;
+    b1.cols = h - h0 < gu_cols ? h - h0 : gu_cols;
+    b1_engine.launch(desc, b1, stream);
+    if (call.dw_down) {
+      B2Op b2;
+      b2.rows = rows;
+      b2.dy = call.dy;
+      b2.gu = gu;
+      b2.dw_down = call.dw_down;
+      b2.accumulate = call.accumulate_wgrad;
+      b2.col0 = b1.col0;
+      b2.cols = b1.cols;
+      engines.launch(desc, b2, stream);
     }
   }
 
   if (call.dg && N > 0) {
-    const int b1_parts = int((h + b1_tile_cols - 1) / b1_tile_cols * b1_parts_per_tile);
-    dg_reduce_kernel<<<blocks_for(N, 256), 256, 0, stream>>>(N, b1_parts, sv.token_index_map,
-                                                             dg_part, static_cast<float*>(call.dg));
+    dg_reduce_kernel<<<blocks_for(N, 256), 256, 0, stream>>>(N, int(b1_engine.b1_dg_parts(h)),
+                                                             sv.token_index_map, dg_part,
+                                                             static_cast<float*>(call.dg));
     check_launch("dg_reduce_kernel");
   }
 
   // B3: [dw_gate; dw_up][e] [2h, d] = sum_r [da|db]_r^T x[tok_r].
-  void* dw_up = gated ? call.dw_up : nullptr;
-  if ((call.dw_gate || dw_up) && tuning.sm90 &&
-      sm90_wgrad_supported(desc, T, {dadb, call.x, call.dw_gate, dw_up})) {
-    sm90_b3_launch(desc, T, dadb, call.x, sv.expert_offsets, sv.expert_token_indices, call.dw_gate,
-                   dw_up, call.accumulate_wgrad, stream);
-  } else if (call.dw_gate || dw_up) {
-    GemmParams b3;
-    b3.E = int(E);
-    b3.M = int(dadb_ld);
-    b3.N = int(d);
-    b3.offsets = sv.expert_offsets;
-    b3.A.p0 = dadb;
-    b3.A.ld = dadb_ld;
-    b3.A.routed = true;
-    b3.B.p0 = call.x;
-    b3.B.ld = d;
-    b3.B.routed = true;
-    b3.B.gather = sv.expert_token_indices;
-    b3.ep.out0 = call.dw_gate;
-    b3.ep.out1 = gated ? call.dw_up : nullptr;
-    b3.ep.out_ld = d;
-    b3.ep.out_expert_stride = h * d;
-    b3.ep.out_split = int32_t(h);
-    b3.ep.accumulate = call.accumulate_wgrad;
-    launch_gemm(desc.dtype, Epi::Wgrad, mma, b3, int(N), tuning.mma_warps, stream);
+  if (call.dw_gate || (gated && call.dw_up)) {
+    B3Op b3;
+    b3.rows = rows;
+    b3.dadb = dadb;
+    b3.x = call.x;
+    b3.dw_gate = call.dw_gate;
+    b3.dw_up = gated ? call.dw_up : nullptr;
+    b3.accumulate = call.accumulate_wgrad;
+    engines.launch(desc, b3, stream);
   }
 
   // B4 over column chunks of d: dx rows = [da|db]_r . [w_gate; w_up][e] (K = 2h), then the
   // per-token reduction into those columns of dx; or (direct) straight into dx.
   if (call.dx) {
     void* dxr = gu;  // the region g*u no longer needs
-    const bool b4_sm90 =
-        tuning.sm90 && sm90_rows_supported(desc, T, {dadb, call.w_gate, call.w_up, dxr, call.dx});
     for (int64_t col0 = 0; col0 < d; col0 += row_cols) {
-      const int64_t cols = d - col0 < row_cols ? d - col0 : row_cols;
-      Sm90RowsOut out;
-      out.rows = direct
-                     ? static_cast<void*>(static_cast<unsigned char*>(call.dx) + es * size_t(col0))
-                     : dxr;
-      out.ld = direct ? d : cols;
-      out.pair = row_pair;
-      out.by_pair = direct;
-      if (b4_sm90) {
-        sm90_b4_launch(desc, T, dadb, sv.expert_offsets, call.w_gate, call.w_up, {col0, cols}, out,
-                       tuning.sm90_forms, stream);
-      } else {
-        GemmParams b4;
-        b4.E = int(E);
-        b4.N = int(cols);
-        b4.K = int(dadb_ld);
-        b4.offsets = sv.expert_offsets;
-        b4.mtile_start = mtile;
-        b4.A.p0 = dadb;
-        b4.A.ld = dadb_ld;
-        b4.A.routed = true;
-        // MN-major: row k (of h) is w_gate[e][k, col0:]
-        b4.B.p0 = static_cast<const unsigned char*>(call.w_gate) + es * size_t(col0);
-        b4.B.p1 =
-            gated ? static_cast<const unsigned char*>(call.w_up) + es * size_t(col0) : nullptr;
-        b4.B.split = int32_t(h);
-        b4.B.ld = d;
-        b4.B.expert_stride = h * d;
-        b4.ep.d = cols;
-        b4.ep.h = h;
-        b4.ep.out_rows = out.rows;
-        b4.ep.rows_ld = out.ld;
-        b4.ep.out_pair = out.pair;
-        b4.ep.out_by_pair = out.by_pair;
-        launch_gemm(desc.dtype, Epi::B4, mma, b4, int(N), tuning.mma_warps, stream);
-      }
-      if (!direct) reduce_rows(T, desc, sv.token_index_map, dxr, col0, cols, call.dx, stream);
+      B4Op b4;
+      b4.rows = rows;
+      b4.dadb = dadb;
+      b4.w_gate = call.w_gate;
+      b4.w_up = gated ? call.w_up : nullptr;
+      b4.col0 = col0;
+      b4.cols = d - col0 < row_cols ? d - col0 : row_cols;
+      b4.out.rows =
+          direct ? static_cast<void*>(static_cast<unsigned char*>(call.dx) + es * size_t(col0))
+                 : dxr;
+      b4.out.ld = direct ? d : b4.cols;
+      b4.out.by_pair = direct;
+      engines.launch(desc, b4, stream);
+      if (!direct) reduce_rows(T, desc, sv.token_index_map, dxr, col0, b4.cols, call.dx, stream);
     }
     if (direct) zero_dropped(T, desc, sv.token_index_map, call.dx, stream);
   }

@@ -3,8 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "cuda/sm90/f1_gemm.hpp"
-#include "cuda/sm90/rows_gemm.hpp"
+#include "cuda/engines/sm90/f1_gemm.hpp"
+#include "cuda/engines/sm90/rows_gemm.hpp"
 
 namespace moeblaze {
 namespace cuda {

@@ -5,13 +5,13 @@
 // (the portable engine accumulates in another order: last-bit differences).
 #pragma once
 
-#include "cuda/sm90/device.hpp"
+#include "cuda/engines/sm90/device.hpp"
 
 namespace moeblaze {
 namespace cuda {
 
 struct CudaTuning {
-  // MOEBLAZE_CUDA_SM90=0: every GEMM on the portable engines (gemm.cuh), as on sm_80.
+  // MOEBLAZE_CUDA_SM90=0: every GEMM on the portable engines (engines/portable), as on sm_80.
   bool sm90 = true;
   // MOEBLAZE_CUDA_MMA_WARPS: the portable tensor-core engine's warp layout, 4 (2x2 warps of
   // 64x64) or 8 (2x4 of 64x32); 0 = its per-GEMM default.
@@ -26,7 +26,7 @@ struct CudaTuning {
   // instead of straight from F2 / B4's epilogue.
   bool direct_rows = true;
   // MOEBLAZE_CUDA_F1_FORM, MOEBLAZE_CUDA_B1_FORM, MOEBLAZE_CUDA_BAND_MTILES: the Hopper kernels'
-  // epilogue forms and tile rasterisation (sm90/device.hpp).
+  // epilogue forms and tile rasterisation (engines/sm90/device.hpp).
   Sm90Forms sm90_forms;
 
   // The defaults above, overridden by the MOEBLAZE_CUDA_* variables that are set (values that do

@@ -779,7 +779,7 @@ TEST_SUITE("cuda") {
   TEST_CASE("cuda: B1's epilogue forms match the CPU; those with epilogue warps agree") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
-    // MOEBLAZE_CUDA_B1_FORM forces the Hopper B1's epilogue form (rows_gemm.cu, B1Form) whatever
+    // MOEBLAZE_CUDA_B1_FORM forces the Hopper B1's epilogue form (rows_layout.cuh, B1Form) whatever
     // the k-steps a tile: d = 64 (1 k-step), 576 (9), 1088 (17). h = 296: the last 256-column tile
     // has 40 columns, all in group 0, so the split forms' epilogue warps (groups 1-3, 2-3) have
     // none and must still write their dg partial; h = 1000: a last tile of 232 columns. Every form

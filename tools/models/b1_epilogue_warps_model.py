@@ -1,4 +1,4 @@
-# Index model of B1's epilogue-warp form (src/cuda/sm90/rows_gemm.cu: B1's epilogue run by warps
+# Index model of B1's epilogue-warp form (src/cuda/engines/sm90/rows_b1_epilogue.cuh: B1's epilogue run by warps
 # 1-3 of the producer warpgroup from a 64 KB bf16 hand-off of v). It checks the kernel's
 # bookkeeping, not the hardware:
 #  - the consumers' hand-off writes (register 4j + q of lane (g, t4) of consumer warp w) and the

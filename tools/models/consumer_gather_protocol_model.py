@@ -1,5 +1,5 @@
 # Randomised interleaving model of the barrier protocol of the Hopper kernels whose consumer
-# warpgroups gather their own A rows (src/cuda/sm90/f1_gemm.cu, rows_gemm.cu's B1, wgrad_gemm.cu's
+# warpgroups gather their own A rows (src/cuda/engines/sm90/f1_gemm.cu, rows_gemm.cu's B1, wgrad_gemm.cu's
 # B2/B3), optionally with the epilogue warps and their hand-off buffer (F1's and B1's epilogue-warp
 # forms), and with a producer share (the producer also gathers part of both halves after the
 # slot's empty barrier; a variant the kernels do not use, kept as a checked alternative).

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """DRAM reads of the persistent grouped GEMMs (F1, F2, B1, B4) by tile order: a model, to predict
-what `MOEBLAZE_CUDA_BAND_MTILES` (src/cuda/sm90/device.hpp) should change before the
+what `MOEBLAZE_CUDA_BAND_MTILES` (src/cuda/engines/sm90/device.hpp) should change before the
 device measures it.
 
 The kernels walk linear tile ids t = blockIdx.x, += gridDim.x (132 CTAs on the H200); inside an
-expert the n-tiles sweep bands of `band` m-tiles (src/cuda/sm90/primitives.cuh,
+expert the n-tiles sweep bands of `band` m-tiles (src/cuda/engines/sm90/primitives.cuh,
 decode_grouped_tile, reproduced here). The model runs every CTA in lockstep, one k-step a time
 unit, each k-step loading its A block (the tile's 128 rows x 64 k) and its B block (64 k x the
 tile's columns of the expert's weights), through an LRU cache of the L2's size; a miss reads the

@@ -1,4 +1,4 @@
-# Index model of B2's and B3's staged epilogues (src/cuda/sm90/wgrad_gemm.cu: each consumer warp's
+# Index model of B2's and B3's staged epilogues (src/cuda/engines/sm90/wgrad_gemm.cu: each consumer warp's
 # 16 x 256 block through a 2 KB shared buffer, 64 columns at a time, with stmatrix, then 16-byte
 # stores). It checks the kernel's bookkeeping, not the hardware: stmatrix.m8n8.x4 is modelled as the
 # PTX ISA describes it (lane 8 i + r supplies the address of row r of matrix i; that row receives

@@ -8,7 +8,7 @@
 #include <cstring>
 
 #include "common/status.hpp"
-#include "cuda/sm90/primitives.cuh"
+#include "cuda/engines/sm90/primitives.cuh"
 
 namespace moeblaze {
 namespace cuda {

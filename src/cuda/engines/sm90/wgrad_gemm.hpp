@@ -26,6 +26,7 @@
 #include <initializer_list>
 
 #include "common/layer_desc.hpp"
+#include "cuda/engines/gemm_ops.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -44,23 +45,11 @@ bool sm90_wgrad_prepare_kernels();
 bool sm90_wgrad_supported(const LayerDesc& desc, int64_t T,
                           std::initializer_list<const void*> tensors);
 
-// B2 on `stream`: dy [T, d]; expert_offsets [E+1] and expert_token_indices [N] on the device
-// (N = T*k, an upper bound of expert_offsets[E]); dw_down [E, d, h] (nullptr: nothing to do).
-// Columns [col0, col0 + cols) of dw_down only (cols = 0: all of h; both multiples of 8), from gu
-// [N, cols]: g * u by routed row for those columns. Precondition: sm90_wgrad_supported.
-// Throws moeblaze::Error (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.
-void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
-                    const int32_t* expert_token_indices, const void* gu, void* dw_down,
-                    bool accumulate, cudaStream_t stream, int64_t col0 = 0, int64_t cols = 0);
-
-// B3 on `stream`: dadb [N, 2h] (da at [0, h), db at [h, 2h)) for gated activations, [N, h] (da)
-// otherwise; x [T, d]; dw_gate, dw_up [E, h, d]. A nullptr gradient is neither computed nor stored
-// (only the dadb columns of the wanted ones are read); dw_up is ignored for non-gated activations;
-// nothing wanted: nothing to do. Precondition: sm90_wgrad_supported.
-// Throws moeblaze::Error (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.
-void sm90_b3_launch(const LayerDesc& desc, int64_t T, const void* dadb, const void* x,
-                    const int32_t* expert_offsets, const int32_t* expert_token_indices,
-                    void* dw_gate, void* dw_up, bool accumulate, cudaStream_t stream);
+// B2 and B3 (gemm_ops.hpp) on `stream`; nothing wanted (no output pointer): nothing to do.
+// Precondition: sm90_wgrad_supported over the op's tensors. Throws moeblaze::Error
+// (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.
+void sm90_b2_launch(const LayerDesc& desc, const B2Op& op, cudaStream_t stream);
+void sm90_b3_launch(const LayerDesc& desc, const B3Op& op, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace moeblaze

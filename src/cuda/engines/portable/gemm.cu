@@ -1,7 +1,7 @@
 // Host side of the grouped GEMM engine: tile-start computation, grid sizing and the (few) template
 // instantiations: 5 epilogues x {bf16, f16} x 2 warp layouts on tensor cores, 5 x {f32, bf16, f16}
 // on the SIMT path (35 kernels; the whole CUDA part builds in about a minute on 2 cores).
-#include "cuda/gemm.cuh"
+#include "cuda/engines/portable/gemm.cuh"
 
 #include <cstdlib>
 #include <cstring>

@@ -1,14 +1,14 @@
-#include "cuda/sm90/device.hpp"
+#include "cuda/engines/sm90/device.hpp"
 
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
 #include <unordered_map>
 
-#include "cuda/sm90/common.cuh"
-#include "cuda/sm90/f1_gemm.hpp"
-#include "cuda/sm90/rows_gemm.hpp"
-#include "cuda/sm90/wgrad_gemm.hpp"
+#include "cuda/engines/sm90/common.cuh"
+#include "cuda/engines/sm90/f1_gemm.hpp"
+#include "cuda/engines/sm90/rows_gemm.hpp"
+#include "cuda/engines/sm90/wgrad_gemm.hpp"
 
 namespace moeblaze {
 namespace cuda {

@@ -28,7 +28,7 @@
 // The device code needs sm_90a (wgmma, setmaxnreg, TMA); the library is also compiled for other
 // architectures, whose image of the kernel only traps. sm90_f1_supported refuses to launch unless
 // the image the runtime picked for the current device is sm_90 or newer.
-#include "cuda/sm90/f1_gemm.hpp"
+#include "cuda/engines/sm90/f1_gemm.hpp"
 
 #include <algorithm>
 #include <cstring>
@@ -36,8 +36,8 @@
 #include "common/activation_math.hpp"
 #include "common/status.hpp"
 #include "cuda/cuda_util.cuh"
-#include "cuda/sm90/common.cuh"
-#include "cuda/sm90/device.hpp"
+#include "cuda/engines/sm90/common.cuh"
+#include "cuda/engines/sm90/device.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -168,29 +168,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
 
   // ---- prologue: barriers and the tile prefix (from the device-side offsets; no host sync)
-  if (tid == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      mbar_init(smem_u32(full_bar + s), 1);  // the B boxes' expect_tx
-      mbar_init(smem_u32(empty_bar + s), kConsumerWarps);
-      mbar_init(smem_u32(a_full_bar + s), 128);  // one cp.async arrival per consumer thread
-      mbar_init(smem_u32(a_full_bar + kStages + s), 128);
-    }
-    // One arrival per THREAD on both (each releases its own shared-memory accesses): with one
-    // arrival per warp after __syncwarp, compute-sanitizer's racecheck reports the hand-off's
-    // reads and writes as hazards, although the PTX memory model orders them (bar.warp.sync, then
-    // a release arrival).
-    mbar_init(smem_u32(handoff_full), 32 * kConsumerWarps);
-    mbar_init(smem_u32(handoff_empty), 32 * kEpiWarps);
-    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-  }
-  for (int e = tid; e < p.E; e += kThreads) {
-    const int count = __ldg(p.offsets + e + 1) - __ldg(p.offsets + e);
-    tile_start[e + 1] = ((count + kBM - 1) / kBM) * p.n_tiles;
-  }
-  __syncthreads();
-  if (warp == 0) warp_prefix_tiles(tile_start, p.E, lane);
-  __syncthreads();
-  const int total_tiles = tile_start[p.E];
+  if (tid == 0)
+    init_gather_pipeline_barriers<kStages>(full_bar, empty_bar, a_full_bar, handoff_full,
+                                           handoff_empty, kConsumerWarps, kEpiWarps);
+  const int total_tiles =
+      build_tile_prefix<kBM, kThreads>(tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
 
   if (warp < 4) {
     // ================= producer warpgroup =================
@@ -462,9 +444,8 @@ int sm90_parse_f1_form(const char* value) {
   return -1;
 }
 
-bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const void* w_gate,
-                       const void* w_up, const void* out_a, const void* out_b, const void* out_u,
-                       int64_t ab_ld) {
+bool sm90_f1_supported(const LayerDesc& desc, const F1Op& op) {
+  const int64_t T = op.rows.T, ab_ld = op.ab_ld;
   if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
   if (kernel_for(desc.dtype, desc.activation, false) == nullptr) return false;
   if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
@@ -477,22 +458,22 @@ bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const vo
   if (desc.d > kIntMax || desc.h > kIntMax || N > kIntMax || T > kIntMax || max_tiles > kIntMax)
     return false;
   if (ab_ld != 0 && (ab_ld < desc.h || ab_ld % 8 != 0)) return false;
-  const void* required[] = {x, w_gate, desc.gated() ? w_up : w_gate};
+  const void* required[] = {op.x, op.w_gate, desc.gated() ? op.w_up : op.w_gate};
   for (const void* ptr : required)
     if (ptr == nullptr || !aligned16(ptr)) return false;
-  const void* outputs[] = {out_a, desc.gated() ? out_b : nullptr, out_u};
+  const void* outputs[] = {op.out_a, desc.gated() ? op.out_b : nullptr, op.out_u};
   for (const void* ptr : outputs)
     if (ptr != nullptr && !aligned16(ptr)) return false;
   return sm90_current_device().usable;
 }
 
-void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32_t* expert_offsets,
-                    const int32_t* expert_token_indices, const void* w_gate, const void* w_up,
-                    void* out_a, void* out_b, void* out_u, int64_t ab_ld, const Sm90Forms& forms,
+void sm90_f1_launch(const LayerDesc& desc, const F1Op& op, const Sm90Forms& forms,
                     cudaStream_t stream) {
-  const int64_t N = T * desc.k;
+  const int64_t N = op.rows.T * desc.k;
   const bool gated = desc.gated();
-  if (!gated) out_b = nullptr;
+  void* const out_a = op.out_a;
+  void* const out_b = gated ? op.out_b : nullptr;
+  void* const out_u = op.out_u;
   if (N == 0 || (out_a == nullptr && out_b == nullptr && out_u == nullptr)) return;
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 F1 launched on an unsupported device");
@@ -503,13 +484,13 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 F1: unsupported dtype or activation");
 
   F1Params p;
-  p.x = x;
-  p.offsets = expert_offsets;
-  p.token_index = expert_token_indices;
+  p.x = op.x;
+  p.offsets = op.rows.expert_offsets;
+  p.token_index = op.rows.expert_token_indices;
   p.out_a = out_a;
   p.out_b = out_b;
   p.out_u = out_u;
-  p.ab_ld = ab_ld != 0 ? ab_ld : desc.h;
+  p.ab_ld = op.ab_ld != 0 ? op.ab_ld : desc.h;
   p.d = int(desc.d);
   p.h = int(desc.h);
   p.E = int(desc.E);
@@ -520,11 +501,11 @@ void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32
 
   CUtensorMap map_gate, map_second;
   if (desc.dtype == Dtype::BF16) {
-    map_gate = make_weight_map<__nv_bfloat16>(w_gate, desc.E, desc.h, desc.d);
-    map_second = gated ? make_weight_map<__nv_bfloat16>(w_up, desc.E, desc.h, desc.d) : map_gate;
+    map_gate = make_weight_map<__nv_bfloat16>(op.w_gate, desc.E, desc.h, desc.d);
+    map_second = gated ? make_weight_map<__nv_bfloat16>(op.w_up, desc.E, desc.h, desc.d) : map_gate;
   } else {
-    map_gate = make_weight_map<__half>(w_gate, desc.E, desc.h, desc.d);
-    map_second = gated ? make_weight_map<__half>(w_up, desc.E, desc.h, desc.d) : map_gate;
+    map_gate = make_weight_map<__half>(op.w_gate, desc.E, desc.h, desc.d);
+    map_second = gated ? make_weight_map<__half>(op.w_up, desc.E, desc.h, desc.d) : map_gate;
   }
   // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
   // tiles than SMs (an upper bound from N: sum_e ceil(count_e / 128) <= N / 128 + E).

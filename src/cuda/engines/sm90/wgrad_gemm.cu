@@ -47,12 +47,12 @@
 // time (stmatrix; .trans for B3) and writes whole 32-byte sectors with 16-byte stores. In the
 // accumulate mode (the caller's accumulate_wgrad: out += the gradient) the stores go straight
 // from the fragments instead: B2 4-byte read-modify-write pairs, B3 2-byte ones.
-#include "cuda/sm90/wgrad_gemm.hpp"
+#include "cuda/engines/sm90/wgrad_gemm.hpp"
 
 #include "common/status.hpp"
 #include "cuda/cuda_util.cuh"
-#include "cuda/sm90/common.cuh"
-#include "cuda/sm90/device.hpp"
+#include "cuda/engines/sm90/common.cuh"
+#include "cuda/engines/sm90/device.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -656,12 +656,13 @@ bool sm90_wgrad_supported(const LayerDesc& desc, int64_t T,
   return sm90_current_device().usable;
 }
 
-void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int32_t* expert_offsets,
-                    const int32_t* expert_token_indices, const void* gu, void* dw_down,
-                    bool accumulate, cudaStream_t stream, int64_t col0, int64_t cols) {
+void sm90_b2_launch(const LayerDesc& desc, const B2Op& op, cudaStream_t stream) {
+  void* const dw_down = op.dw_down;
   if (dw_down == nullptr) return;
-  const int64_t N = T * desc.k;
-  if (cols == 0) cols = desc.h;
+  const int64_t N = op.rows.T * desc.k;
+  const int64_t col0 = op.col0, cols = op.cols != 0 ? op.cols : desc.h;
+  const bool accumulate = op.accumulate;
+  const void* const gu = op.gu;
   MB_REQUIRE(col0 >= 0 && cols > 0 && col0 + cols <= desc.h && (col0 % 8) == 0 && (cols % 8) == 0,
              MOEBLAZE_ERR_INTERNAL, "sm90 B2: bad column range [%lld, +%lld) of h = %lld",
              static_cast<long long>(col0), static_cast<long long>(cols),
@@ -674,12 +675,12 @@ void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int3
     return;
   }
   WgradParams p = {};
-  p.gsrc = dy;
+  p.gsrc = op.dy;
   p.gld = int(desc.d);
   p.csrc = gu;
   p.cld = int(cols);
-  p.offsets = expert_offsets;
-  p.token_index = expert_token_indices;
+  p.offsets = op.rows.expert_offsets;
+  p.token_index = op.rows.expert_token_indices;
   p.out0 = static_cast<unsigned char*>(dw_down) + size_t(col0) * desc.elem_size();
   p.out_stride0 = desc.d * desc.h;
   p.out_ld = desc.h;
@@ -691,13 +692,14 @@ void sm90_b2_launch(const LayerDesc& desc, int64_t T, const void* dy, const int3
   launch(desc, WgradForm::B2, map, p, stream, "sm90_wgrad_kernel (B2)");
 }
 
-void sm90_b3_launch(const LayerDesc& desc, int64_t T, const void* dadb, const void* x,
-                    const int32_t* expert_offsets, const int32_t* expert_token_indices,
-                    void* dw_gate, void* dw_up, bool accumulate, cudaStream_t stream) {
+void sm90_b3_launch(const LayerDesc& desc, const B3Op& op, cudaStream_t stream) {
   const bool gated = desc.gated();
-  if (!gated) dw_up = nullptr;
+  void* const dw_gate = op.dw_gate;
+  void* const dw_up = gated ? op.dw_up : nullptr;
   if (dw_gate == nullptr && dw_up == nullptr) return;
-  const int64_t N = T * desc.k;
+  const bool accumulate = op.accumulate;
+  const void* const dadb = op.dadb;
+  const int64_t N = op.rows.T * desc.k;
   const int64_t h = desc.h;
   if (N == 0) {
     if (!accumulate) {
@@ -716,12 +718,12 @@ void sm90_b3_launch(const LayerDesc& desc, int64_t T, const void* dadb, const vo
           : static_cast<const void*>(static_cast<const char*>(dadb) + size_t(h) * desc.elem_size());
   const int dadb_width = int(both ? 2 * h : h);
   WgradParams p = {};
-  p.gsrc = x;
+  p.gsrc = op.x;
   p.gld = int(desc.d);
   p.csrc = a_base;
   p.cld = int(dadb_ld);
-  p.offsets = expert_offsets;
-  p.token_index = expert_token_indices;
+  p.offsets = op.rows.expert_offsets;
+  p.token_index = op.rows.expert_token_indices;
   p.out0 = dw_gate != nullptr ? dw_gate : dw_up;
   p.out1 = both ? dw_up : nullptr;
   p.out_stride0 = h * desc.d;

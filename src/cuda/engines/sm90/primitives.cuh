@@ -338,6 +338,44 @@ __device__ __forceinline__ void warp_prefix_tiles(int* tile_start, int E, int la
   if (lane == 0) tile_start[0] = 0;
 }
 
+// The grouped tile schedule every CTA builds in its prologue from the device-side offsets (no
+// host sync): tile_start[e] = expert e's first tile (ceil(count_e / BM) m-tiles times n_tiles
+// each), tile_start[E] = the total, which it returns. Every thread of the block calls it; it
+// synchronises the block before and after the prefix.
+template <int BM, int kThreads>
+__device__ __forceinline__ int build_tile_prefix(int* tile_start, const int32_t* offsets, int E,
+                                                 int n_tiles, int tid, int warp, int lane) {
+  for (int e = tid; e < E; e += kThreads) {
+    const int count = __ldg(offsets + e + 1) - __ldg(offsets + e);
+    tile_start[e + 1] = ((count + BM - 1) / BM) * n_tiles;
+  }
+  __syncthreads();
+  if (warp == 0) warp_prefix_tiles(tile_start, E, lane);
+  __syncthreads();
+  return tile_start[E];
+}
+
+// The barriers of the gathered-A pipelines (F1, and F2 / B4 / B1), set by one thread: per stage,
+// full (the TMA thread's expect_tx: one arrival), empty (one arrival per consumer warp) and the
+// two consumer warpgroups' A halves (one cp.async arrival per consumer thread); the epilogue
+// hand-off's full and empty take one arrival per THREAD (each releases its own shared-memory
+// accesses; with one arrival per warp after __syncwarp compute-sanitizer's racecheck reports the
+// hand-off as a hazard, although the PTX memory model orders it).
+template <int kStages>
+__device__ __forceinline__ void init_gather_pipeline_barriers(
+    uint64_t* full_bar, uint64_t* empty_bar, uint64_t* a_full_bar, uint64_t* handoff_full,
+    uint64_t* handoff_empty, int consumer_warps, int epi_warps) {
+  for (int s = 0; s < kStages; ++s) {
+    mbar_init(smem_u32(full_bar + s), 1);
+    mbar_init(smem_u32(empty_bar + s), consumer_warps);
+    mbar_init(smem_u32(a_full_bar + s), 128);
+    mbar_init(smem_u32(a_full_bar + kStages + s), 128);
+  }
+  mbar_init(smem_u32(handoff_full), 32 * consumer_warps);
+  mbar_init(smem_u32(handoff_empty), 32 * epi_warps);
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
 // The gathered A operand of a 128-row tile, loaded by the two consumer warpgroups themselves:
 // each loads the 64 rows that only its own wgmmas read (its 8 KB half of the stage's A tile), with
 // 16-byte cp.async and zero-fill into the 128-byte swizzle, ahead of its wgmmas by a lead the

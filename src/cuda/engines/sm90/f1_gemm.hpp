@@ -23,7 +23,8 @@
 #include <cstdint>
 
 #include "common/layer_desc.hpp"
-#include "cuda/sm90/device.hpp"
+#include "cuda/engines/gemm_ops.hpp"
+#include "cuda/engines/sm90/device.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -36,13 +37,11 @@ size_t sm90_f1_max_smem_bytes();
 bool sm90_f1_prepare_kernels();
 
 // True when sm90_f1_launch can compute this F1: the sm90 kernels are usable on the current device
-// (device.hpp), dtype BF16 or F16, any of the 7 activations, d % 8 == 0,
-// h % 8 == 0, 1 <= E <= 1024, 16-byte aligned tensors (nullptr outputs and, for non-gated
-// activations, w_up and out_b are ignored), ab_ld == 0 or (ab_ld >= h and ab_ld % 8 == 0), and
-// every count inside int range.
-bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const void* w_gate,
-                       const void* w_up, const void* out_a, const void* out_b, const void* out_u,
-                       int64_t ab_ld);
+// (device.hpp), dtype BF16 or F16, any of the 7 activations, d % 8 == 0, h % 8 == 0,
+// 1 <= E <= 1024, 16-byte aligned tensors (nullptr outputs and, for non-gated activations, w_up
+// and out_b are ignored), ab_ld == 0 or (ab_ld >= h and ab_ld % 8 == 0), and every count inside
+// int range.
+bool sm90_f1_supported(const LayerDesc& desc, const F1Op& op);
 
 // F1's epilogue form (Sm90Forms::f1_form): -1 = the policy (epilogue warps for tiles of at most 64
 // k-steps, the consumers' form above); 0 forces the consumers' form and 1 the epilogue-warp form.
@@ -50,16 +49,9 @@ bool sm90_f1_supported(const LayerDesc& desc, int64_t T, const void* x, const vo
 // nullptr or anything else: -1).
 int sm90_parse_f1_form(const char* value);
 
-// Enqueues F1 on `stream`. x [T, d]; expert_offsets [E+1] and expert_token_indices [N] on the
-// device (N = T*k, an upper bound of expert_offsets[E]); w_gate, w_up [E, h, d] (w_up unused for
-// non-gated activations); out_a, out_b: row r at out + r * ab_ld (ab_ld 0 = h; the recompute
-// path of the backward writes a, b into the rows of da|db with ab_ld = 2h, as gemm.cuh's
-// EpilogueArgs::ab_ld); out_u [N, h]. Each output is optional (nullptr = not stored; out_b is
-// ignored for non-gated activations). Precondition: sm90_f1_supported(...) was true.
+// Enqueues F1 (gemm_ops.hpp) on `stream`. Precondition: sm90_f1_supported(desc, op).
 // Throws moeblaze::Error (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.
-void sm90_f1_launch(const LayerDesc& desc, int64_t T, const void* x, const int32_t* expert_offsets,
-                    const int32_t* expert_token_indices, const void* w_gate, const void* w_up,
-                    void* out_a, void* out_b, void* out_u, int64_t ab_ld, const Sm90Forms& forms,
+void sm90_f1_launch(const LayerDesc& desc, const F1Op& op, const Sm90Forms& forms,
                     cudaStream_t stream);
 
 }  // namespace cuda

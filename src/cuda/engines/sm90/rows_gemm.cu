@@ -1,0 +1,503 @@
+// F2, B4, B1 on Hopper (see rows_gemm.hpp).
+//
+// Tile: 128 routed rows x 256 output columns x 64 k, 4 stages of 48 KB (A 16 KB + B 32 KB).
+// 384 threads: warpgroup 0 produces, warpgroups 1 and 2 consume 64 rows each with
+// wgmma m64n256k16 (128 fp32 accumulators per thread); setmaxnreg 40 / 232.
+//   A, not gathered (F2: u; B4: da|db): one TMA box {64 k, 1, 128 rows} per stage from the 3-D
+//     map {k_half, halves, rows}; B4's K runs over two halves (da with w_gate, then db with w_up)
+//     into one accumulator, and k past k_half is zero-filled inside each half, so the da/db
+//     boundary needs no h % 64. A ragged last m-tile reads rows of the next expert; their results
+//     are never stored (rows of a GEMM are independent).
+//   A, gathered (B1: dy rows by token): each consumer warpgroup gathers its own 64 rows, 2 k-steps
+//     ahead (primitives.cuh's HalfTileGather: 16-byte cp.async with zero-fill into the 128-byte
+//     swizzle, completing on the warpgroup's own per-slot barrier); the consumers
+//     fence.proxy.async after their waits (primitives.cuh says why not the producer).
+//   B, K-major (F2: w_down [E, d, h] read as n rows of k): two TMA boxes {64 k, 128 n}.
+//   B, MN-major (B4: w_gate/w_up [E, h, d]; B1: w_down [E, d, h] read as k rows of n): four TMA
+//     boxes {64 n, 64 k}, the transposed-B wgmma with the MN-major descriptor of common.cuh. A box
+//     that starts past n_out is neither issued nor expected.
+// Epilogues: F2 / B4 store each row weighted (F2: g) and rounded to the storage dtype straight
+// from registers, two elements a lane per 4-byte store. B1 works on 64 columns at a time through
+// each consumer warp's 2 KB staging buffer (common.cuh): a, b (and u under SAVE_ALL) in by
+// coalesced 16-byte loads, then da, db, g*u (rounded once) out by coalesced 16-byte stores, and the
+// row's dg partial for this 256-column tile (the quad's lanes hold the row's columns: two
+// shuffles). B1 with 8-64 k-steps a tile (448 < d <= 4096) takes a form with epilogue warps instead
+// (B1Form, kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16
+// and warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on; with
+// 9-32 k-steps (the split form) the consumers keep the tile's first 64 columns and run their
+// epilogue themselves after the hand-off, with 8 (the two-group split) its first 128.
+#include "cuda/engines/sm90/rows_gemm.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "common/activation_math.hpp"
+#include "common/status.hpp"
+#include "cuda/cuda_util.cuh"
+#include "cuda/engines/sm90/common.cuh"
+#include "cuda/engines/sm90/device.hpp"
+#include "cuda/engines/sm90/rows_b1_epilogue.cuh"
+#include "cuda/engines/sm90/rows_layout.cuh"
+
+namespace moeblaze {
+namespace cuda {
+namespace {
+
+using namespace sm90;
+
+// ACT: the activation (Activation cast to int) for B1's epilogue; 0 for F2 and B4.
+// FORM: B1's epilogue form (B1Form); kB1Consumers for F2 and B4.
+template <typename T, int KIND, int ACT, int FORM>
+__global__ void __launch_bounds__(kThreads, 1)
+    sm90_rows_kernel(const __grid_constant__ CUtensorMap tmap_a,
+                     const __grid_constant__ CUtensorMap tmap_b0,
+                     const __grid_constant__ CUtensorMap tmap_b1, const RowsParams p) {
+#if MB_SM90_DEVICE
+  constexpr bool kGather = KIND == kB1;
+  constexpr bool kBMn = KIND != kF2;
+  constexpr bool kEpiWarps = FORM != kB1Consumers;  // epilogue warps and a hand-off
+  static_assert(!kEpiWarps || KIND == kB1, "the epilogue-warp forms are B1's");
+  constexpr int kStages = stages_for(kEpiWarps);
+  constexpr int kConsumerGroups = consumer_groups(FORM);  // B1: 64-column groups run here
+  // B1's consumers gather their A half this many k-steps ahead. With 4 stages the gather of k-step
+  // it + 2 is issued between k-step it's commit and its wait<1>, into the slot of k-step it - 2;
+  // the 3-stage form issues it after the wait, into the slot wgmma(it - 1) released (as F1's
+  // short-K form does; a lead of 1 would leave the rows one k-step to land).
+  constexpr bool kGatherBeforeWait = kStages >= 4;
+  constexpr int kGatherLead = kGatherBeforeWait ? kStages - 2 : kStages - 1;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
+  // B1's epilogue buffers: the hand-off (epilogue-warp forms), then the consumers' staging.
+  uint8_t* epi = smem + kStages * kStageBytes;
+  uint8_t* staging = epi + handoff_groups(FORM) * kHandoffSubBytes;
+  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + epilogue_bytes(FORM));
+  uint64_t* empty_bar = full_bar + kStages;
+  uint64_t* a_full_bar = empty_bar + kStages;  // B1: [2][kStages], consumer warpgroup wg's A half
+  uint64_t* handoff_full = a_full_bar + 2 * kStages;  // epilogue-warp forms only
+  uint64_t* handoff_empty = handoff_full + 1;
+  int* tile_start = reinterpret_cast<int*>(handoff_empty + 1);  // [E + 1]
+
+  const int tid = threadIdx.x;
+  // Broadcast from lane 0: the compiler then knows the warp index is warp-uniform (uniform
+  // registers for the barrier and descriptor addresses derived from it).
+  const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
+
+  if (tid == 0)
+    init_gather_pipeline_barriers<kStages>(full_bar, empty_bar, a_full_bar, handoff_full,
+                                           handoff_empty, kConsumerWarps, kB1EpiWarps);
+  const int total_tiles =
+      build_tile_prefix<kBM, kThreads>(tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
+  const int k_tiles = p.halves * p.kt_half;
+
+  if (warp < 4) {
+    // ================= producer warpgroup =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kEpiWarps ? kRegsWg0Epi : kRegsWg0)
+                 : "memory");
+    if constexpr (kEpiWarps) {
+      if (warp >= 1) {
+        // ================= epilogue warps 1-3 =================
+        // Per tile (the same sequence of tile ids as every role): wait for the consumers'
+        // hand-off, run the tile's epilogue from it, then every lane releases the buffer.
+        const uint32_t* hb = reinterpret_cast<const uint32_t*>(epi);
+        const bool have_u = p.u != nullptr;  // SAVE_ALL; uniform over the grid
+        uint32_t n = 0;                      // this CTA's tiles so far: hand-off phase n
+        for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
+          const TileCoord c = decode_tile(t, tile_start, p);
+          mbar_wait(smem_u32(handoff_full), n & 1);
+          if (have_u)
+            b1_epilogue_warps<T, ACT, kConsumerGroups, true>(p, c, warp - 1, lane, hb);
+          else
+            b1_epilogue_warps<T, ACT, kConsumerGroups, false>(p, c, warp - 1, lane, hb);
+          mbar_arrive(smem_u32(handoff_empty));  // every lane, after its own reads
+        }
+        return;
+      }
+    }
+    if (tid != 0) return;  // one thread issues every TMA (B1: the consumers gather A)
+    uint32_t it = 0;
+    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+      const TileCoord c = decode_tile(t, tile_start, p);
+      // B boxes (MN-major: 64 columns each; K-major: 128 rows each) that start past n_out are not
+      // issued nor expected: their accumulator columns are never stored.
+      constexpr int kBoxCols = kBMn ? 64 : kBKBoxRows;
+      constexpr uint32_t kBoxBytes = kBMn ? uint32_t(kBMnBoxBytes) : uint32_t(kBKBoxBytes);
+      const int b_boxes = min(kBN / kBoxCols, (p.n_out - c.n0 + kBoxCols - 1) / kBoxCols);
+      const uint32_t b_bytes = uint32_t(b_boxes) * kBoxBytes;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % kStages;
+        const int half = kt >= p.kt_half ? 1 : 0;
+        const int k0 = (kt - half * p.kt_half) * kBK;
+        mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
+        uint8_t* stage = smem + s * kStageBytes;
+        const uint32_t full = smem_u32(full_bar + s);
+        mbar_arrive_expect_tx(full, b_bytes + (kGather ? 0u : uint32_t(kATileBytes)));
+        if (!kGather) tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
+        const CUtensorMap* mb = half ? &tmap_b1 : &tmap_b0;
+        for (int i = 0; i < b_boxes; ++i) {
+          const uint32_t dst = smem_u32(stage + kATileBytes + i * kBoxBytes);
+          const int cb0 = kBMn ? c.n0 + 64 * i : k0;          // MN: {n, k, e}
+          const int cb1 = kBMn ? k0 : c.n0 + kBKBoxRows * i;  // K:  {k, n, e}
+          tma_load_3d(dst, mb, full, cb0, cb1, c.e);
+        }
+      }
+    }
+  } else {
+    // ================= consumer warpgroups =================
+    asm volatile(
+        "setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kEpiWarps ? kRegsConsumerEpi : kRegsConsumer)
+        : "memory");
+    const int wg = (warp >> 2) - 1;   // rows [64 wg, 64 wg + 64) of the tile
+    const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of those
+    const int g = lane >> 2, t4 = lane & 3;
+    float acc[128];
+#pragma unroll
+    for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+    const auto row_range = [&](int t) {
+      const TileCoord c = decode_tile(t, tile_start, p);
+      return make_int2(c.row0, c.rows);
+    };
+    uint64_t* my_a_full = a_full_bar + wg * kStages;
+    // B1 only (halves == 1): k runs over dy's d columns.
+    HalfTileGather<T> gather(static_cast<const T*>(p.a_src), p.lda, p.k_half, k_tiles,
+                             p.token_index, total_tiles, wg);
+    if constexpr (kGather) {
+      gather.start(row_range);
+      for (int s = 0; s < kGatherLead; ++s)
+        gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
+    }
+    uint32_t it = 0;
+    uint32_t n = 0;  // epilogue-warp forms: this CTA's tiles so far, the hand-off's phase
+    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
+      const TileCoord c = decode_tile(t, tile_start, p);
+      int prev_s = 0;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = it % kStages;
+        mbar_wait(smem_u32(full_bar + s), (it / kStages) & 1);
+        if constexpr (kGather) {
+          mbar_wait(smem_u32(my_a_full + s), (it / kStages) & 1);
+          // cp.async (generic proxy) wrote A; wgmma reads through the async proxy.
+          asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        }
+        const uint32_t stage = smem_u32(smem + s * kStageBytes);
+        const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
+        const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kATileBytes)
+                                     : smem_desc_kmajor_sw128(stage + kATileBytes);
+        wgmma_kstep<T, 0, kBMn ? 1 : 0>(acc, desc_a, desc_b, kt > 0);
+        if constexpr (kGather && kGatherBeforeWait) {
+          // While wgmma(it - 1) and wgmma(it) run: our A of k-step it + kGatherLead into the slot
+          // of k-step it - 2, whose wgmma completed before the previous k-step's wait<1>.
+          const int refill = int((it + kGatherLead) % kStages);
+          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
+                       row_range);
+        }
+        wgmma_wait<1>();
+        fence_accumulators(acc);
+        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+        if constexpr (kGather && !kGatherBeforeWait) {  // the slot of k-step it - 1, released now
+          const int refill = int((it + kGatherLead) % kStages);
+          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
+                       row_range);
+        }
+        prev_s = s;
+      }
+      wgmma_wait<0>();
+      fence_accumulators(acc);
+      if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+
+      const int tile_row = wg * 64 + warp_in_wg * 16;
+      uint32_t* stg = reinterpret_cast<uint32_t*>(staging + (warp - 4) * kB1StageWarpBytes);
+      if constexpr (kEpiWarps) {
+        // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
+        // (for n = 0, parity 1 of a fresh barrier returns at once), round v of the groups they run
+        // into it and go on (the split form: after group 0's epilogue here). Register 4j + q of
+        // lane (g, t4): row g + 8 (q >> 1) of the warp's 16, column 8j + 2 t4 + (q & 1): group
+        // j >> 3 (sub-tile (j >> 3) - kConsumerGroups), chunk j & 7, word t4; a warp instruction
+        // (fixed j, rr) writes 8 rows (row & 7 == g) at chunks (j & 7) ^ g: all 32 banks once.
+        mbar_wait(smem_u32(handoff_empty), (n & 1) ^ 1);
+        uint32_t* hb = reinterpret_cast<uint32_t*>(epi);
+#pragma unroll
+        for (int j = 8 * kConsumerGroups; j < 32; ++j) {
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const int row = tile_row + g + 8 * rr;
+            hb[((j >> 3) - kConsumerGroups) * kHandoffSubWords + row * 32 + (((j & 7) ^ g) << 2) +
+               t4] = pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+          }
+        }
+        mbar_arrive(smem_u32(handoff_full));  // every lane, after its own writes
+        if constexpr (kConsumerGroups > 0)
+          b1_epilogue<T, ACT, kConsumerGroups, true>(p, c, tile_row, lane, stg, acc);
+      } else if constexpr (KIND == kB1) {
+        b1_epilogue<T, ACT, 4, false>(p, c, tile_row, lane, stg, acc);
+      } else {
+        // Each lane stores its column pairs of a row as one 4-byte word (n_out % 8 == 0: a pair
+        // is all in or all out).
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int row = tile_row + g + 8 * rr;
+          if (row < c.rows) {
+            const int64_t r = int64_t(c.row0) + row;
+            const int64_t pair = p.row_pair != nullptr ? int64_t(p.row_pair[r]) : r;
+            const float w = p.out_w != nullptr ? p.out_w[pair] : 1.f;
+            T* orow =
+                static_cast<T*>(p.out) + (p.out_by_pair ? pair : r) * p.out_ld + c.n0 + 2 * t4;
+#pragma unroll
+            for (int j = 0; j < 32; ++j) {
+              if (c.n0 + 8 * j < p.n_out)
+                *reinterpret_cast<uint32_t*>(orow + 8 * j) = pack2<T>(
+                    row_value<T>(w, acc[4 * j + 2 * rr]), row_value<T>(w, acc[4 * j + 2 * rr + 1]));
+            }
+          }
+        }
+      }
+    }
+  }
+#else
+  __trap();  // no sm_90a image: sm90_rows_supported never lets this run
+#endif  // MB_SM90_DEVICE
+}
+
+// ---- host -----------------------------------------------------------------------------------
+
+using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                          const RowsParams);
+
+template <typename T, int FORM>
+KernelFn b1_kernel_for(Activation act) {
+  switch (act) {
+    // clang-format off
+#define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
+    case Activation::Name: return sm90_rows_kernel<T, kB1, int(Activation::Name), FORM>;
+#include "common/activations.def"
+    // clang-format on
+  }
+  return nullptr;
+}
+
+template <typename T>
+KernelFn kernel_for_type(int kind, Activation act, int form) {
+  if (kind == kF2) return sm90_rows_kernel<T, kF2, 0, kB1Consumers>;
+  if (kind == kB4) return sm90_rows_kernel<T, kB4, 0, kB1Consumers>;
+  if (form == kB1Warps) return b1_kernel_for<T, kB1Warps>(act);
+  if (form == kB1Split) return b1_kernel_for<T, kB1Split>(act);
+  if (form == kB1Split2) return b1_kernel_for<T, kB1Split2>(act);
+  return b1_kernel_for<T, kB1Consumers>(act);
+}
+
+// form: B1's epilogue form (B1Form; kind == kB1 only).
+KernelFn kernel_for(Dtype dtype, int kind, Activation act, int form) {
+  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(kind, act, form);
+  if (dtype == Dtype::F16) return kernel_for_type<__half>(kind, act, form);
+  return nullptr;
+}
+
+// B1's form for tiles of k_tiles k-steps (see B1Form and the measurements at
+// kB1EpiWarpsMinKTiles): the two-group split at 8 k-steps, where the main loop is short enough
+// that the consumers can take half the epilogue; the split for medium K, where the epilogue warps
+// alone would still be the slower side; the epilogue warps alone for long K; the consumers' form
+// below 8 and past 64 k-steps (unmeasured). forced (Sm90Forms::b1_form) >= 0 overrides it.
+int b1_form_for(int k_tiles, int forced) {
+  if (forced >= kB1Consumers && forced <= kB1Split2) return forced;
+  if (k_tiles < kB1EpiWarpsMinKTiles || k_tiles > kB1EpiWarpsMaxKTiles) return kB1Consumers;
+  if (k_tiles <= kB1Split2MaxKTiles) return kB1Split2;
+  return k_tiles <= kB1SplitMaxKTiles ? kB1Split : kB1Warps;
+}
+
+// [count2, count1, count0] row-major with dim 0 contiguous; see make_map_3d.
+template <typename T>
+CUtensorMap map_for(const void* base, int64_t dim0, int64_t dim1, int64_t dim2, int64_t stride1,
+                    int64_t stride2, uint32_t box0, uint32_t box1, uint32_t box2,
+                    const char* what) {
+  return make_map_3d<T>(base, uint64_t(dim0), uint64_t(dim1), uint64_t(dim2), uint64_t(stride1),
+                        uint64_t(stride2), box0, box1, box2, what);
+}
+
+// Columns [col0, col0 + cols) of a weight operand [E, rows, ld] (ld contiguous; 16-bit elements):
+// MN-major boxes {64 cols, 64 rows} when the GEMM's n runs along the columns, K-major boxes
+// {64 cols, 128 rows} when k does. Columns past the range read as zeros.
+CUtensorMap weight_map_range(Dtype dtype, const void* w, int64_t E, int64_t rows, int64_t ld,
+                             int64_t col0, int64_t cols, bool mn_major, const char* what) {
+  const uint32_t box1 = mn_major ? uint32_t(kBK) : uint32_t(kBKBoxRows);
+  const void* base = static_cast<const uint16_t*>(w) + col0;
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
+  return map_for<__half>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
+}
+
+// Rows [row0, row0 + rows) of a K-major weight operand [E, total_rows, ld] (ld contiguous, the
+// GEMM's k): boxes {64 k, 128 rows}; rows past the range read as zeros.
+CUtensorMap weight_rows_map(Dtype dtype, const void* w, int64_t E, int64_t total_rows, int64_t ld,
+                            int64_t row0, int64_t rows, const char* what) {
+  const void* base = static_cast<const uint16_t*>(w) + row0 * ld;
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(base, ld, rows, E, ld, total_rows * ld, 64, kBKBoxRows, 1, what);
+  return map_for<__half>(base, ld, rows, E, ld, total_rows * ld, 64, kBKBoxRows, 1, what);
+}
+
+// A row operand [N, halves * k_half] as {k_half, halves, N}, box {64 k, 1, 128 rows}.
+CUtensorMap rows_map(Dtype dtype, const void* a, int64_t N, int64_t k_half, int halves,
+                     const char* what) {
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(a, k_half, halves, N, k_half, halves * k_half, kBK, 1, kBM, what);
+  return map_for<__half>(a, k_half, halves, N, k_half, halves * k_half, kBK, 1, kBM, what);
+}
+
+RowsParams base_params(const LayerDesc& desc, const int32_t* offsets, int n_out, int64_t k_half,
+                       int halves, int64_t T) {
+  RowsParams p = {};
+  p.offsets = offsets;
+  p.n_out = n_out;
+  p.k_half = int(k_half);
+  p.halves = halves;
+  p.E = int(desc.E);
+  p.n_tiles = (n_out + kBN - 1) / kBN;
+  p.kt_half = int((k_half + kBK - 1) / kBK);
+  p.N = T * desc.k;
+  return p;
+}
+
+void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtensorMap& b0,
+            const CUtensorMap& b1, const RowsParams& params, const Sm90Forms& forms,
+            cudaStream_t stream, const char* what) {
+  RowsParams p = params;
+  p.band_mtiles = sm90_band_mtiles(kind == kF2   ? Sm90Gemm::F2
+                                   : kind == kB4 ? Sm90Gemm::B4
+                                                 : Sm90Gemm::B1,
+                                   p.n_tiles, forms.band_mtiles);
+  const Sm90Device& info = sm90_current_device();
+  MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
+  // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
+  // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E).
+  const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
+  const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
+  const int form = kind == kB1 ? b1_form_for(p.halves * p.kt_half, forms.b1_form) : kB1Consumers;
+  const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation, form);
+  MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
+  kernel<<<grid, kThreads, smem_bytes(p.E, form), stream>>>(a, b0, b1, p);
+  check_launch(what);
+}
+
+}  // namespace
+
+size_t sm90_rows_max_smem_bytes() {
+  return kMaxSmemBytes;
+}
+
+bool sm90_rows_prepare_kernels() {
+  for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
+    for (int kind : {kF2, kB4, kB1}) {
+      for (Activation act : kActivations) {
+        if (kind != kB1 && act != Activation::SwiGLU) continue;  // one kernel, any activation
+        for (int form : {kB1Consumers, kB1Warps, kB1Split, kB1Split2}) {
+          if (form != kB1Consumers && kind != kB1) continue;
+          if (!prepare_kernel(kernel_for(dtype, kind, act, form), kMaxSmemBytes)) return false;
+        }
+      }
+    }
+  }
+  return true;
+}
+
+int sm90_parse_b1_form(const char* value) {
+  if (value == nullptr) return -1;
+  if (std::strcmp(value, "consumers") == 0) return kB1Consumers;
+  if (std::strcmp(value, "warps") == 0) return kB1Warps;
+  if (std::strcmp(value, "split") == 0) return kB1Split;
+  if (std::strcmp(value, "split2") == 0) return kB1Split2;
+  return -1;
+}
+
+bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
+                         std::initializer_list<const void*> tensors) {
+  if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
+  if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
+  if (desc.E < 1 || desc.E > kMaxExperts || desc.k < 1 || T < 0) return false;
+  const int64_t N = T * desc.k;
+  const int64_t widest = desc.d > 2 * desc.h ? desc.d : 2 * desc.h;
+  const int64_t max_tiles = (N / kBM + desc.E) * ((widest + kBN - 1) / kBN);
+  constexpr int64_t kIntMax = 0x7fffffff;
+  if (widest > kIntMax || N > kIntMax || T > kIntMax || max_tiles > kIntMax) return false;
+  for (const void* ptr : tensors)
+    if (ptr != nullptr && !aligned16(ptr)) return false;
+  return sm90_current_device().usable;
+}
+
+void set_rows_out(RowsParams& p, const RowsOut& out, const int32_t* row_pair) {
+  p.out = out.rows;
+  p.out_ld = out.ld != 0 ? out.ld : p.n_out;
+  p.row_pair = row_pair;
+  p.out_w = out.weights;
+  p.out_by_pair = out.by_pair;
+}
+
+void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& forms,
+                    cudaStream_t stream) {
+  const int64_t T = op.rows.T, N = T * desc.k;
+  if (N == 0) return;
+  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
+  RowsParams p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, 1, T);
+  set_rows_out(p, op.out, op.rows.row_pair);
+  const CUtensorMap a = rows_map(desc.dtype, op.u, N, desc.h, 1, "F2");
+  // w_down [E, d, h]: the GEMM's n runs over d (rows: those of the range), k over h
+  // (contiguous): K-major.
+  const CUtensorMap b =
+      weight_rows_map(desc.dtype, op.w_down, desc.E, desc.d, desc.h, op.col0, cols, "F2");
+  launch(desc, kF2, a, b, b, p, forms, stream, "sm90_rows_kernel (F2)");
+}
+
+void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& forms,
+                    cudaStream_t stream) {
+  const int64_t T = op.rows.T, N = T * desc.k;
+  if (N == 0) return;
+  const int halves = desc.gated() ? 2 : 1;
+  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
+  RowsParams p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, halves, T);
+  set_rows_out(p, op.out, op.rows.row_pair);
+  const CUtensorMap a = rows_map(desc.dtype, op.dadb, N, desc.h, halves, "B4");
+  // w_gate / w_up [E, h, d]: k runs over h (rows), n over the range's columns of d: MN-major.
+  const CUtensorMap b0 =
+      weight_map_range(desc.dtype, op.w_gate, desc.E, desc.h, desc.d, op.col0, cols, true, "B4");
+  const CUtensorMap b1 = desc.gated() ? weight_map_range(desc.dtype, op.w_up, desc.E, desc.h,
+                                                         desc.d, op.col0, cols, true, "B4")
+                                      : b0;
+  launch(desc, kB4, a, b0, b1, p, forms, stream, "sm90_rows_kernel (B4)");
+}
+
+void sm90_b1_launch(const LayerDesc& desc, const B1Op& op, const Sm90Forms& forms,
+                    cudaStream_t stream) {
+  const int64_t T = op.rows.T, N = T * desc.k;
+  if (N == 0) return;
+  const int64_t cols = op.cols != 0 ? op.cols : desc.h;
+  const size_t es = desc.elem_size();
+  // The range's columns of the activation buffers; its first tile's dg partials.
+  const auto column = [&](const void* base) -> void* {
+    return base == nullptr ? nullptr
+                           : const_cast<unsigned char*>(static_cast<const unsigned char*>(base)) +
+                                 es * size_t(op.col0);
+  };
+  RowsParams p = base_params(desc, op.rows.expert_offsets, int(cols), desc.d, 1, T);
+  p.a_src = op.dy;
+  p.token_index = op.rows.expert_token_indices;
+  p.lda = int(desc.d);
+  p.gated = desc.gated();
+  p.ab_ld = op.ab_ld != 0 ? op.ab_ld : desc.h;
+  p.dadb_ld = op.dadb_ld != 0 ? op.dadb_ld : (p.gated ? 2 * desc.h : desc.h);
+  p.db_offset = desc.h;
+  p.u_ld = op.u_ld != 0 ? op.u_ld : desc.h;
+  p.a = column(op.a_src);
+  p.b = p.gated ? column(op.b_src) : nullptr;
+  p.u = column(op.u_src);
+  p.g = op.g;
+  p.row_pair = op.rows.row_pair;
+  p.dadb = column(op.dadb);
+  p.gu = op.gu;
+  p.dg_part = op.dg_part + size_t(op.col0 / kSm90B1TileCols * kSm90B1DgPartsPerTile) * size_t(N);
+  // w_down [E, d, h]: k runs over d (rows), n over the range's columns of h: MN-major. A is
+  // gathered (no map; the kernel never reads tmap_a, the B map stands in for it).
+  const CUtensorMap b =
+      weight_map_range(desc.dtype, op.w_down, desc.E, desc.d, desc.h, op.col0, cols, true, "B1");
+  launch(desc, kB1, b, b, b, p, forms, stream, "sm90_rows_kernel (B1)");
+}
+
+}  // namespace cuda
+}  // namespace moeblaze

@@ -1,0 +1,182 @@
+// The rows kernel's (rows_gemm.cu) tile geometry, epilogue forms, shared-memory budget, kernel
+// parameters and tile decoding. Private to rows_gemm.cu and its B1 epilogue (an anonymous
+// namespace: one translation unit includes it).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "common/activation_math.hpp"
+#include "cuda/cuda_util.cuh"
+#include "cuda/engines/sm90/common.cuh"
+#include "cuda/engines/sm90/rows_gemm.hpp"
+
+namespace moeblaze {
+namespace cuda {
+namespace {
+
+using namespace sm90;
+
+enum RowsKind : int { kF2 = 0, kB4 = 1, kB1 = 2 };
+
+constexpr int kBM = 128;              // routed rows per tile
+constexpr int kBN = kSm90B1TileCols;  // output columns per tile (256)
+// Pipeline stages: stages_for (common.cuh): 4, or 3 in B1's forms with epilogue warps (B1Form).
+constexpr int kThreads = 384;
+constexpr int kConsumerWarps = 8;
+
+constexpr int kATileBytes = kBM * kBK * 2;         // 16 KB
+constexpr int kBTileBytes = kBN * kBK * 2;         // 32 KB
+constexpr int kBMnBoxBytes = 64 * kBK * 2;         // 8 KB: one 64-column box of an MN-major B
+constexpr int kBKBoxRows = 128;                    // K-major B: two boxes of 128 rows of n
+constexpr int kBKBoxBytes = kBKBoxRows * kBK * 2;  // 16 KB
+constexpr int kStageBytes = kATileBytes + kBTileBytes;
+// B1's epilogue staging: per consumer warp three 8-row x 64-column buffers (a -> da, b -> db,
+// u -> g*u), common.cuh's swizzled layout.
+constexpr int kB1StageRows = 8;
+constexpr int kB1StageWords = kB1StageRows * kStageCols / 2;  // 256 words = 1 KB
+constexpr int kB1StageWarpBytes = 3 * kB1StageWords * 4;
+
+constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
+
+// B1's epilogue-warp form (kB1Warps; tiles of kB1EpiWarpsMinKTiles..kB1EpiWarpsMaxKTiles
+// k-steps, 448 < d <= 4096): the consumers round v = dy . w_down into a 64 KB hand-off (4
+// sub-tiles of 128 rows x 64 columns, 3 in the split form below; 16-byte chunk c of row r at
+// r * 128 + ((c ^ (r & 7)) << 4), F1's layout) and go on to the next tile's main loop, while warps
+// 1-3 of the producer warpgroup run the activation backward from it (a, b in; da, db, g*u out; dg
+// partials). In the 4-stage form the consumers run it after each tile's main loop, where it takes
+// about 40 % of B1's time at 16 k-steps.
+//
+// The epilogue warps pay from 8 k-steps (with the split forms below) up to 64 (on the H200, B1
+// 4-8 % faster at 16-64 k-steps against the 4-stage form); past 64 k-steps (d > 4096) is unmeasured
+// and keeps the 4-stage form.
+constexpr int kB1EpiWarpsMinKTiles = 8;
+constexpr int kB1EpiWarpsMaxKTiles = 64;
+constexpr int kB1EpiWarps = 3;
+constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB: one 64-column group of the tile
+constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
+
+// B1's four epilogue forms (the kernel's FORM; F2 and B4 take kB1Consumers, which for them only
+// means 4 stages):
+//   kB1Consumers: 4 stages; the consumers run the whole epilogue after each main loop.
+//   kB1Warps:     3 stages; the epilogue warps run all four 64-column groups of every tile from
+//                 the hand-off while the consumers go on (above).
+//   kB1Split:     3 stages; the consumers hand off groups 1-3 and run group 0 themselves (from
+//                 their accumulators, rounded to T as the hand-off is), then go on.
+//   kB1Split2:    as kB1Split with groups 0-1 on the consumers and 2-3 on the epilogue warps.
+//
+// Why the split: where the main loop is short (16 k-steps), the epilogue-warp form leaves the
+// consumers waiting for the hand-off buffer a third of the time (the epilogue warps' 327 KB a tile
+// outlast the main loop, stalled on their a, b loads: latency-bound, not bandwidth-bound). A
+// quarter of the epilogue on the consumers balances the two sides (B1 7-15 % faster at 16 k-steps,
+// 3 % at 32; 4 % slower at 64, where the epilogue warps keep up: hence kB1SplitMaxKTiles). At 8
+// k-steps the main loop is half as long again and the two-group split wins (15-18 % against the
+// consumers' form), while at 16-32 it loses to the split: hence kB1Split2MaxKTiles. Below 8
+// k-steps is unmeasured and keeps the consumers' form.
+enum B1Form : int { kB1Consumers = 0, kB1Warps = 1, kB1Split = 2, kB1Split2 = 3 };
+constexpr int kB1Split2MaxKTiles = 8;
+constexpr int kB1SplitMaxKTiles = 32;
+// 64-column groups of a tile the consumers run themselves, and those they hand off.
+constexpr int consumer_groups(int form) {
+  return form == kB1Consumers ? 4 : form == kB1Split ? 1 : form == kB1Split2 ? 2 : 0;
+}
+constexpr int handoff_groups(int form) {
+  return form == kB1Consumers ? 0 : 4 - consumer_groups(form);
+}
+// The epilogue's shared memory after the stages: the hand-off's groups, then (when the consumers
+// run any group) their staging buffers.
+constexpr size_t epilogue_bytes(int form) {
+  return size_t(handoff_groups(form)) * kHandoffSubBytes +
+         (consumer_groups(form) > 0 ? size_t(kEpiBytes) : 0);
+}
+constexpr size_t smem_bytes(int E, int form) {
+  return pipeline_smem_bytes(stages_for(form != kB1Consumers), kStageBytes, epilogue_bytes(form),
+                             E);
+}
+constexpr size_t kMaxSmemBytes =
+    std::max({smem_bytes(kMaxExperts, kB1Consumers), smem_bytes(kMaxExperts, kB1Warps),
+              smem_bytes(kMaxExperts, kB1Split), smem_bytes(kMaxExperts, kB1Split2)});
+static_assert(kMaxSmemBytes <= kSmemPerBlock,
+              "227 KB of shared memory per block on the H100 / H200");
+
+// B1's dg partials: two per row and tile, part 0 over the tile's first dg_split_groups 64-column
+// groups and part 1 over the rest, so the split forms' two sides each write their own (no combine
+// between them; dg_reduce adds the partials in a fixed order: deterministic). Every form writes
+// both. The argument is the form's consumer_groups (the split point of the split forms; one group
+// for the forms where one side runs the whole tile).
+constexpr int kDgParts = kSm90B1DgPartsPerTile;
+static_assert(kDgParts == 2, "part 0: the consumers' side of a split, part 1: the rest");
+constexpr int dg_split_groups(int consumer_groups_) {
+  return consumer_groups_ == 0 || consumer_groups_ == 4 ? 1 : consumer_groups_;
+}
+
+// setmaxnreg counts (register_split_fits).
+constexpr int kRegsWg0 = 40, kRegsConsumer = 232;
+constexpr int kRegsWg0Epi = 104, kRegsConsumerEpi = 200;  // the epilogue warps' math
+static_assert(register_split_fits(kRegsWg0, kRegsConsumer), "register split");
+static_assert(register_split_fits(kRegsWg0Epi, kRegsConsumerEpi),
+              "register split (epilogue warps)");
+
+struct RowsParams {
+  const void* a_src;           // B1: dy [T, lda] (gathered rows)
+  const int32_t* offsets;      // [E + 1]
+  const int32_t* token_index;  // [N] (B1)
+  // F2 / B4: routed row r as row_value(w, v) in the storage dtype, w = out_w[row_pair[r]] (F2's
+  // g) or 1 (out_w null), to row r of out ([N, n_out]) or, out_by_pair (k = 1), to row
+  // row_pair[r] ([T, n_out]: the token's output row).
+  void* out;
+  int64_t out_ld;  // elements between rows of out
+  const float* out_w;
+  bool out_by_pair;
+  int n_out;   // output columns
+  int k_half;  // K of one half (K = halves * k_half)
+  int halves;  // 2 for gated B4, else 1
+  int lda;     // B1: elements per dy row
+  int E;
+  int n_tiles;      // ceil(n_out / kBN)
+  int kt_half;      // ceil(k_half / kBK)
+  int band_mtiles;  // rasterisation: the n-tiles sweep bands of this many m-tiles
+  int64_t N;        // routed rows (dg_part stride)
+  // B1 epilogue. n_out is the width of the column range this launch covers (all of h, or one
+  // chunk of it: experts.cu); a, b, u, dadb, gu and dg_part point at the range's first column, and
+  // the row strides of the full-width buffers are explicit.
+  bool gated;
+  int64_t ab_ld;
+  int64_t dadb_ld;    // elements between rows of da|db ([N, 2h] gated, [N, h] otherwise)
+  int64_t db_offset;  // elements from da to db within a da|db row (the full h)
+  int64_t u_ld;       // elements between rows of the saved u (SAVE_ALL)
+  const void* a;
+  const void* b;
+  const void* u;
+  const float* g;
+  const int32_t* row_pair;
+  void* dadb;
+  void* gu;
+  float* dg_part;
+};
+
+struct TileCoord {
+  int e, row0, rows, n0;
+};
+
+#if MB_SM90_DEVICE
+
+__device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
+                                                 const RowsParams& p) {
+  const GroupedTile g =
+      decode_grouped_tile<kBM>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
+  return {g.e, g.row0, g.rows, g.n_tile * kBN};
+}
+
+// B1's dg partials of tile c: part q of routed row r at [q * p.N + r] (kDgParts; the layout
+// experts.cu sizes and dg_reduce_kernel reads).
+__device__ __forceinline__ float* dg_tile_parts(const RowsParams& p, const TileCoord& c) {
+  return p.dg_part + int64_t(c.n0 / kBN) * kDgParts * p.N;
+}
+
+#endif  // MB_SM90_DEVICE
+
+}  // namespace
+}  // namespace cuda
+}  // namespace moeblaze
