@@ -870,6 +870,41 @@ TEST_SUITE("cuda") {
 #endif
   }
 
+  TEST_CASE("cuda: F2's and B4's two store forms match the CPU and each other bit for bit") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    // MOEBLAZE_CUDA_ROWS_FORM: F2 and B4 store their rows from the consumers' registers, or hand
+    // them, rounded as stored, to the epilogue warps, which store whole rows: the same values at
+    // the same places, so every output must keep its bits. d = 296 (a last tile of 40 columns)
+    // and 1000 (232); k = 2 (rows, then the per-token reduction) and k = 1 (direct rows: each row
+    // stored at its token); F16 as well as BF16; row chunks of d too (MOEBLAZE_CUDA_ROW_CHUNKS).
+    Rng rng(test_seed(9973));
+    const ScopedSwitch chunk_switch("MOEBLAZE_CUDA_ROW_CHUNKS");
+    for (const char* chunks : {"1", "2"}) {
+      if (quick() && std::string(chunks) == "2") continue;
+      chunk_switch.set(chunks);
+      for (int64_t d : {int64_t(296), int64_t(1000)}) {
+        for (int32_t dtype : {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F16}) {
+          for (int64_t k : {int64_t(2), int64_t(1)}) {
+            for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_SILU}) {
+              if (quick() && (dtype != MOEBLAZE_DTYPE_BF16 || act != MOEBLAZE_ACTIVATION_SWIGLU))
+                continue;
+              moeblaze_layer_config_t cfg = make_config(dtype, d, 264, 5, k);
+              cfg.activation = act;
+              const std::string chunk_name = chunks;
+              CAPTURE(chunk_name);
+              CAPTURE(describe(cfg));
+              // "neither": any other value means the policy
+              check_switch_keeps_bits_skewed("MOEBLAZE_CUDA_ROWS_FORM",
+                                             {"consumers", "warps", "neither"}, cfg, 300, rng);
+            }
+          }
+        }
+      }
+    }
+#endif
+  }
+
   TEST_CASE("cuda: the grouped GEMMs' tile rasterisation changes no bit") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)

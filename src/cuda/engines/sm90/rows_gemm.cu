@@ -45,8 +45,33 @@ namespace {
 
 using namespace sm90;
 
+#if MB_SM90_DEVICE
+
+// F2 / B4 in the epilogue-warp form (FORM kB1Warps): the hand-off holds the tile's rows as stored
+// (row_value, rounded to T, B1's hand-off layout); epilogue warp ew (0..2) stores rows ew, ew + 3,
+// ... and lane q copies 16-byte chunk q & 7 of 64-column group q >> 3, so one warp instruction
+// writes a whole 512-byte row. Rows past c.rows and chunks past n_out (n_out % 8 == 0: a chunk is
+// all in or all out) are not stored.
+template <typename T>
+__device__ __forceinline__ void rows_store_warps(const RowsParams& p, const TileCoord& c, int ew,
+                                                 int lane, const uint32_t* hb) {
+  const int group = lane >> 3, chunk = lane & 7;
+  const int col = c.n0 + 8 * lane;
+  const bool col_in = col < p.n_out;
+  for (int row = ew; row < c.rows; row += kB1EpiWarps) {
+    const int64_t r = int64_t(c.row0) + row;
+    const int64_t out_row = p.out_by_pair ? int64_t(p.row_pair[r]) : r;
+    const uint4 v = *reinterpret_cast<const uint4*>(hb + group * kHandoffSubWords + row * 32 +
+                                                    ((chunk ^ (row & 7)) << 2));
+    if (col_in) *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + out_row * p.out_ld + col) = v;
+  }
+}
+
+#endif  // MB_SM90_DEVICE
+
 // ACT: the activation (Activation cast to int) for B1's epilogue; 0 for F2 and B4.
-// FORM: B1's epilogue form (B1Form); kB1Consumers for F2 and B4.
+// FORM: B1's epilogue form (B1Form); F2 and B4: kB1Consumers (the consumers store their rows) or
+// kB1Warps (the epilogue warps store them from the hand-off while the consumers go on).
 template <typename T, int KIND, int ACT, int FORM>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_rows_kernel(const __grid_constant__ CUtensorMap tmap_a,
@@ -56,7 +81,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kGather = KIND == kB1;
   constexpr bool kBMn = KIND != kF2;
   constexpr bool kEpiWarps = FORM != kB1Consumers;  // epilogue warps and a hand-off
-  static_assert(!kEpiWarps || KIND == kB1, "the epilogue-warp forms are B1's");
+  static_assert(KIND == kB1 || FORM == kB1Consumers || FORM == kB1Warps,
+                "F2 and B4 run their store in the consumers or wholly in the epilogue warps");
   constexpr int kStages = stages_for(kEpiWarps);
   constexpr int kConsumerGroups = consumer_groups(FORM);  // B1: 64-column groups run here
   // B1's consumers gather their A half this many k-steps ahead. With 4 stages the gather of k-step
@@ -104,7 +130,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
           const TileCoord c = decode_tile(t, tile_start, p);
           mbar_wait(smem_u32(handoff_full), n & 1);
-          if (have_u)
+          if constexpr (KIND != kB1)
+            rows_store_warps<T>(p, c, warp - 1, lane, hb);
+          else if (have_u)
             b1_epilogue_warps<T, ACT, kConsumerGroups, true>(p, c, warp - 1, lane, hb);
           else
             b1_epilogue_warps<T, ACT, kConsumerGroups, false>(p, c, warp - 1, lane, hb);
@@ -213,6 +241,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         // lane (g, t4): row g + 8 (q >> 1) of the warp's 16, column 8j + 2 t4 + (q & 1): group
         // j >> 3 (sub-tile (j >> 3) - kConsumerGroups), chunk j & 7, word t4; a warp instruction
         // (fixed j, rr) writes 8 rows (row & 7 == g) at chunks (j & 7) ^ g: all 32 banks once.
+        // F2 / B4 hand off their rows as stored: each element row_value(w, v) of its row's weight.
+        float w[2] = {1.f, 1.f};
+        if constexpr (KIND != kB1) {
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const int row = tile_row + g + 8 * rr;
+            if (p.out_w != nullptr && row < c.rows) {
+              const int64_t r = int64_t(c.row0) + row;
+              w[rr] = p.out_w[p.row_pair != nullptr ? int64_t(p.row_pair[r]) : r];
+            }
+          }
+        }
         mbar_wait(smem_u32(handoff_empty), (n & 1) ^ 1);
         uint32_t* hb = reinterpret_cast<uint32_t*>(epi);
 #pragma unroll
@@ -220,12 +260,14 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int rr = 0; rr < 2; ++rr) {
             const int row = tile_row + g + 8 * rr;
+            const float v0 = acc[4 * j + 2 * rr], v1 = acc[4 * j + 2 * rr + 1];
             hb[((j >> 3) - kConsumerGroups) * kHandoffSubWords + row * 32 + (((j & 7) ^ g) << 2) +
-               t4] = pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+               t4] = KIND == kB1 ? pack2<T>(v0, v1)
+                                 : pack2<T>(row_value<T>(w[rr], v0), row_value<T>(w[rr], v1));
           }
         }
         mbar_arrive(smem_u32(handoff_full));  // every lane, after its own writes
-        if constexpr (kConsumerGroups > 0)
+        if constexpr (KIND == kB1 && kConsumerGroups > 0)
           b1_epilogue<T, ACT, kConsumerGroups, true>(p, c, tile_row, lane, stg, acc);
       } else if constexpr (KIND == kB1) {
         b1_epilogue<T, ACT, 4, false>(p, c, tile_row, lane, stg, acc);
@@ -276,15 +318,19 @@ KernelFn b1_kernel_for(Activation act) {
 
 template <typename T>
 KernelFn kernel_for_type(int kind, Activation act, int form) {
-  if (kind == kF2) return sm90_rows_kernel<T, kF2, 0, kB1Consumers>;
-  if (kind == kB4) return sm90_rows_kernel<T, kB4, 0, kB1Consumers>;
+  if (kind == kF2)
+    return form == kB1Warps ? sm90_rows_kernel<T, kF2, 0, kB1Warps>
+                            : sm90_rows_kernel<T, kF2, 0, kB1Consumers>;
+  if (kind == kB4)
+    return form == kB1Warps ? sm90_rows_kernel<T, kB4, 0, kB1Warps>
+                            : sm90_rows_kernel<T, kB4, 0, kB1Consumers>;
   if (form == kB1Warps) return b1_kernel_for<T, kB1Warps>(act);
   if (form == kB1Split) return b1_kernel_for<T, kB1Split>(act);
   if (form == kB1Split2) return b1_kernel_for<T, kB1Split2>(act);
   return b1_kernel_for<T, kB1Consumers>(act);
 }
 
-// form: B1's epilogue form (B1Form; kind == kB1 only).
+// form: B1's epilogue form (B1Form); F2 / B4: kB1Consumers or kB1Warps (their store form).
 KernelFn kernel_for(Dtype dtype, int kind, Activation act, int form) {
   if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(kind, act, form);
   if (dtype == Dtype::F16) return kernel_for_type<__half>(kind, act, form);
@@ -301,6 +347,12 @@ int b1_form_for(int k_tiles, int forced) {
   if (k_tiles < kB1EpiWarpsMinKTiles || k_tiles > kB1EpiWarpsMaxKTiles) return kB1Consumers;
   if (k_tiles <= kB1Split2MaxKTiles) return kB1Split2;
   return k_tiles <= kB1SplitMaxKTiles ? kB1Split : kB1Warps;
+}
+
+// F2's and B4's store form: the consumers' (kB1Consumers, 4 stages) unless forced to the epilogue
+// warps' (Sm90Forms::rows_form = 1: kB1Warps, 3 stages). Both give the same bits.
+int rows_store_form(int forced) {
+  return forced == 1 ? kB1Warps : kB1Consumers;
 }
 
 // [count2, count1, count0] row-major with dim 0 contiguous; see make_map_3d.
@@ -370,7 +422,8 @@ void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtenso
   // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E).
   const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
   const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
-  const int form = kind == kB1 ? b1_form_for(p.halves * p.kt_half, forms.b1_form) : kB1Consumers;
+  const int form = kind == kB1 ? b1_form_for(p.halves * p.kt_half, forms.b1_form)
+                               : rows_store_form(forms.rows_form);
   const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation, form);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
   kernel<<<grid, kThreads, smem_bytes(p.E, form), stream>>>(a, b0, b1, p);
@@ -389,13 +442,20 @@ bool sm90_rows_prepare_kernels() {
       for (Activation act : kActivations) {
         if (kind != kB1 && act != Activation::SwiGLU) continue;  // one kernel, any activation
         for (int form : {kB1Consumers, kB1Warps, kB1Split, kB1Split2}) {
-          if (form != kB1Consumers && kind != kB1) continue;
+          if (kind != kB1 && form != kB1Consumers && form != kB1Warps) continue;
           if (!prepare_kernel(kernel_for(dtype, kind, act, form), kMaxSmemBytes)) return false;
         }
       }
     }
   }
   return true;
+}
+
+int sm90_parse_rows_form(const char* value) {
+  if (value == nullptr) return -1;
+  if (std::strcmp(value, "consumers") == 0) return 0;
+  if (std::strcmp(value, "warps") == 0) return 1;
+  return -1;
 }
 
 int sm90_parse_b1_form(const char* value) {
