@@ -2,14 +2,16 @@
 """Benchmark one MoE layer, forward + backward: moeblaze against PyTorch baselines and peers.
 
     python3 bench/run_bench.py [--out DIR] [--configs conf1,mixtral] [--acts swiglu,silu]
-                               [--impls grouped_mm,loop,sonicmoe,moeblaze] [--mode experts|layer]
+                               [--impls grouped_mm,loop,sonicmoe,megablocks,moeblaze]
+                               [--mode experts|layer]
                                [--quick] [--report | --publish]
 
 --mode experts (the default) times the expert layer with the routing given (x, ids, g): moeblaze
 with each checkpoint policy, the per-expert loop, the sort -> torch._grouped_mm dataflow, and
-SonicMoE when it is importable (bench/peers.py; a visible skipped row otherwise). --mode layer times
-the whole layer as users call it, router included: moeblaze.torch.moe_layer, sonicmoe.MoE and a
-PyTorch router + grouped_mm layer, all with top-k-then-softmax routing. For every configuration in
+SonicMoE and MegaBlocks (dMoE's experts) when they are importable (bench/peers.py; a visible
+skipped row otherwise). --mode layer times the whole layer as users call it, router included:
+moeblaze.torch.moe_layer, sonicmoe.MoE, megablocks' dMoE and a PyTorch router + grouped_mm layer,
+all with top-k-then-softmax routing. For every configuration in
 bench/configs.json x activation x implementation it measures, on the same inputs:
 
 * ms      median of CUDA-event-timed fwd+bwd (torch.autograd.grad of y against dy), after warm-up,
@@ -67,10 +69,13 @@ ERR_NAMES = ("y",) + GRAD_NAMES
 LAYER_GRAD_NAMES = ("dx", "dw_router", "dw_gate", "dw_up", "dw_down")
 LAYER_ERR_NAMES = ("y",) + LAYER_GRAD_NAMES
 ALL_POLICIES = ("save_preact", "save_all", "recompute")
-ALL_IMPLS = ("grouped_mm", "loop", "sonicmoe", "moeblaze")
-BASELINES = ("grouped_mm", "loop", "sonicmoe")  # timed before moeblaze, compared against
+ALL_IMPLS = ("grouped_mm", "loop", "sonicmoe", "megablocks", "moeblaze")
+BASELINES = ("grouped_mm", "loop", "sonicmoe", "megablocks")  # timed before moeblaze
+PEERS = ("sonicmoe", "megablocks")  # libraries imported when installed (bench/peers.py)
 BASELINE_POLICY = "autograd"
-PEER_POLICY = "default"  # a peer's own saving scheme (SonicMoE: x and the pre-activation)
+# a peer's own saving scheme (SonicMoE: x and the pre-activation; MegaBlocks: its default
+# Arguments, memory_optimized_mlp off)
+PEER_POLICY = "default"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
           "fp64": torch.float64}
 # rel_err above this flags a row (err_ok = false); bf16/fp16 operands land at 1e-3..1e-2.
@@ -206,12 +211,17 @@ def row_plan(args):
     plan = []
     for impl in BASELINES:
         if impl in args.impls:
-            plan.append((impl, PEER_POLICY if impl == "sonicmoe" else BASELINE_POLICY))
+            plan.append((impl, policy_of(impl)))
     if "moeblaze" in args.impls:
         for policy in ALL_POLICIES:
             if policy in args.policies:
                 plan.append(("moeblaze", policy))
     return plan
+
+
+def policy_of(impl):
+    """The policy name of a baseline's row: a peer's own scheme or plain autograd."""
+    return PEER_POLICY if impl in PEERS else BASELINE_POLICY
 
 
 def grad_names(args):
@@ -366,6 +376,8 @@ def make_impl(impl, policy, activation, args, cfg):
             return peers.sonicmoe_experts(x, g, w1, wd, ids, token_indices, activation)
 
         return Impl(fn, prepare, canonical)
+    if impl == "megablocks":
+        return megablocks_experts_impl(activation, args, cfg)
     if impl == "moeblaze":
         fn, source = import_moeblaze(args)
         if fn is None:
@@ -421,6 +433,8 @@ def make_layer_impl(impl, policy, activation, args, top_k):
             return out
 
         return Impl(fn, prepare, canonical, leaves=leaves)
+    if impl == "megablocks":
+        return megablocks_layer_impl(activation, args, top_k)
     if impl == "moeblaze":
         fn, source = import_moeblaze(args)
         if fn is None:
@@ -437,6 +451,80 @@ def make_layer_impl(impl, policy, activation, args, top_k):
 
         return Impl(layer)
     raise ValueError(impl)
+
+
+def megablocks_canonical(num_experts):
+    """Maps MegaBlocks' [E*h, d] weight gradients back to the canonical layout."""
+    def canonical(grads):
+        out = dict(grads)
+        out["dw_gate"], out["dw_up"], out["dw_down"] = peers.from_megablocks_weights(
+            grads["dw_gate"], grads["dw_up"], grads["dw_down"], num_experts)
+        return out
+    return canonical
+
+
+def megablocks_experts_impl(activation, args, cfg):
+    """Experts mode: the dMoE's ParallelDroplessMLP.forward_once with the routing given; its own
+    parameters (built once from the canonical weights) are the weight leaves."""
+    reason = peers.megablocks_unsupported(activation, DTYPES[args.dtype], args.device)
+    if reason:
+        return Impl(skip=reason)
+    gated = baselines.is_gated(activation)
+    holder = {}
+
+    def prepare(inputs):
+        experts = peers.megablocks_experts_module(cfg["d"], cfg["h"], cfg["E"], cfg["k"],
+                                                  activation, inputs["w_gate"], inputs["w_up"],
+                                                  inputs["w_down"])
+        holder["experts"] = experts
+        native = dict(inputs)
+        native["w_gate"], native["w_up"], native["w_down"] = peers.megablocks_parameters(
+            experts.mlp, gated)
+        return native
+
+    def fn(x, ids, g, _w1, _v1, _w2):
+        return peers.megablocks_experts(holder["experts"], x, ids, g)
+
+    def leaves(native, _args):
+        return [native["x"].detach().requires_grad_(True),
+                native["g"].detach().requires_grad_(True),
+                *peers.megablocks_parameters(holder["experts"].mlp, gated)]
+
+    return Impl(fn, prepare, megablocks_canonical(cfg["E"]), leaves=leaves)
+
+
+def megablocks_layer_impl(activation, args, top_k):
+    """Layer mode: a megablocks dMoE holding the canonical weights; its load-balancing loss (weight
+    1) is the switch loss of the other layer rows."""
+    reason = peers.megablocks_unsupported(activation, DTYPES[args.dtype], args.device)
+    if reason:
+        return Impl(skip=reason)
+    gated = baselines.is_gated(activation)
+    holder = {}
+
+    def prepare(inputs):
+        E, d, h = inputs["w_down"].shape
+        layer = peers.megablocks_layer(d, h, E, top_k, activation, inputs["w_router"],
+                                       inputs["w_gate"], inputs["w_up"], inputs["w_down"])
+        holder["layer"], holder["E"] = layer, E
+        native = dict(inputs)
+        native["w_router"] = layer.router.layer.weight
+        native["w_gate"], native["w_up"], native["w_down"] = peers.megablocks_parameters(
+            layer.experts.mlp, gated)
+        return native
+
+    def fn(x, _wr, _w1, _v1, _w2):
+        return peers.megablocks_layer_forward(holder["layer"], x)
+
+    def leaves(native, _args):
+        layer = holder["layer"]
+        return [native["x"].detach().requires_grad_(True), layer.router.layer.weight,
+                *peers.megablocks_parameters(layer.experts.mlp, gated)]
+
+    def canonical(grads):
+        return megablocks_canonical(holder["E"])(grads)
+
+    return Impl(fn, prepare, canonical, leaves=leaves)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1238,7 +1326,7 @@ def annotate(rows):
             continue
         for base in BASELINES:
             b = index.get((r["config"], r["act"], base,
-                           PEER_POLICY if base == "sonicmoe" else BASELINE_POLICY))
+                           policy_of(base)))
             if b is None:
                 continue
             if r.get("ms") and b.get("ms"):
@@ -1263,6 +1351,11 @@ def annotate(rows):
                 default=None),
             "max_saved_ratio_vs_sonicmoe": max(
                 [r["saved_ratio_vs_sonicmoe"] for r in mb if "saved_ratio_vs_sonicmoe" in r],
+                default=None),
+            "geomean_speedup_vs_megablocks": geomean(
+                [r.get("speedup_vs_megablocks") for r in mb]),
+            "max_peak_ratio_vs_megablocks": max(
+                [r["peak_ratio_vs_megablocks"] for r in mb if "peak_ratio_vs_megablocks" in r],
                 default=None),
             "max_saved_ratio_vs_grouped_mm": max(
                 [r["saved_ratio_vs_grouped_mm"] for r in mb if "saved_ratio_vs_grouped_mm" in r],
@@ -1326,12 +1419,15 @@ def summary_table(doc):
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    lines = ["config/act            gmm ms  loop ms sonic ms    mb ms  x_gmm  x_loop x_sonic  "
-             "mb TF/s  saved GiB mb/gmm  peak GiB mb/gmm/sonic  mb max_err  errs"]
+    lines = [f"{'config/act':<20} {'gmm ms':>8} {'loop ms':>8} {'sonic ms':>8} {'mgblk ms':>9} "
+             f"{'mb ms':>8} {'x_gmm':>6} {'x_loop':>7} {'x_sonic':>7} {'x_mgblk':>7} "
+             f"{'mb TF/s':>8}  {'saved GiB mb/gmm':>16}  {'peak GiB mb/gmm/sonic/mgblk':>27}  "
+             f"{'mb max_err':>10}  errs"]
     for cfg, act in keys:
         g = index.get((cfg, act, "grouped_mm", BASELINE_POLICY))
         lp = index.get((cfg, act, "loop", BASELINE_POLICY))
         sm = index.get((cfg, act, "sonicmoe", PEER_POLICY))
+        mk = index.get((cfg, act, "megablocks", PEER_POLICY))
         mb = index.get((cfg, act, "moeblaze", "save_preact"))
         nerr = sum(1 for r in rows if r["config"] == cfg and r["act"] == act and r.get("error"))
         mbs = mb or {}
@@ -1339,13 +1435,16 @@ def summary_table(doc):
                 f"{fmt(_div((g or {}).get('saved_bytes'), gib), '.2f')}"
         peak = f"{fmt(_div(mbs.get('peak_bytes'), gib), '.2f')}/" \
                f"{fmt(_div((g or {}).get('peak_bytes'), gib), '.2f')}/" \
-               f"{fmt(_div((sm or {}).get('peak_bytes'), gib), '.2f')}"
+               f"{fmt(_div((sm or {}).get('peak_bytes'), gib), '.2f')}/" \
+               f"{fmt(_div((mk or {}).get('peak_bytes'), gib), '.2f')}"
         lines.append(
-            f"{cfg + '/' + act:<20} {ms(g):>8} {ms(lp):>8} {ms(sm):>8} {ms(mb):>8} "
+            f"{cfg + '/' + act:<20} {ms(g):>8} {ms(lp):>8} {ms(sm):>8} {ms(mk):>9} {ms(mb):>8} "
             f"{fmt(mbs.get('speedup_vs_grouped_mm'), '.2f'):>6} "
             f"{fmt(mbs.get('speedup_vs_loop'), '.2f'):>7} "
-            f"{fmt(mbs.get('speedup_vs_sonicmoe'), '.2f'):>7} {fmt(mbs.get('tflops'), '.0f'):>8}  "
-            f"{saved:>16}  {peak:>21}  {fmt(mbs.get('max_rel_err'), '.1e'):>10}  {nerr:>4}")
+            f"{fmt(mbs.get('speedup_vs_sonicmoe'), '.2f'):>7} "
+            f"{fmt(mbs.get('speedup_vs_megablocks'), '.2f'):>7} "
+            f"{fmt(mbs.get('tflops'), '.0f'):>8}  "
+            f"{saved:>16}  {peak:>27}  {fmt(mbs.get('max_rel_err'), '.1e'):>10}  {nerr:>4}")
     s = doc["summary"]
     for act, v in s.items():
         if isinstance(v, dict):
@@ -1353,11 +1452,13 @@ def summary_table(doc):
                          f"{fmt(v['geomean_speedup_vs_grouped_mm'], '.2f')}, vs loop "
                          f"{fmt(v['geomean_speedup_vs_loop'], '.2f')}, vs sonicmoe "
                          f"{fmt(v['geomean_speedup_vs_sonicmoe'], '.2f')} (min "
-                         f"{fmt(v['min_speedup_vs_sonicmoe'], '.2f')}); max saved ratio "
+                         f"{fmt(v['min_speedup_vs_sonicmoe'], '.2f')}), vs megablocks "
+                         f"{fmt(v['geomean_speedup_vs_megablocks'], '.2f')}; max saved ratio "
                          f"{fmt(v['max_saved_ratio_vs_grouped_mm'], '.2f')} (sonicmoe "
                          f"{fmt(v['max_saved_ratio_vs_sonicmoe'], '.2f')}), max peak ratio "
                          f"{fmt(v['max_peak_ratio_vs_grouped_mm'], '.2f')} (sonicmoe "
-                         f"{fmt(v['max_peak_ratio_vs_sonicmoe'], '.2f')})")
+                         f"{fmt(v['max_peak_ratio_vs_sonicmoe'], '.2f')}, megablocks "
+                         f"{fmt(v['max_peak_ratio_vs_megablocks'], '.2f')})")
     lines.append(f"rows with errors: {s['rows_with_errors']}; rows over the error tolerance: "
                  f"{s['rows_over_tolerance']}")
     lines += clock_lines(doc)

@@ -197,12 +197,14 @@ def test_harness_smoke(tmp_path):
     for key in ("device", "commit", "command", "rows", "summary", "environment"):
         assert key in doc
     rows = doc["rows"]
-    assert len(rows) == len(TINY) * 2 * 6  # grouped_mm, loop, sonicmoe (skipped on CPU), moeblaze x3
+    # grouped_mm, loop, sonicmoe and megablocks (both skipped on CPU), moeblaze x3
+    assert len(rows) == len(TINY) * 2 * 7
     have_moeblaze = doc["environment"]["moeblaze"].startswith("bindings")
     for r in rows:
         assert set(r["rel_err"]) == {"y", "dx", "dw_gate", "dw_up", "dw_down", "dg"}
-        if r["impl"] == "sonicmoe":  # a CUDA-only peer: a visible skip with the reason
+        if r["impl"] in ("sonicmoe", "megablocks"):  # CUDA-only peers: visible skips, reasons
             assert r["error"] is None and "CUDA" in r["skipped"], r
+            assert r["policy"] == run_bench.PEER_POLICY, r
             continue
         if r["impl"] == "moeblaze" and not have_moeblaze:
             assert r["error"]
@@ -484,11 +486,14 @@ def test_harness_layer_mode(tmp_path):
     rows = doc["rows"]
     have_moeblaze = doc["environment"]["moeblaze"].startswith("bindings")
     impls = {r["impl"] for r in rows}
-    assert impls == {"grouped_mm", "sonicmoe", "moeblaze"}  # no loop in layer mode
+    assert impls == {"grouped_mm", "sonicmoe", "megablocks", "moeblaze"}  # no loop here
     for r in rows:
         assert r["mode"] == "layer"
         assert set(r["rel_err"]) == {"y", "dx", "dw_router", "dw_gate", "dw_up", "dw_down"}
-        if r["impl"] == "sonicmoe" or (r["impl"] == "moeblaze" and not have_moeblaze):
+        if r["impl"] in ("sonicmoe", "megablocks"):
+            assert "CUDA" in r["skipped"], r
+            continue
+        if r["impl"] == "moeblaze" and not have_moeblaze:
             continue
         assert r["error"] is None, r
         # fp64: the same routing as the reference, so the errors are rounding only
@@ -503,3 +508,220 @@ def test_harness_parallel_warmup_measures_every_configuration(tmp_path):
         (c["name"], i) for c in TINY for i in ("loop", "grouped_mm")}
     assert all(r["error"] is None and r["ms"] > 0 for r in rows), rows
     assert not list((tmp_path / "out").glob(".bench-*"))  # lock and state files cleaned up
+
+
+# ------------------------------------------------------------------------------------------------
+# MegaBlocks: layout conversion, its math in the converted layout, the adapter end to end over a
+# stand-in package (pure torch, written from MegaBlocks' documented dataflow; no MegaBlocks code)
+# ------------------------------------------------------------------------------------------------
+
+
+def megablocks_dataflow(x, ids, g, w1, v1, w2, activation_fn, num_experts):
+    """MegaBlocks' grouped dMoE experts (ParallelDroplessMLP.forward_once) in plain torch: the
+    routed pairs sorted stably by expert, rows gathered as x[pair // k], per expert
+    act(x w1_e^T) [* x v1_e^T] then @ w2_e with w1/v1/w2 viewed [E, h, d], each result scaled by its
+    pair's weight and written to slot pair of a [T*k, d] buffer, summed over the k slots."""
+    T, k = ids.shape
+    d = x.shape[1]
+    experts = ids.reshape(-1).long()
+    order = torch.sort(experts, stable=True).indices
+    rows = x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+    counts = torch.bincount(experts, minlength=num_experts).tolist()
+    w1e = w1.view(num_experts, -1, d)
+    v1e = None if v1 is None else v1.view(num_experts, -1, d)
+    w2e = w2.view(num_experts, -1, d)
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        xe = rows[start:start + n]
+        u = activation_fn(xe @ w1e[e].t())
+        if v1e is not None:
+            u = u * (xe @ v1e[e].t())
+        outs.append(u @ w2e[e])
+        start += n
+    weights = g.reshape(-1).index_select(0, order).to(x.dtype)
+    slots = torch.zeros(T * k, d, dtype=x.dtype).index_copy(0, order, torch.cat(outs) *
+                                                            weights[:, None])
+    return slots.view(T, k, d).sum(dim=1), torch.tensor(counts)
+
+
+def test_megablocks_weight_layout_round_trip():
+    import peers
+    for activation in ("swiglu", "silu"):
+        p = random_problem(9, 8, 6, 3, 2, activation, torch.float64, seed=61)
+        w1, v1, w2 = peers.to_megablocks_weights(p["w_gate"], p["w_up"], p["w_down"])
+        assert tuple(w1.shape) == tuple(w2.shape) == (3 * 6, 8)
+        assert (v1 is None) == (activation == "silu")
+        assert torch.equal(w1[6:12], p["w_gate"][1])  # expert 1's rows at 1*h .. 2*h-1
+        assert torch.equal(w2[6:12], p["w_down"][1].t())
+        gate, up, down = peers.from_megablocks_weights(w1, v1, w2, 3)
+        assert torch.equal(gate, p["w_gate"]) and torch.equal(down, p["w_down"])
+        assert (up is None and p["w_up"] is None) or torch.equal(up, p["w_up"])
+
+
+@pytest.mark.parametrize("activation", baselines.ACTIVATIONS)
+def test_megablocks_layout_computes_moeblaze_math(activation):
+    """MegaBlocks' dataflow on the converted weights gives moeblaze's y and, mapped back, every
+    gradient (fp64): the layout, the activation table and the gradient mapping are right."""
+    import peers
+    p = random_problem(29, 16, 24, 5, 3, activation, torch.float64, seed=62)
+    ref = forward_backward(baselines.moe_dense_reference, p, activation=activation)
+    mlp_type, activation_fn = peers.MEGABLOCKS_ACTIVATIONS[activation]
+    assert (mlp_type == "glu") == baselines.is_gated(activation)
+    w1, v1, w2 = [None if w is None else w.requires_grad_(True)
+                  for w in peers.to_megablocks_weights(p["w_gate"], p["w_up"], p["w_down"])]
+    x = p["x"].clone().requires_grad_(True)
+    g = p["g"].clone().requires_grad_(True)
+    y, counts = megablocks_dataflow(x, p["ids"], g, w1, v1, w2, activation_fn, 5)
+    assert int(counts.sum()) == 29 * 3
+    leaves = [t for t in (x, g, w1, v1, w2) if t is not None]
+    grads = dict(zip(("x", "g", "w1", "v1", "w2") if v1 is not None else ("x", "g", "w1", "w2"),
+                     torch.autograd.grad(y, leaves, p["dy"])))
+    dw_gate, dw_up, dw_down = peers.from_megablocks_weights(grads["w1"], grads.get("v1"),
+                                                            grads["w2"], 5)
+    out = [y.detach(), grads["x"], grads["g"], dw_gate, dw_up, dw_down]
+    for name, a, b in zip(("y",) + run_bench.GRAD_NAMES, out, ref):
+        assert (a is None) == (b is None), name
+        assert rel(a, b) < 1e-12, f"{activation} {name}: {rel(a, b)}"
+
+
+def test_megablocks_rows_skip_with_a_reason_on_cpu():
+    import peers
+    assert "CUDA" in peers.megablocks_unsupported("swiglu", torch.bfloat16, "cpu")
+    assert "bf16" in peers.megablocks_unsupported("swiglu", torch.float16, "cuda")
+    assert "activation" in peers.megablocks_unsupported("swish", torch.bfloat16, "cuda")
+
+
+def _fake_megablocks(dtype):
+    """Modules named like MegaBlocks' with the API surface the adapter uses (Arguments,
+    ParallelDroplessMLP.forward_once, dMoE, the load-balancing loss list), computing
+    megablocks_dataflow in `dtype` (the real package holds bf16 parameters)."""
+    import dataclasses
+    import types
+
+    @dataclasses.dataclass
+    class Arguments:
+        hidden_size: int = 1024
+        ffn_hidden_size: int = 4096
+        num_layers: int = 1
+        bias: bool = True
+        return_bias: bool = True
+        activation_fn: object = None
+        moe_num_experts: int = 1
+        moe_top_k: int = 1
+        moe_normalize_expert_weights: object = None
+        moe_loss_weight: float = 0.1
+        mlp_type: str = "mlp"
+        mlp_impl: str = "sparse"
+        fp16: bool = True
+        bf16: bool = False
+        device: object = None
+        init_method: object = None
+        output_layer_init_method: object = None
+
+    class Mlp(torch.nn.Module):
+        def __init__(self, args):
+            super().__init__()
+            shape = (args.moe_num_experts * args.ffn_hidden_size, args.hidden_size)
+            self.w1 = torch.nn.Parameter(torch.empty(shape, dtype=dtype))
+            self.w2 = torch.nn.Parameter(torch.empty(shape, dtype=dtype))
+            if args.mlp_type == "glu":
+                self.v1 = torch.nn.Parameter(torch.empty(shape, dtype=dtype))
+
+    class ParallelDroplessMLP(torch.nn.Module):
+        def __init__(self, args):
+            super().__init__()
+            assert args.mlp_impl == "grouped" and not args.bias and args.bf16 and not args.fp16
+            self.args = args
+            self.mlp = Mlp(args)
+
+        def forward_once(self, x, expert_weights, top_experts):
+            mlp = self.mlp
+            return megablocks_dataflow(x, top_experts, expert_weights, mlp.w1,
+                                       getattr(mlp, "v1", None), mlp.w2, self.args.activation_fn,
+                                       self.args.moe_num_experts)
+
+    losses = []
+
+    class Router(torch.nn.Module):
+        def __init__(self, args):
+            super().__init__()
+            self.layer = torch.nn.Linear(args.hidden_size, args.moe_num_experts, bias=False,
+                                         dtype=dtype)
+
+    class DMoE(torch.nn.Module):
+        def __init__(self, args):
+            super().__init__()
+            self.router = Router(args)
+            self.experts = ParallelDroplessMLP(args)
+
+        def forward(self, x):
+            args = self.experts.args
+            scores = self.router.layer(x).softmax(dim=-1)
+            weights, experts = torch.topk(scores, args.moe_top_k, dim=-1)
+            weights = weights / torch.norm(weights, p=args.moe_normalize_expert_weights, dim=-1,
+                                           keepdim=True)
+            y, counts = self.experts.forward_once(x, weights, experts)
+            losses.append((counts, scores))
+            return y
+
+    def batched_load_balancing_loss(args):
+        (counts, scores), = losses
+        scale = args.moe_num_experts * args.moe_loss_weight / (
+            args.num_layers * scores.shape[0] * args.moe_top_k)
+        return scale * torch.dot(counts.to(scores.dtype), scores.mean(dim=0))
+
+    modules = {name: types.ModuleType(name) for name in (
+        "megablocks", "megablocks.layers", "megablocks.layers.arguments",
+        "megablocks.layers.dmoe", "megablocks.layers.moe", "grouped_gemm")}
+    modules["megablocks.layers.arguments"].Arguments = Arguments
+    modules["megablocks.layers.dmoe"].ParallelDroplessMLP = ParallelDroplessMLP
+    modules["megablocks.layers.dmoe"].dMoE = DMoE
+    modules["megablocks.layers.moe"].clear_load_balancing_loss = losses.clear
+    modules["megablocks.layers.moe"].batched_load_balancing_loss = batched_load_balancing_loss
+    return modules
+
+
+@pytest.mark.parametrize("mode,activation", [("experts", "swiglu"), ("experts", "relu2"),
+                                             ("layer", "swiglu"), ("layer", "gelu")])
+def test_megablocks_adapter_end_to_end_on_a_stand_in(monkeypatch, mode, activation):
+    """The harness's megablocks row (weights into the peer's layout in prepare, its parameters as
+    leaves, gradients mapped back) over the stand-in package, fp64 on the CPU: every output and
+    gradient equals the reference. The real package's import, device and dtype checks are what
+    this replaces."""
+    import peers
+    for name, module in _fake_megablocks(torch.float64).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(peers, "_cache", {})
+    monkeypatch.setattr(peers, "megablocks_unsupported",
+                        lambda act, dtype, device: peers.megablocks()[1])
+    args = run_bench.parse_args(["--device", "cpu", "--dtype", "fp64", "--quick", "--mode", mode])
+    cfg = {"name": "tiny_mb", "T": 33, "d": 16, "h": 24, "E": 5, "k": 2}
+    inputs = run_bench.make_inputs(cfg, activation, args)
+    ref, _ = run_bench.reference(cfg, activation, inputs, args)
+    row = run_bench.run_row(cfg, activation, "megablocks", run_bench.PEER_POLICY, inputs, ref,
+                            args, row_budget_s=0.05)
+    assert row["error"] is None and not row.get("skipped"), row
+    errs = row["rel_err"]
+    assert set(errs) == set(run_bench.err_names(args))
+    assert (errs["dw_up"] is None) == (not baselines.is_gated(activation))
+    assert all(v < 1e-12 for v in errs.values() if v is not None), errs
+    assert row["err_ok"] is True and row["ms"] > 0 and row["saved_bytes"] > 0
+
+
+def test_megablocks_rows_in_summary_and_report():
+    """A megablocks row gets its own columns in the printed summary and in make_report's tables."""
+    import make_report
+    rows = _report_rows()
+    rows.insert(2, dict(rows[0], impl="megablocks", policy=run_bench.PEER_POLICY, ms=5.0,
+                        peak_bytes=8 << 20))
+    doc = {"device": "cpu", "commit": "abc", "command": "x", "environment": {}, "rows": rows}
+    doc["summary"] = run_bench.annotate(rows)
+    assert doc["summary"]["swiglu"]["geomean_speedup_vs_megablocks"] == 2.5
+    table = run_bench.summary_table(doc).splitlines()
+    assert "mgblk ms" in table[0] and "x_mgblk" in table[0]
+    assert "    5.00 " in table[1] and " 2.50 " in table[1] and "/0.01 " in table[1]
+    assert "vs megablocks 2.50" in table[2]
+    speed = make_report.speed_table(doc).splitlines()
+    assert "| megablocks ms |" in speed[0] and "| × vs megablocks |" in speed[0]
+    assert speed[0].count("|") == speed[2].count("|")
+    assert "**2.50×** over megablocks" in make_report.target_lines(doc)[0]
