@@ -1,5 +1,6 @@
-# Index model of B1's epilogue-warp form (src/cuda/engines/sm90/rows_b1_epilogue.cuh: B1's epilogue run by warps
-# 1-3 of the producer warpgroup from a 64 KB bf16 hand-off of v). It checks the kernel's
+# Index model of the rows kernel's epilogue-warp forms (src/cuda/engines/sm90/rows_b1_epilogue.cuh:
+# B1's epilogue run by warps 1-3 of the producer warpgroup from a 64 KB bf16 hand-off of v; and
+# F2's and B4's store from the same hand-off). It checks the kernel's
 # bookkeeping, not the hardware:
 #  - the consumers' hand-off writes (register 4j + q of lane (g, t4) of consumer warp w) and the
 #    epilogue warps' 16-byte reads agree: every element (row, col) of the 128 x 256 tile is read
@@ -14,6 +15,10 @@
 #    once, into the slot and phase of its loop position, before the loop reaches it, for k_tiles
 #    down to 1 (tma_schedule_errors). It is the schedule any consumer-issued lookahead (ping-pong
 #    consumers) must satisfy.
+#  - F2's and B4's store form (rows_gemm.cu, rows_store_warps): epilogue warp ew stores rows ew,
+#    ew + 3, ... and lane q copies 16-byte chunk q & 7 of group q >> 3 of its row from the same
+#    hand-off: every (row, column pair) is stored from the word the consumers wrote for it, once
+#    (rows_store_errors).
 #   python3 tools/models/b1_epilogue_warps_model.py
 import sys
 
@@ -130,6 +135,33 @@ def tma_schedule_check():
     return errors
 
 
+def rows_store_errors():
+    errors, written = [], {}
+    for cw in range(8):
+        tile_row = (cw // 4) * 64 + (cw % 4) * 16
+        for lane in range(32):
+            g, t4 = lane >> 2, lane & 3
+            for j in range(32):
+                for rr in range(2):
+                    row = tile_row + g + 8 * rr
+                    written[(j >> 3) * SUB_WORDS + row * 32 + (((j & 7) ^ g) << 2) + t4] = \
+                        (row, 8 * j + 2 * t4)
+    stored = {}
+    for ew in range(3):
+        for row in range(ew, K_BM, 3):
+            for lane in range(32):
+                group, chunk = lane >> 3, lane & 7
+                base = group * SUB_WORDS + row * 32 + ((chunk ^ (row & 7)) << 2)
+                for i in range(4):  # the uint4's words: column pairs 8 lane + 2 i
+                    want = (row, 8 * lane + 2 * i)
+                    if written.get(base + i) != want:
+                        errors.append(("stored from the wrong word", ew, row, lane, i))
+                    stored[want] = stored.get(want, 0) + 1
+    if len(stored) != K_BM * 128 or any(n != 1 for n in stored.values()):
+        errors.append(("pairs not stored exactly once", len(stored)))
+    return errors
+
+
 if __name__ == "__main__":
     # 3 epilogue warps (warps 1-3, the kernel's form) and 4 (the whole first warpgroup).
     failed = False
@@ -138,6 +170,9 @@ if __name__ == "__main__":
         print("b1 epilogue-warps index model, %d warps:" % warps,
               "PASS" if not errs else "FAIL %s" % errs[:5])
         failed = failed or bool(errs)
+    errs = rows_store_errors()
+    print("F2/B4 store-warps index model:", "PASS" if not errs else "FAIL %s" % errs[:5])
+    failed = failed or bool(errs)
     errs = tma_schedule_check()
     print("b1 consumer-issued TMA schedule model:", "PASS" if not errs else "FAIL %s" % errs[:5])
     failed = failed or bool(errs)

@@ -51,7 +51,7 @@ using namespace sm90;
 // (row_value, rounded to T, B1's hand-off layout); epilogue warp ew (0..2) stores rows ew, ew + 3,
 // ... and lane q copies 16-byte chunk q & 7 of 64-column group q >> 3, so one warp instruction
 // writes a whole 512-byte row. Rows past c.rows and chunks past n_out (n_out % 8 == 0: a chunk is
-// all in or all out) are not stored.
+// all in or all out) are not stored. tools/models/b1_epilogue_warps_model.py checks the indexing.
 template <typename T>
 __device__ __forceinline__ void rows_store_warps(const RowsParams& p, const TileCoord& c, int ew,
                                                  int lane, const uint32_t* hb) {
