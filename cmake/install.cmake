@@ -58,7 +58,7 @@ if(IS_ABSOLUTE "${CMAKE_INSTALL_LIBDIR}" OR IS_ABSOLUTE "${CMAKE_INSTALL_INCLUDE
   set(MOEBLAZE_PC_LIBDIR "${CMAKE_INSTALL_FULL_LIBDIR}")
   set(MOEBLAZE_PC_INCLUDEDIR "${CMAKE_INSTALL_FULL_INCLUDEDIR}")
 else()
-  file(RELATIVE_PATH _moeblaze_pc_up "/root/${_moeblaze_pc_dir}" "/root")
+  file(RELATIVE_PATH _moeblaze_pc_up "/prefix/${_moeblaze_pc_dir}" "/prefix")
   string(REGEX REPLACE "/$" "" _moeblaze_pc_up "${_moeblaze_pc_up}")
   set(MOEBLAZE_PC_PREFIX "\${pcfiledir}/${_moeblaze_pc_up}")
   set(MOEBLAZE_PC_LIBDIR "\${prefix}/${CMAKE_INSTALL_LIBDIR}")

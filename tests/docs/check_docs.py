@@ -5,7 +5,7 @@
   link       Markdown links to files of the repository that do not exist (and anchors that no
              heading of the target file makes);
   path       repository paths (src/..., tools/..., docs/..., backticked or not) that do not exist;
-  machine    absolute paths of a machine (/work/..., /tmp/..., /root/..., /home/...).
+  machine    absolute paths into a machine's own folders (MACHINE_ROOTS: work, tmp, root, home).
 
 It scans the text files of README.md, CHANGELOG.md, CONTRIBUTING.md, docs/, include/, src/,
 bindings/, examples/, bench/, tools/ and tests/ (this file excepted), as git lists them (tracked and
@@ -54,7 +54,8 @@ JOURNAL = [
     (re.compile(r"\bnext session\b|\bthis session\b|\bearlier session\b", re.I), "session"),
 ]
 
-MACHINE = re.compile(r"(?<![\w.~$/-])/(?:work|tmp|root|home)/[\w.-]+")
+MACHINE_ROOTS = ("work", "tmp", "root", "home")
+MACHINE = re.compile(r"(?<![\w.~$/-])/(?:%s)/[\w.-]+" % "|".join(MACHINE_ROOTS))
 LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
 REPO_PATH = re.compile(r"(?<![\w/.$-])(?:%s)/[\w./*{},<>@+-]*" % "|".join(REPO_DIRS))
 HEADING = re.compile(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$")
@@ -212,9 +213,7 @@ def self_test():
             "see [a](a.md#nowhere)": "link",
             "`src/cuda/gone.cu`": "path",
             "dev/cuda/sm90_gather_gemm.cu@92ab1fc": "path",
-            "logs under /work/main/out": "machine",
-            "cp x /tmp/ws": "machine",
-            "see /root/out/bench": "machine",
+            **{f"see /{root}/out/bench": "machine" for root in MACHINE_ROOTS},
         }
         must_pass = [
             "The CUDA suite runs 8 k-steps a tile and runs 4 warps.",
