@@ -349,10 +349,11 @@ int b1_form_for(int k_tiles, int forced) {
   return k_tiles <= kB1SplitMaxKTiles ? kB1Split : kB1Warps;
 }
 
-// F2's and B4's store form: the consumers' (kB1Consumers, 4 stages) unless forced to the epilogue
-// warps' (Sm90Forms::rows_form = 1: kB1Warps, 3 stages). Both give the same bits.
+// F2's and B4's store form: the epilogue warps' (kB1Warps, 3 stages), whose row stores overlap the
+// next tile's main loop (5 % off the whole step on the fine-grained shapes), unless forced to the
+// consumers' (Sm90Forms::rows_form = 0: kB1Consumers, 4 stages). Both give the same bits.
 int rows_store_form(int forced) {
-  return forced == 1 ? kB1Warps : kB1Consumers;
+  return forced == 0 ? kB1Consumers : kB1Warps;
 }
 
 // [count2, count1, count0] row-major with dim 0 contiguous; see make_map_3d.

@@ -58,11 +58,11 @@ void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& form
 void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& forms,
                     cudaStream_t stream);
 
-// F2's and B4's store form (Sm90Forms::rows_form): -1 = the policy (the consumers store their
-// rows after each main loop), 0 the consumers', 1 the epilogue warps' (the consumers hand the
-// rounded rows to warps 1-3 of the producer warpgroup and go on; 3 stages instead of 4). Both give
-// the same bits. Parses MOEBLAZE_CUDA_ROWS_FORM's value ("consumers", "warps"; nullptr or anything
-// else: -1).
+// F2's and B4's store form (Sm90Forms::rows_form): -1 = the policy (the epilogue warps'), 0 the
+// consumers' (they store their rows after each main loop), 1 the epilogue warps' (the consumers
+// hand the rounded rows to warps 1-3 of the producer warpgroup and go on; 3 stages instead of 4).
+// Both give the same bits. Parses MOEBLAZE_CUDA_ROWS_FORM's value ("consumers", "warps"; nullptr or
+// anything else: -1).
 int sm90_parse_rows_form(const char* value);
 
 // B1's epilogue form (Sm90Forms::b1_form; rows_gemm.cu, B1Form): -1 = the policy by k-steps a
