@@ -23,8 +23,9 @@ child process, so the device's peak memory is that case's own. Recorded per case
               memory: residuals, workspaces, outputs). None where the backend keeps no statistics
               (CPU).
 * xla_temp_bytes  the compiled step's temporary buffers (compiled.memory_analysis()).
-* rel_err     ||out - ref|| / ||ref|| for y, dx, dg, dw_gate, dw_up, dw_down; the reference is the
-              ragged_dot dataflow in float32 on the upcast inputs (skipped with --no-check).
+* rel_err     ||out - ref|| / ||ref|| for y, dx, dg, dw_gate, dw_up, dw_down; the reference is a
+              per-expert loop in float32 on the upcast inputs, differentiated with jax.vjp
+              (loop_experts; skipped with --no-check).
               A non-finite output is an error.
 
 Results: DIR/<YYYY-MM-DD>-<device>-jax.json; a table is printed last.
@@ -181,19 +182,56 @@ def outputs_in_moeblaze_layout(impl, y, grads, gated):
     return out
 
 
-def reference_outputs(impl, step_args, activation):
-    """The ragged_dot dataflow in float32 on the upcast inputs of `impl`'s step."""
-    import jax
+def loop_experts(x, g, w_gate, w_up, w_down, groups, activation):
+    """One expert at a time on its own rows, in moeblaze's [E, out, in] weight layout: dense
+    matmuls over [rows_e, d] and [rows_e, h] only, so the reference needs no [E, rows, cols]
+    intermediate (ragged_dot's GPU lowering can ask for one: 64 GiB in float32 on conf3).
+    groups[e] = (tokens, slots) of expert e's routed rows, a token at most once per expert."""
     import jax.numpy as jnp
 
+    y = jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
+    for e, (tokens, slots) in enumerate(groups):
+        if tokens.size == 0:
+            continue
+        rows = x[tokens]
+        a = rows @ w_gate[e].T
+        b = rows @ w_up[e].T if w_up is not None else None
+        y2 = activation_fn(activation, a, b) @ w_down[e].T
+        y = y.at[tokens].add(g[tokens, slots][:, None] * y2)
+    return y
+
+
+def reference_outputs(impl, step_args, activation):
+    """y and every gradient of sum(y * dy) from the per-expert loop (loop_experts) in float32
+    (float64 for float64 inputs) on the upcast inputs of `impl`'s step, eagerly, with the routing taken from the concrete ids."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
     x, g, wg, wu, wd, ids, dy = step_args
-    if impl == "moeblaze":  # to ragged_dot's [E, in, out] layout
+    if impl != "moeblaze":  # to moeblaze's [E, out, in] layout
         wg, wu, wd = transposed({"w_gate": wg, "w_up": wu, "w_down": wd})
-    up = lambda a: None if a is None else a.astype(jnp.float32)  # noqa: E731
-    step = make_step("ragged_dot", activation, None)
+    flat = np.asarray(ids).reshape(-1)
+    order = np.argsort(flat, kind="stable")
+    bounds = np.searchsorted(flat[order], np.arange(wg.shape[0] + 1))
+    k = ids.shape[1]
+    groups = [(jnp.asarray(order[lo:hi] // k), jnp.asarray(order[lo:hi] % k))
+              for lo, hi in zip(bounds[:-1], bounds[1:])]
+    up = lambda a: None if a is None else a.astype(jnp.promote_types(a.dtype, jnp.float32))  # noqa: E731,E501
+    gated = activation in GATED
+    primals = (up(x), up(g), up(wg), up(wu), up(wd)) if gated else (up(x), up(g), up(wg), up(wd))
+
+    def forward(*args):
+        if gated:
+            xx, gg, w1, w3, w2 = args
+        else:
+            (xx, gg, w1, w2), w3 = args, None
+        return loop_experts(xx, gg, w1, w3, w2, groups, activation)
+
     with jax.default_matmul_precision("highest"):  # no TF32 in the reference
-        y, grads = step(up(x), up(g), up(wg), up(wu), up(wd), ids, up(dy))
-    return outputs_in_moeblaze_layout("ragged_dot", y, grads, activation in GATED)
+        y, pullback = jax.vjp(forward, *primals)
+        grads = pullback(up(dy))
+    return outputs_in_moeblaze_layout("moeblaze", y, grads, gated)
 
 
 def rel_err(a, b):

@@ -50,6 +50,36 @@ def test_ragged_dot_baseline_matches_dense_reference(activation):
     assert int(np.bincount(np.asarray(p["ids"]).ravel(), minlength=TINY["E"]).sum()) == 58
 
 
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_loop_reference_matches_dense_reference_with_gradients(activation):
+    seed = 11
+    print(f"seed = {seed}")
+    p = jax_bench.make_problem(TINY, activation, "float64", seed, jax.devices("cpu")[0])
+    rng = np.random.default_rng(seed)
+    # Expert 0 gets no rows (the loop skips it); each token's two experts are distinct.
+    ids = jnp.asarray(np.stack([np.sort(rng.choice(np.arange(1, TINY["E"]), 2, replace=False))
+                                for _ in range(TINY["T"])]).astype(np.asarray(p["ids"]).dtype))
+    gated = activation in jax_bench.GATED
+    dy = jnp.asarray(rng.standard_normal((TINY["T"], TINY["d"])))
+    args = (p["x"], p["g"].astype(jnp.float64), p["w_gate"], p["w_up"], p["w_down"], ids, dy)
+    ref = jax_bench.reference_outputs("moeblaze", args, activation)
+
+    def dense(x, g, wg, wu, wd):
+        return dense_experts(x, ids, g, wg, wu, wd, activation)
+
+    primals = args[:5] if gated else args[:3] + args[4:5]
+    y, pullback = jax.vjp((lambda x, g, wg, wu, wd: dense(x, g, wg, wu, wd)) if gated
+                          else (lambda x, g, wg, wd: dense(x, g, wg, None, wd)), *primals)
+    names = ("dx", "dg", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dg", "dw_gate",
+                                                                         "dw_down")
+    expected = dict(zip(names, pullback(dy)), y=y)
+    assert set(ref) == set(expected)
+    for name, value in expected.items():
+        np.testing.assert_allclose(np.asarray(ref[name]), np.asarray(value), rtol=1e-10,
+                                   atol=1e-10, err_msg=name)
+    assert float(jnp.abs(ref["dw_gate"][0]).max()) == 0.0  # the expert without rows
+
+
 def case_args(**overrides):
     args = argparse.Namespace(dtype="float32", checkpoint="save_preact", device="cpu", seed=3,
                               reps=2, warmup=1, check=True, tolerance=1e-4)
