@@ -151,16 +151,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr int kStages = stages_for(EPI_WARPS);
 
   extern __shared__ uint8_t smem_raw[];
-  // 1024-byte alignment (128B swizzle atoms) by an offset from smem_raw, so the compiler still
-  // knows every derived pointer is shared memory.
-  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  uint8_t* epi = smem + kStages * kStageBytes;  // staging buffers, or EPI_WARPS' hand-off
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + (EPI_WARPS ? kHandoffBytes : kEpiBytes));
-  uint64_t* empty_bar = full_bar + kStages;
-  uint64_t* a_full_bar = empty_bar + kStages;  // [2][kStages]: consumer warpgroup wg's A half
-  uint64_t* handoff_full = a_full_bar + 2 * kStages;  // EPI_WARPS only
-  uint64_t* handoff_empty = handoff_full + 1;
-  int* tile_start = reinterpret_cast<int*>(handoff_empty + 1);  // [E + 1]
+  // The epilogue's buffer: the consumers' staging, or EPI_WARPS' hand-off.
+  const GatherPipelineSmem<kStages, kStageBytes> shm(smem_raw,
+                                                     EPI_WARPS ? kHandoffBytes : kEpiBytes);
 
   const int tid = threadIdx.x;
   // Broadcast from lane 0: the compiler then knows the warp index is warp-uniform (uniform
@@ -168,11 +161,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
 
   // ---- prologue: barriers and the tile prefix (from the device-side offsets; no host sync)
-  if (tid == 0)
-    init_gather_pipeline_barriers<kStages>(full_bar, empty_bar, a_full_bar, handoff_full,
-                                           handoff_empty, kConsumerWarps, kEpiWarps);
+  if (tid == 0) shm.init_barriers(kConsumerWarps, kEpiWarps);
   const int total_tiles =
-      build_tile_prefix<kBM, kThreads>(tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
+      build_tile_prefix<kBM, kThreads>(shm.tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
 
   if (warp < 4) {
     // ================= producer warpgroup =================
@@ -187,15 +178,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         // (conflict-free) and stores 4 rows x 128 contiguous bytes of each output. Then every lane
         // releases the buffer (its reads are done).
         const int ew = warp - 2;
-        const uint32_t* hb = reinterpret_cast<const uint32_t*>(epi);
+        const uint32_t* hb = reinterpret_cast<const uint32_t*>(shm.epi);
         T* out_a = static_cast<T*>(p.out_a);
         T* out_b = static_cast<T*>(p.out_b);
         T* out_u = static_cast<T*>(p.out_u);
         uint32_t n = 0;  // this CTA's tiles so far: hand-off phase n
         for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
-          const TileCoord c = decode_tile(t, tile_start, p);
+          const TileCoord c = decode_tile(t, shm.tile_start, p);
           const int n0 = c.n_tile * kTileCols;
-          mbar_wait(smem_u32(handoff_full), n & 1);
+          mbar_wait(smem_u32(shm.handoff_full), n & 1);
 #pragma unroll 1
           for (int group = 0; group < kGroups; ++group) {
 #pragma unroll 2
@@ -219,7 +210,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               }
             }
           }
-          mbar_arrive(smem_u32(handoff_empty));  // every lane, after its own reads
+          mbar_arrive(smem_u32(shm.handoff_empty));  // every lane, after its own reads
         }
         return;
       }
@@ -227,16 +218,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid != 0) return;  // one thread issues the B boxes; the consumers gather A
     uint32_t it = 0;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-      const TileCoord c = decode_tile(t, tile_start, p);
+      const TileCoord c = decode_tile(t, shm.tile_start, p);
       const int n0 = c.n_tile * kTileCols;
       // Non-gated tiles at the end of h may have no row of their second box inside h: it is not
       // loaded, and the accumulator columns it feeds (past h) are never stored.
       const bool second_box = n0 + kSecondRowOffset < p.h;
       for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
         const int s = it % kStages;
-        mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
-        uint8_t* stage = smem + s * kStageBytes;
-        const uint32_t full = smem_u32(full_bar + s);
+        mbar_wait(smem_u32(shm.empty_bar + s), ((it / kStages) & 1) ^ 1);
+        uint8_t* stage = shm.stage(s);
+        const uint32_t full = smem_u32(shm.full_bar + s);
         mbar_arrive_expect_tx(full, second_box ? 2 * kBBoxBytes : kBBoxBytes);
         tma_load_3d(smem_u32(stage + kATileBytes), &tmap_gate, full, kt * kBK, n0, c.e);
         if (second_box)
@@ -252,16 +243,16 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int wg = (warp >> 2) - 1;   // 0 or 1: rows [64 wg, 64 wg + 64) of the tile
     const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of the warpgroup's 64
     const int cw = warp - 4;
-    uint32_t* stg = reinterpret_cast<uint32_t*>(epi + cw * kEpiWarpBytes);
+    uint32_t* stg = reinterpret_cast<uint32_t*>(shm.epi + cw * kEpiWarpBytes);
     const int g = lane >> 2, t4 = lane & 3;
     float acc[128];
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     const auto row_range = [&](int t) {
-      const TileCoord c = decode_tile(t, tile_start, p);
+      const TileCoord c = decode_tile(t, shm.tile_start, p);
       return make_int2(c.row0, c.rows);
     };
-    uint64_t* my_a_full = a_full_bar + wg * kStages;
+    uint64_t* my_a_full = shm.a_full_bar + wg * kStages;
     HalfTileGather<T> gather(static_cast<const T*>(p.x), p.d, p.d, p.k_tiles, p.token_index,
                              total_tiles, wg);
     // The long-K form (4 stages) issues the gather of k-step it + 2 between k-step it's commit
@@ -272,18 +263,18 @@ __global__ void __launch_bounds__(kThreads, 1)
     constexpr int kGatherLead = kGatherBeforeWait ? kStages - 2 : kStages - 1;
     gather.start(row_range);
     for (int s = 0; s < kGatherLead; ++s)
-      gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
+      gather.issue(smem_u32(shm.stage(s)), smem_u32(my_a_full + s), row_range);
     uint32_t it = 0;
     uint32_t n = 0;  // EPI_WARPS: this CTA's tiles so far, the hand-off's phase
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
       int prev_s = 0;
       for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
         const int s = it % kStages;
-        mbar_wait(smem_u32(full_bar + s), (it / kStages) & 1);
+        mbar_wait(smem_u32(shm.full_bar + s), (it / kStages) & 1);
         mbar_wait(smem_u32(my_a_full + s), (it / kStages) & 1);
         // The A rows were written by cp.async (generic proxy); wgmma reads through the async proxy.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        const uint32_t stage = smem_u32(smem + s * kStageBytes);
+        const uint32_t stage = smem_u32(shm.stage(s));
         const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
         const uint64_t desc_b = smem_desc_kmajor_sw128(stage + kATileBytes);
         wgmma_kstep<T, 0, 0>(acc, desc_a, desc_b, kt > 0);
@@ -291,19 +282,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         // loads fly during this tile's epilogue).
         const int refill = int((it + kGatherLead) % kStages);
         if constexpr (kGatherBeforeWait)  // the slot of k-step it - 2: its wgmma has completed
-          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
-                       row_range);
+          gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         wgmma_wait<1>();
         fence_accumulators(acc);
-        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
         if constexpr (!kGatherBeforeWait)  // the slot of k-step it - 1, released just now
-          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
-                       row_range);
+          gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         prev_s = s;
       }
       wgmma_wait<0>();
       fence_accumulators(acc);
-      if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+      if (lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
 
       if constexpr (EPI_WARPS) {
         // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
@@ -312,8 +301,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // of the warp's 16, accumulator column 8j + 2 t4 + (q & 1): sub-tile j >> 3, chunk j & 7,
         // word t4. A warp instruction (fixed j, rr) writes 8 rows (row & 7 == g) at chunks
         // (j & 7) ^ g: all 32 banks once. pack2 rounds as the epilogue below does.
-        mbar_wait(smem_u32(handoff_empty), (n & 1) ^ 1);
-        uint32_t* hb = reinterpret_cast<uint32_t*>(epi);
+        mbar_wait(smem_u32(shm.handoff_empty), (n & 1) ^ 1);
+        uint32_t* hb = reinterpret_cast<uint32_t*>(shm.epi);
         const int tile_row = wg * 64 + warp_in_wg * 16;
 #pragma unroll
         for (int j = 0; j < 32; ++j) {
@@ -324,10 +313,10 @@ __global__ void __launch_bounds__(kThreads, 1)
                 pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
           }
         }
-        mbar_arrive(smem_u32(handoff_full));  // every lane, after its own writes
+        mbar_arrive(smem_u32(shm.handoff_full));  // every lane, after its own writes
         continue;
       }
-      const TileCoord c = decode_tile(t, tile_start, p);
+      const TileCoord c = decode_tile(t, shm.tile_start, p);
       const int n0 = c.n_tile * kTileCols;
 
       // ---- epilogue. Accumulator layout (wgmma m64n256, f32): register 4j + q of lane (g, t4)

@@ -355,26 +355,52 @@ __device__ __forceinline__ int build_tile_prefix(int* tile_start, const int32_t*
   return tile_start[E];
 }
 
-// The barriers of the gathered-A pipelines (F1, and F2 / B4 / B1), set by one thread: per stage,
-// full (the TMA thread's expect_tx: one arrival), empty (one arrival per consumer warp) and the
-// two consumer warpgroups' A halves (one cp.async arrival per consumer thread); the epilogue
-// hand-off's full and empty take one arrival per THREAD (each releases its own shared-memory
-// accesses; with one arrival per warp after __syncwarp compute-sanitizer's racecheck reports the
-// hand-off as a hazard, although the PTX memory model orders it).
-template <int kStages>
-__device__ __forceinline__ void init_gather_pipeline_barriers(
-    uint64_t* full_bar, uint64_t* empty_bar, uint64_t* a_full_bar, uint64_t* handoff_full,
-    uint64_t* handoff_empty, int consumer_warps, int epi_warps) {
-  for (int s = 0; s < kStages; ++s) {
-    mbar_init(smem_u32(full_bar + s), 1);
-    mbar_init(smem_u32(empty_bar + s), consumer_warps);
-    mbar_init(smem_u32(a_full_bar + s), 128);
-    mbar_init(smem_u32(a_full_bar + kStages + s), 128);
+// The shared memory of the gathered-A pipelines (F1, and F2 / B4 / B1), in the order
+// pipeline_smem_bytes (common.cuh) counts it: kStages stages of kStageBytes, 1024-byte aligned for
+// the 128-byte swizzle atoms; the epilogue's buffer (the consumers' staging, or the epilogue warps'
+// hand-off); the mbarriers; the E + 1 tile starts of the device-side schedule.
+template <int kStages, int kStageBytes>
+struct GatherPipelineSmem {
+  uint8_t* base;
+  uint8_t* epi;
+  uint64_t* full_bar;       // [kStages]: the stage's TMA bytes landed
+  uint64_t* empty_bar;      // [kStages]: every consumer warp is done with the stage
+  uint64_t* a_full_bar;     // [2][kStages]: consumer warpgroup wg's gathered A half landed
+  uint64_t* handoff_full;   // epilogue-warp forms: the consumers filled the hand-off
+  uint64_t* handoff_empty;  // epilogue-warp forms: the epilogue warps read it
+  int* tile_start;          // [E + 1]
+
+  // Aligned by an offset from smem_raw, so the compiler still knows every derived pointer is
+  // shared memory.
+  __device__ __forceinline__ GatherPipelineSmem(uint8_t* smem_raw, int epilogue_bytes)
+      : base(smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u)),
+        epi(base + kStages * kStageBytes),
+        full_bar(reinterpret_cast<uint64_t*>(epi + epilogue_bytes)),
+        empty_bar(full_bar + kStages),
+        a_full_bar(empty_bar + kStages),
+        handoff_full(a_full_bar + 2 * kStages),
+        handoff_empty(handoff_full + 1),
+        tile_start(reinterpret_cast<int*>(handoff_empty + 1)) {}
+
+  __device__ __forceinline__ uint8_t* stage(int s) const { return base + s * kStageBytes; }
+
+  // Set by one thread: per stage, full (the TMA thread's expect_tx: one arrival), empty (one
+  // arrival per consumer warp) and the two consumer warpgroups' A halves (one cp.async arrival per
+  // consumer thread); the hand-off's full and empty take one arrival per THREAD (each releases its
+  // own shared-memory accesses; with one arrival per warp after __syncwarp compute-sanitizer's
+  // racecheck reports the hand-off as a hazard, although the PTX memory model orders it).
+  __device__ __forceinline__ void init_barriers(int consumer_warps, int epi_warps) const {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(smem_u32(full_bar + s), 1);
+      mbar_init(smem_u32(empty_bar + s), consumer_warps);
+      mbar_init(smem_u32(a_full_bar + s), 128);
+      mbar_init(smem_u32(a_full_bar + kStages + s), 128);
+    }
+    mbar_init(smem_u32(handoff_full), 32 * consumer_warps);
+    mbar_init(smem_u32(handoff_empty), 32 * epi_warps);
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
-  mbar_init(smem_u32(handoff_full), 32 * consumer_warps);
-  mbar_init(smem_u32(handoff_empty), 32 * epi_warps);
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
+};
 
 // The gathered A operand of a 128-row tile, loaded by the two consumer warpgroups themselves:
 // each loads the 64 rows that only its own wgmmas read (its 8 KB half of the stage's A tile), with

@@ -92,27 +92,18 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kGatherBeforeWait = kStages >= 4;
   constexpr int kGatherLead = kGatherBeforeWait ? kStages - 2 : kStages - 1;
   extern __shared__ uint8_t smem_raw[];
-  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
-  // B1's epilogue buffers: the hand-off (epilogue-warp forms), then the consumers' staging.
-  uint8_t* epi = smem + kStages * kStageBytes;
-  uint8_t* staging = epi + handoff_groups(FORM) * kHandoffSubBytes;
-  uint64_t* full_bar = reinterpret_cast<uint64_t*>(epi + epilogue_bytes(FORM));
-  uint64_t* empty_bar = full_bar + kStages;
-  uint64_t* a_full_bar = empty_bar + kStages;  // B1: [2][kStages], consumer warpgroup wg's A half
-  uint64_t* handoff_full = a_full_bar + 2 * kStages;  // epilogue-warp forms only
-  uint64_t* handoff_empty = handoff_full + 1;
-  int* tile_start = reinterpret_cast<int*>(handoff_empty + 1);  // [E + 1]
+  const GatherPipelineSmem<kStages, kStageBytes> shm(smem_raw, epilogue_bytes(FORM));
+  // The epilogue buffers: the hand-off (epilogue-warp forms), then the consumers' staging.
+  uint8_t* staging = shm.epi + handoff_groups(FORM) * kHandoffSubBytes;
 
   const int tid = threadIdx.x;
   // Broadcast from lane 0: the compiler then knows the warp index is warp-uniform (uniform
   // registers for the barrier and descriptor addresses derived from it).
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
 
-  if (tid == 0)
-    init_gather_pipeline_barriers<kStages>(full_bar, empty_bar, a_full_bar, handoff_full,
-                                           handoff_empty, kConsumerWarps, kB1EpiWarps);
+  if (tid == 0) shm.init_barriers(kConsumerWarps, kB1EpiWarps);
   const int total_tiles =
-      build_tile_prefix<kBM, kThreads>(tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
+      build_tile_prefix<kBM, kThreads>(shm.tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
   const int k_tiles = p.halves * p.kt_half;
 
   if (warp < 4) {
@@ -124,19 +115,19 @@ __global__ void __launch_bounds__(kThreads, 1)
         // ================= epilogue warps 1-3 =================
         // Per tile (the same sequence of tile ids as every role): wait for the consumers'
         // hand-off, run the tile's epilogue from it, then every lane releases the buffer.
-        const uint32_t* hb = reinterpret_cast<const uint32_t*>(epi);
+        const uint32_t* hb = reinterpret_cast<const uint32_t*>(shm.epi);
         const bool have_u = p.u != nullptr;  // SAVE_ALL; uniform over the grid
         uint32_t n = 0;                      // this CTA's tiles so far: hand-off phase n
         for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
-          const TileCoord c = decode_tile(t, tile_start, p);
-          mbar_wait(smem_u32(handoff_full), n & 1);
+          const TileCoord c = decode_tile(t, shm.tile_start, p);
+          mbar_wait(smem_u32(shm.handoff_full), n & 1);
           if constexpr (KIND != kB1)
             rows_store_warps<T>(p, c, warp - 1, lane, hb);
           else if (have_u)
             b1_epilogue_warps<T, ACT, kConsumerGroups, true>(p, c, warp - 1, lane, hb);
           else
             b1_epilogue_warps<T, ACT, kConsumerGroups, false>(p, c, warp - 1, lane, hb);
-          mbar_arrive(smem_u32(handoff_empty));  // every lane, after its own reads
+          mbar_arrive(smem_u32(shm.handoff_empty));  // every lane, after its own reads
         }
         return;
       }
@@ -144,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (tid != 0) return;  // one thread issues every TMA (B1: the consumers gather A)
     uint32_t it = 0;
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-      const TileCoord c = decode_tile(t, tile_start, p);
+      const TileCoord c = decode_tile(t, shm.tile_start, p);
       // B boxes (MN-major: 64 columns each; K-major: 128 rows each) that start past n_out are not
       // issued nor expected: their accumulator columns are never stored.
       constexpr int kBoxCols = kBMn ? 64 : kBKBoxRows;
@@ -155,9 +146,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int s = it % kStages;
         const int half = kt >= p.kt_half ? 1 : 0;
         const int k0 = (kt - half * p.kt_half) * kBK;
-        mbar_wait(smem_u32(empty_bar + s), ((it / kStages) & 1) ^ 1);
-        uint8_t* stage = smem + s * kStageBytes;
-        const uint32_t full = smem_u32(full_bar + s);
+        mbar_wait(smem_u32(shm.empty_bar + s), ((it / kStages) & 1) ^ 1);
+        uint8_t* stage = shm.stage(s);
+        const uint32_t full = smem_u32(shm.full_bar + s);
         mbar_arrive_expect_tx(full, b_bytes + (kGather ? 0u : uint32_t(kATileBytes)));
         if (!kGather) tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
         const CUtensorMap* mb = half ? &tmap_b1 : &tmap_b0;
@@ -181,32 +172,32 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     const auto row_range = [&](int t) {
-      const TileCoord c = decode_tile(t, tile_start, p);
+      const TileCoord c = decode_tile(t, shm.tile_start, p);
       return make_int2(c.row0, c.rows);
     };
-    uint64_t* my_a_full = a_full_bar + wg * kStages;
+    uint64_t* my_a_full = shm.a_full_bar + wg * kStages;
     // B1 only (halves == 1): k runs over dy's d columns.
     HalfTileGather<T> gather(static_cast<const T*>(p.a_src), p.lda, p.k_half, k_tiles,
                              p.token_index, total_tiles, wg);
     if constexpr (kGather) {
       gather.start(row_range);
       for (int s = 0; s < kGatherLead; ++s)
-        gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s), row_range);
+        gather.issue(smem_u32(shm.stage(s)), smem_u32(my_a_full + s), row_range);
     }
     uint32_t it = 0;
     uint32_t n = 0;  // epilogue-warp forms: this CTA's tiles so far, the hand-off's phase
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
-      const TileCoord c = decode_tile(t, tile_start, p);
+      const TileCoord c = decode_tile(t, shm.tile_start, p);
       int prev_s = 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % kStages;
-        mbar_wait(smem_u32(full_bar + s), (it / kStages) & 1);
+        mbar_wait(smem_u32(shm.full_bar + s), (it / kStages) & 1);
         if constexpr (kGather) {
           mbar_wait(smem_u32(my_a_full + s), (it / kStages) & 1);
           // cp.async (generic proxy) wrote A; wgmma reads through the async proxy.
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         }
-        const uint32_t stage = smem_u32(smem + s * kStageBytes);
+        const uint32_t stage = smem_u32(shm.stage(s));
         const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
         const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kATileBytes)
                                      : smem_desc_kmajor_sw128(stage + kATileBytes);
@@ -215,22 +206,20 @@ __global__ void __launch_bounds__(kThreads, 1)
           // While wgmma(it - 1) and wgmma(it) run: our A of k-step it + kGatherLead into the slot
           // of k-step it - 2, whose wgmma completed before the previous k-step's wait<1>.
           const int refill = int((it + kGatherLead) % kStages);
-          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
-                       row_range);
+          gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         }
         wgmma_wait<1>();
         fence_accumulators(acc);
-        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
         if constexpr (kGather && !kGatherBeforeWait) {  // the slot of k-step it - 1, released now
           const int refill = int((it + kGatherLead) % kStages);
-          gather.issue(smem_u32(smem + refill * kStageBytes), smem_u32(my_a_full + refill),
-                       row_range);
+          gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         }
         prev_s = s;
       }
       wgmma_wait<0>();
       fence_accumulators(acc);
-      if (lane == 0) mbar_arrive(smem_u32(empty_bar + prev_s));
+      if (lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
 
       const int tile_row = wg * 64 + warp_in_wg * 16;
       uint32_t* stg = reinterpret_cast<uint32_t*>(staging + (warp - 4) * kB1StageWarpBytes);
@@ -253,8 +242,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
           }
         }
-        mbar_wait(smem_u32(handoff_empty), (n & 1) ^ 1);
-        uint32_t* hb = reinterpret_cast<uint32_t*>(epi);
+        mbar_wait(smem_u32(shm.handoff_empty), (n & 1) ^ 1);
+        uint32_t* hb = reinterpret_cast<uint32_t*>(shm.epi);
 #pragma unroll
         for (int j = 8 * kConsumerGroups; j < 32; ++j) {
 #pragma unroll
@@ -266,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  : pack2<T>(row_value<T>(w[rr], v0), row_value<T>(w[rr], v1));
           }
         }
-        mbar_arrive(smem_u32(handoff_full));  // every lane, after its own writes
+        mbar_arrive(smem_u32(shm.handoff_full));  // every lane, after its own writes
         if constexpr (KIND == kB1 && kConsumerGroups > 0)
           b1_epilogue<T, ACT, kConsumerGroups, true>(p, c, tile_row, lane, stg, acc);
       } else if constexpr (KIND == kB1) {
