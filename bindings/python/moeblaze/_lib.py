@@ -12,6 +12,7 @@ import glob
 import os
 import threading
 from pathlib import Path
+from typing import Type, TypeVar
 
 from . import _args
 
@@ -205,6 +206,9 @@ _FIELD_KINDS = {ctypes.c_int32: "int32", ctypes.c_uint32: "uint32", ctypes.c_int
                 ctypes.c_size_t: "size_t", ctypes.c_float: "float", ctypes.c_void_p: "pointer"}
 
 
+_Struct = TypeVar("_Struct", bound="_CheckedStructure")
+
+
 class _CheckedStructure(ctypes.Structure):
     """A struct mirror whose numeric fields refuse what their C type cannot hold, naming the field:
     ctypes itself keeps the low bits of an integer that does not fit (2**64 + 8 becomes 8)."""
@@ -220,6 +224,16 @@ class _CheckedStructure(ctypes.Structure):
         elif kind is not None:
             value = _args.integer(value, where, kind)
         super().__setattr__(name, value)
+
+    # The C function that fills the struct's defaults and its struct_size (each subclass names its
+    # own); create() runs it, so every field starts at the header's documented default.
+    _init_function = ""
+
+    @classmethod
+    def create(cls: Type[_Struct]) -> _Struct:
+        value = cls()
+        getattr(lib(), cls._init_function)(ctypes.byref(value), ctypes.sizeof(value))
+        return value
 
 
 class LayerConfig(_CheckedStructure):
@@ -242,11 +256,7 @@ class LayerConfig(_CheckedStructure):
         ("reserved0", ctypes.c_int32),
     ]
 
-    @classmethod
-    def create(cls) -> "LayerConfig":
-        config = cls()
-        lib().moeblaze_layer_config_init(ctypes.byref(config), ctypes.sizeof(config))
-        return config
+    _init_function = "moeblaze_layer_config_init"
 
 
 class ForwardArgs(_CheckedStructure):
@@ -275,11 +285,7 @@ class ForwardArgs(_CheckedStructure):
         ("workspace_bytes", ctypes.c_size_t),
     ]
 
-    @classmethod
-    def create(cls) -> "ForwardArgs":
-        args = cls()
-        lib().moeblaze_forward_args_init(ctypes.byref(args), ctypes.sizeof(args))
-        return args
+    _init_function = "moeblaze_forward_args_init"
 
 
 class BackwardArgs(_CheckedStructure):
@@ -311,11 +317,7 @@ class BackwardArgs(_CheckedStructure):
         ("workspace_bytes", ctypes.c_size_t),
     ]
 
-    @classmethod
-    def create(cls) -> "BackwardArgs":
-        args = cls()
-        lib().moeblaze_backward_args_init(ctypes.byref(args), ctypes.sizeof(args))
-        return args
+    _init_function = "moeblaze_backward_args_init"
 
 
 class EpConfig(_CheckedStructure):
@@ -329,11 +331,7 @@ class EpConfig(_CheckedStructure):
         ("communicator", c_void_p),
     ]
 
-    @classmethod
-    def create(cls) -> "EpConfig":
-        config = cls()
-        lib().moeblaze_ep_config_init(ctypes.byref(config), ctypes.sizeof(config))
-        return config
+    _init_function = "moeblaze_ep_config_init"
 
 
 class EpForwardArgs(_CheckedStructure):
@@ -362,11 +360,7 @@ class EpForwardArgs(_CheckedStructure):
         ("workspace_bytes", ctypes.c_size_t),
     ]
 
-    @classmethod
-    def create(cls) -> "EpForwardArgs":
-        args = cls()
-        lib().moeblaze_ep_forward_args_init(ctypes.byref(args), ctypes.sizeof(args))
-        return args
+    _init_function = "moeblaze_ep_forward_args_init"
 
 
 class EpBackwardArgs(_CheckedStructure):
@@ -398,11 +392,7 @@ class EpBackwardArgs(_CheckedStructure):
         ("workspace_bytes", ctypes.c_size_t),
     ]
 
-    @classmethod
-    def create(cls) -> "EpBackwardArgs":
-        args = cls()
-        lib().moeblaze_ep_backward_args_init(ctypes.byref(args), ctypes.sizeof(args))
-        return args
+    _init_function = "moeblaze_ep_backward_args_init"
 
 
 STRUCTS = {
