@@ -306,11 +306,19 @@ def _as_array(value, name: str):
     return value
 
 
-def _storage_name(x) -> str:
+def _as_arrays(**values) -> list:
+    """_as_array() of each keyword argument, in order, named by its keyword."""
+    return [_as_array(value, name) for name, value in values.items()]
+
+
+def _check_x(x) -> str:
+    """Checks x [..., d_model]; returns the name of its storage dtype."""
     dtype = np.dtype(x.dtype)
     if dtype not in _STORAGE_DTYPES:
         raise TypeError(f"x: dtype {dtype} is not supported; use one of "
                         f"{', '.join(_STORAGE_DTYPES.values())}")
+    if x.ndim < 1:
+        raise ValueError("x: expected [..., d_model], got a scalar")
     return _STORAGE_DTYPES[dtype]
 
 
@@ -361,19 +369,63 @@ def _check_weights(x2, w_gate, w_up, w_down, activation: str):
     return E, h, w_up
 
 
-def _check_top_k(top_k, num_experts: int) -> int:
+def _check_top_k(top_k, num_experts: int, num_tokens: int) -> int:
+    """top_k as an int, checked against the experts and the token count (T * k < 2^31)."""
     if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)):
         raise TypeError(f"top_k: expected an int, got {type(top_k).__name__}")
     top_k = int(top_k)
     if not 1 <= top_k <= min(num_experts, _lib.MAX_TOP_K):
         raise ValueError(f"top_k = {top_k} must be in 1..min(num_experts = {num_experts}, "
                          f"{_lib.MAX_TOP_K})")
+    if num_tokens * top_k >= 2**31:
+        raise ValueError(f"tokens * top_k = {num_tokens} * {top_k} must be below 2^31")
     return top_k
 
 
-def _check_tokens(num_tokens: int, top_k: int) -> None:
-    if num_tokens * top_k >= 2**31:
-        raise ValueError(f"tokens * top_k = {num_tokens} * {top_k} must be below 2^31")
+# ------------------------------------------------------------------------------------------------
+# The FFI calls, one forward and one backward for the experts and the layer targets alike
+# ------------------------------------------------------------------------------------------------
+
+
+def _attrs(config: _Config, whole_layer: bool) -> dict:
+    return config.layer_attrs() if whole_layer else config.attrs()
+
+
+def _forward(config: _Config, training: bool, whole_layer: bool, outputs: tuple, operands: tuple):
+    """Calls the forward target on `operands` (x first) for the results `outputs`, to which it
+    appends the saved buffer and the workspace. Returns the results and saved."""
+    target = "moeblaze_layer_fwd" if whole_layer else "moeblaze_experts_fwd"
+    sizes = _sizes(config, operands[0].shape[0], whole_layer)
+
+    def call(s: _Sizes, *operands):
+        saved_bytes = s.saved if training else 0  # no saved buffer: an inference forward
+        workspace = s.forward_train if training else s.forward_infer
+        *results, saved, _ = jax.ffi.ffi_call(
+            target, outputs + (_bytes(saved_bytes), _bytes(workspace)),
+            vmap_method="sequential")(*operands, **_attrs(config, whole_layer))
+        return (*results, saved)
+
+    return _per_platform(sizes, call, *operands)
+
+
+def _backward(config: _Config, whole_layer: bool, gradients: tuple, operands: tuple):
+    """Calls the backward target on `operands` (dy first, the saved buffer last) for the results
+    `gradients`, to which it appends saved_out and the workspace. Returns the gradients."""
+    target = "moeblaze_layer_bwd" if whole_layer else "moeblaze_experts_bwd"
+    sizes = _sizes(config, operands[0].shape[0], whole_layer)
+    consume = config.consume_saved
+
+    def call(s: _Sizes, *operands):
+        saved = operands[-1]
+        outputs = gradients + (_bytes(saved.shape[0] if consume else 0), _bytes(s.backward))
+        *results, _, _ = jax.ffi.ffi_call(
+            target, outputs, vmap_method="sequential",
+            # The backward may overwrite the saved activations: XLA must treat saved as consumed.
+            input_output_aliases={len(operands) - 1: len(gradients)} if consume else None)(
+                *operands, consume_saved=np.int32(consume), **_attrs(config, whole_layer))
+        return tuple(results)
+
+    return _per_platform(sizes, call, *operands)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -382,35 +434,12 @@ def _check_tokens(num_tokens: int, top_k: int) -> None:
 
 
 def _experts_forward(config: _Config, training: bool, x, ids, g, w_gate, w_up, w_down):
-    sizes = _sizes(config, x.shape[0], whole_layer=False)
-
-    def call(s: _Sizes, x, ids, g, w_gate, w_up, w_down):
-        saved_bytes = s.saved if training else 0  # no saved buffer: an inference forward
-        workspace = s.forward_train if training else s.forward_infer
-        y, saved, _ = jax.ffi.ffi_call(
-            "moeblaze_experts_fwd", (_like(x), _bytes(saved_bytes), _bytes(workspace)),
-            vmap_method="sequential")(x, ids, g, w_gate, w_up, w_down, **config.attrs())
-        return y, saved
-
-    return _per_platform(sizes, call, x, ids, g, w_gate, w_up, w_down)
+    return _forward(config, training, False, (_like(x),), (x, ids, g, w_gate, w_up, w_down))
 
 
 def _experts_backward(config: _Config, dy, x, ids, g, w_gate, w_up, w_down, saved):
-    sizes = _sizes(config, x.shape[0], whole_layer=False)
-    consume = config.consume_saved
-
-    def call(s: _Sizes, dy, x, ids, g, w_gate, w_up, w_down, saved):
-        outputs = (_like(x), _like(g), _like(w_gate), _like(w_up), _like(w_down),
-                   _bytes(saved.shape[0] if consume else 0), _bytes(s.backward))
-        dx, dg, dw_gate, dw_up, dw_down, _, _ = jax.ffi.ffi_call(
-            "moeblaze_experts_bwd", outputs, vmap_method="sequential",
-            # The backward may overwrite the saved activations: XLA must treat saved as consumed.
-            input_output_aliases={7: 5} if consume else None)(
-                dy, x, ids, g, w_gate, w_up, w_down, saved, consume_saved=np.int32(consume),
-                **config.attrs())
-        return dx, dg, dw_gate, dw_up, dw_down
-
-    return _per_platform(sizes, call, dy, x, ids, g, w_gate, w_up, w_down, saved)
+    gradients = (_like(x), _like(g), _like(w_gate), _like(w_up), _like(w_down))
+    return _backward(config, False, gradients, (dy, x, ids, g, w_gate, w_up, w_down, saved))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -452,14 +481,8 @@ def moe_experts(x, ids, g, w_gate, w_up, w_down, *, activation: str = "swiglu",
     The CPU backend rejects an id out of range or repeated within a token with an error; the CUDA
     backend cannot check this without a host synchronisation and drops such pairs."""
     activation, checkpoint = _check_names(activation, checkpoint)
-    x = _as_array(x, "x")
-    ids = _as_array(ids, "ids")
-    g = _as_array(g, "g")
-    w_gate = _as_array(w_gate, "w_gate")
-    w_down = _as_array(w_down, "w_down")
-    dtype = _storage_name(x)
-    if x.ndim < 1:
-        raise ValueError("x: expected [..., d_model], got a scalar")
+    x, ids, g, w_gate, w_down = _as_arrays(x=x, ids=ids, g=g, w_gate=w_gate, w_down=w_down)
+    dtype = _check_x(x)
     if ids.ndim < 1:
         raise ValueError("ids: expected [..., top_k], got a scalar")
     lead = tuple(x.shape[:-1])
@@ -470,8 +493,7 @@ def moe_experts(x, ids, g, w_gate, w_up, w_down, *, activation: str = "swiglu",
     x2 = x.reshape(-1, d)
     T = int(x2.shape[0])
     E, h, w_up = _check_weights(x2, w_gate, w_up, w_down, activation)
-    k = _check_top_k(k, E)
-    _check_tokens(T, k)
+    k = _check_top_k(k, E, T)
     config = _Config(dtype=dtype, d_model=d, d_ffn=h, num_experts=E, top_k=k,
                      activation=activation, checkpoint=checkpoint,
                      consume_saved=bool(consume_saved))
@@ -485,38 +507,15 @@ def moe_experts(x, ids, g, w_gate, w_up, w_down, *, activation: str = "swiglu",
 
 
 def _layer_forward(config: _Config, training: bool, x, w_router, w_gate, w_up, w_down):
-    sizes = _sizes(config, x.shape[0], whole_layer=True)
-    route = routing_dtype(x.dtype)
-
-    def call(s: _Sizes, x, w_router, w_gate, w_up, w_down):
-        saved_bytes = s.saved if training else 0
-        workspace = s.forward_train if training else s.forward_infer
-        outputs = (_like(x), jax.ShapeDtypeStruct((2,), route),
-                   jax.ShapeDtypeStruct((config.num_experts,), jnp.int32), _bytes(saved_bytes),
-                   _bytes(workspace))
-        y, losses, counts, saved, _ = jax.ffi.ffi_call(
-            "moeblaze_layer_fwd", outputs, vmap_method="sequential")(
-                x, w_router, w_gate, w_up, w_down, **config.layer_attrs())
-        return y, losses, counts, saved
-
-    return _per_platform(sizes, call, x, w_router, w_gate, w_up, w_down)
+    outputs = (_like(x), jax.ShapeDtypeStruct((2,), routing_dtype(x.dtype)),
+               jax.ShapeDtypeStruct((config.num_experts,), jnp.int32))
+    return _forward(config, training, True, outputs, (x, w_router, w_gate, w_up, w_down))
 
 
 def _layer_backward(config: _Config, dy, d_losses, x, w_router, w_gate, w_up, w_down, saved):
-    sizes = _sizes(config, x.shape[0], whole_layer=True)
-    consume = config.consume_saved
-
-    def call(s: _Sizes, dy, d_losses, x, w_router, w_gate, w_up, w_down, saved):
-        outputs = (_like(x), _like(w_router), _like(w_gate), _like(w_up), _like(w_down),
-                   _bytes(saved.shape[0] if consume else 0), _bytes(s.backward))
-        dx, dw_router, dw_gate, dw_up, dw_down, _, _ = jax.ffi.ffi_call(
-            "moeblaze_layer_bwd", outputs, vmap_method="sequential",
-            input_output_aliases={7: 5} if consume else None)(
-                dy, d_losses, x, w_router, w_gate, w_up, w_down, saved,
-                consume_saved=np.int32(consume), **config.layer_attrs())
-        return dx, dw_router, dw_gate, dw_up, dw_down
-
-    return _per_platform(sizes, call, dy, d_losses, x, w_router, w_gate, w_up, w_down, saved)
+    gradients = (_like(x), _like(w_router), _like(w_gate), _like(w_up), _like(w_down))
+    return _backward(config, True, gradients,
+                     (dy, d_losses, x, w_router, w_gate, w_up, w_down, saved))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -567,20 +566,14 @@ def moe_layer(x, w_router, w_gate, w_up, w_down, *, top_k: int, activation: str 
     for name, coeff in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
         if not np.isfinite(float(coeff)) or float(coeff) < 0:
             raise ValueError(f"{name} = {coeff} must be finite and >= 0")
-    x = _as_array(x, "x")
-    w_router = _as_array(w_router, "w_router")
-    w_gate = _as_array(w_gate, "w_gate")
-    w_down = _as_array(w_down, "w_down")
-    dtype = _storage_name(x)
-    if x.ndim < 1:
-        raise ValueError("x: expected [..., d_model], got a scalar")
+    x, w_router, w_gate, w_down = _as_arrays(x=x, w_router=w_router, w_gate=w_gate, w_down=w_down)
+    dtype = _check_x(x)
     d = int(x.shape[-1])
     x2 = x.reshape(-1, d)
     T = int(x2.shape[0])
     E, h, w_up = _check_weights(x2, w_gate, w_up, w_down, activation)
     _expect(w_router, "w_router", (E, d), x.dtype)
-    k = _check_top_k(top_k, E)
-    _check_tokens(T, k)
+    k = _check_top_k(top_k, E, T)
     config = _Config(dtype=dtype, d_model=d, d_ffn=h, num_experts=E, top_k=k,
                      activation=activation, checkpoint=checkpoint, score_function=score_function,
                      renormalize=bool(renormalize), aux_loss_coeff=float(aux_loss_coeff),

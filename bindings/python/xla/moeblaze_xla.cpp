@@ -32,34 +32,35 @@ namespace {
 
 // ---- layer plans, one per (backend, device, configuration) --------------------------------------
 
+// A plan's key: where it runs and the configuration it is created with. Equality and the hash read
+// every field a handler may set; the others keep the defaults of moeblaze_layer_config_init().
 struct LayerKey {
   int32_t backend = MOEBLAZE_BACKEND_CPU;
   int32_t device = 0;
-  int32_t dtype = 0;
-  int64_t d_model = 0, d_ffn = 0, num_experts = 0, top_k = 0;
-  int32_t activation = 0, checkpoint = 0, score_function = 0, renormalize = 0;
-  float aux_loss_coeff = 0.0f, z_loss_coeff = 0.0f;
+  moeblaze_layer_config_t config{};
 
   bool operator==(const LayerKey& o) const {
-    return backend == o.backend && device == o.device && dtype == o.dtype && d_model == o.d_model &&
-           d_ffn == o.d_ffn && num_experts == o.num_experts && top_k == o.top_k &&
-           activation == o.activation && checkpoint == o.checkpoint &&
-           score_function == o.score_function && renormalize == o.renormalize &&
-           aux_loss_coeff == o.aux_loss_coeff && z_loss_coeff == o.z_loss_coeff;
+    const moeblaze_layer_config_t &a = config, &b = o.config;
+    return backend == o.backend && device == o.device && a.dtype == b.dtype &&
+           a.d_model == b.d_model && a.d_ffn == b.d_ffn && a.num_experts == b.num_experts &&
+           a.top_k == b.top_k && a.activation == b.activation && a.checkpoint == b.checkpoint &&
+           a.score_function == b.score_function && a.renormalize == b.renormalize &&
+           a.aux_loss_coeff == b.aux_loss_coeff && a.z_loss_coeff == b.z_loss_coeff;
   }
 };
 
 struct LayerKeyHash {
   size_t operator()(const LayerKey& k) const {
+    const moeblaze_layer_config_t& c = k.config;
     size_t h = 0;
     auto mix = [&h](size_t v) { h ^= v + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2); };
-    for (int64_t v : {int64_t(k.backend), int64_t(k.device), int64_t(k.dtype), k.d_model, k.d_ffn,
-                      k.num_experts, k.top_k, int64_t(k.activation), int64_t(k.checkpoint),
-                      int64_t(k.score_function), int64_t(k.renormalize)}) {
+    for (int64_t v : {int64_t(k.backend), int64_t(k.device), int64_t(c.dtype), c.d_model, c.d_ffn,
+                      c.num_experts, c.top_k, int64_t(c.activation), int64_t(c.checkpoint),
+                      int64_t(c.score_function), int64_t(c.renormalize)}) {
       mix(std::hash<int64_t>()(v));
     }
-    mix(std::hash<float>()(k.aux_loss_coeff));
-    mix(std::hash<float>()(k.z_loss_coeff));
+    mix(std::hash<float>()(c.aux_loss_coeff));
+    mix(std::hash<float>()(c.z_loss_coeff));
     return h;
   }
 };
@@ -83,7 +84,9 @@ ffi::ErrorCode error_code(moeblaze_status_t status) {
   }
 }
 
-ffi::Error status_error(const char* target, moeblaze_status_t status) {
+// The FFI result of a C API call: success, or its error prefixed with the target's name.
+ffi::Error call_result(const char* target, moeblaze_status_t status) {
+  if (status == MOEBLAZE_OK) return ffi::Error::Success();
   return ffi::Error(error_code(status), std::string(target) + ": " + last_error(status));
 }
 
@@ -110,22 +113,8 @@ class PlanCache {
       if (status != MOEBLAZE_OK) return status;
       contexts_.emplace(device, context);
     }
-    moeblaze_layer_config_t config;
-    moeblaze_status_t status = moeblaze_layer_config_init(&config, sizeof config);
-    if (status != MOEBLAZE_OK) return status;
-    config.dtype = key.dtype;
-    config.d_model = key.d_model;
-    config.d_ffn = key.d_ffn;
-    config.num_experts = key.num_experts;
-    config.top_k = key.top_k;
-    config.activation = key.activation;
-    config.checkpoint = key.checkpoint;
-    config.score_function = key.score_function;
-    config.renormalize = key.renormalize;
-    config.aux_loss_coeff = key.aux_loss_coeff;
-    config.z_loss_coeff = key.z_loss_coeff;
     moeblaze_layer_t layer = nullptr;
-    status = moeblaze_layer_create(&layer, context, &config);
+    moeblaze_status_t status = moeblaze_layer_create(&layer, context, &key.config);
     if (status != MOEBLAZE_OK) return status;
     layers_.emplace(key, layer);
     *out = layer;
@@ -251,15 +240,59 @@ bool gated(int32_t activation) {
          activation == MOEBLAZE_ACTIVATION_REGLU;
 }
 
-// The shapes shared by every pass: x [T,d] and the expert weights; fills T, d, h, E and the dtype.
+// The operands that a forward reads and its backward reads again. The experts targets are given
+// the routing (ids, g); the layer targets compute it from w_router. The other kind's are null.
+struct Inputs {
+  const ffi::AnyBuffer* x;
+  const ffi::AnyBuffer* ids;       // experts targets only
+  const ffi::AnyBuffer* g;         // experts targets only
+  const ffi::AnyBuffer* w_router;  // layer targets only
+  const ffi::AnyBuffer* w_gate;
+  const ffi::AnyBuffer* w_up;
+  const ffi::AnyBuffer* w_down;
+
+  static Inputs experts(const ffi::AnyBuffer& x, const ffi::AnyBuffer& ids, const ffi::AnyBuffer& g,
+                        const ffi::AnyBuffer& w_gate, const ffi::AnyBuffer& w_up,
+                        const ffi::AnyBuffer& w_down) {
+    return {&x, &ids, &g, nullptr, &w_gate, &w_up, &w_down};
+  }
+  static Inputs layer(const ffi::AnyBuffer& x, const ffi::AnyBuffer& w_router,
+                      const ffi::AnyBuffer& w_gate, const ffi::AnyBuffer& w_up,
+                      const ffi::AnyBuffer& w_down) {
+    return {&x, nullptr, nullptr, &w_router, &w_gate, &w_up, &w_down};
+  }
+};
+
+// The gradients a backward writes, one per input but ids (which has none); null where the input is.
+struct Gradients {
+  ffi::AnyBuffer* dx;
+  ffi::AnyBuffer* dg;         // experts targets only
+  ffi::AnyBuffer* dw_router;  // layer targets only
+  ffi::AnyBuffer* dw_gate;
+  ffi::AnyBuffer* dw_up;
+  ffi::AnyBuffer* dw_down;
+
+  static Gradients experts(ffi::AnyBuffer& dx, ffi::AnyBuffer& dg, ffi::AnyBuffer& dw_gate,
+                           ffi::AnyBuffer& dw_up, ffi::AnyBuffer& dw_down) {
+    return {&dx, &dg, nullptr, &dw_gate, &dw_up, &dw_down};
+  }
+  static Gradients layer(ffi::AnyBuffer& dx, ffi::AnyBuffer& dw_router, ffi::AnyBuffer& dw_gate,
+                         ffi::AnyBuffer& dw_up, ffi::AnyBuffer& dw_down) {
+    return {&dx, nullptr, &dw_router, &dw_gate, &dw_up, &dw_down};
+  }
+};
+
+// The shapes every other buffer is checked against: T, d from x [T, d]; E, h from w_gate
+// [E, h, d]; k from ids [T, k] (experts targets) or the top_k attribute (layer targets).
 struct Shapes {
-  int64_t T = 0, d = 0, h = 0, E = 0;
+  int64_t T = 0, d = 0, h = 0, E = 0, k = 0;
   ffi::DataType type = ffi::DataType::INVALID;
   int32_t dtype = 0;
 };
 
-ffi::Error read_shapes(const char* target, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w_gate,
-                       Shapes* s) {
+ffi::Error read_shapes(const char* target, const Inputs& in, int64_t top_k, Shapes* s) {
+  const ffi::AnyBuffer& x = *in.x;
+  const ffi::AnyBuffer& w_gate = *in.w_gate;
   s->type = x.element_type();
   if (!storage_dtype(s->type, &s->dtype)) {
     return ffi::Error::InvalidArgument(std::string(target) + ": x: dtype " + dtype_name(s->type) +
@@ -278,6 +311,14 @@ ffi::Error read_shapes(const char* target, const ffi::AnyBuffer& x, const ffi::A
   s->d = x.dimensions()[1];
   s->E = w_gate.dimensions()[0];
   s->h = w_gate.dimensions()[1];
+  s->k = top_k;
+  if (in.ids) {
+    if (in.ids->dimensions().size() != 2) {
+      return ffi::Error::InvalidArgument(std::string(target) + ": ids: expected [T, top_k], got " +
+                                         shape_string(in.ids->dimensions()));
+    }
+    s->k = in.ids->dimensions()[1];
+  }
   return ffi::Error::Success();
 }
 
@@ -294,30 +335,71 @@ void check_weights(Checker& check, const Shapes& s, int32_t activation,
   check.expect(w_down, "w_down", s.type, {s.E, s.d, s.h});
 }
 
-void* data_or_null(const ffi::AnyBuffer& buffer) {
-  return buffer.element_count() ? buffer.untyped_data() : nullptr;
+// The inputs but x, which read_shapes() has checked: the routing operands, then the weights.
+void check_inputs(Checker& check, const Shapes& s, int32_t activation, const Inputs& in) {
+  if (in.ids) {
+    check.expect(*in.ids, "ids", ffi::DataType::S32, {s.T, s.k});
+    check.expect(*in.g, "g", routing_dtype(s.type), {s.T, s.k});
+  }
+  if (in.w_router) check.expect(*in.w_router, "w_router", s.type, {s.E, s.d});
+  check_weights(check, s, activation, *in.w_gate, *in.w_up, *in.w_down);
 }
 
-ffi::Error find_plan(const char* target, const Where& where, const Shapes& s, int64_t top_k,
-                     int32_t activation, int32_t checkpoint, int32_t score_function,
-                     int32_t renormalize, float aux_loss_coeff, float z_loss_coeff,
-                     moeblaze_layer_t* layer) {
+// The buffer's data; NULL for a buffer the target does not have.
+void* data(const ffi::AnyBuffer* buffer) {
+  return buffer ? buffer->untyped_data() : nullptr;
+}
+
+// As data(), and NULL for an empty buffer too (T = 0, w_up of a non-gated activation, the saved
+// buffer of an inference forward).
+void* data_or_null(const ffi::AnyBuffer* buffer) {
+  return buffer && buffer->element_count() ? buffer->untyped_data() : nullptr;
+}
+
+// The fields of the inputs, named alike in moeblaze_forward_args_t and moeblaze_backward_args_t.
+template <typename Args>
+void fill_inputs(const Inputs& in, Args* args) {
+  args->x = data_or_null(in.x);
+  args->ids = static_cast<const int32_t*>(data_or_null(in.ids));
+  args->g = data_or_null(in.g);
+  args->w_router = data(in.w_router);
+  args->w_gate = in.w_gate->untyped_data();
+  args->w_up = data_or_null(in.w_up);
+  args->w_down = in.w_down->untyped_data();
+}
+
+// A plan key holding a call's attributes; find_plan() adds where it runs and the shapes. The
+// experts targets route nothing, so the router's fields keep their defaults (softmax_topk, no
+// renormalisation, no losses).
+LayerKey experts_key(int32_t activation, int32_t checkpoint) {
   LayerKey key;
+  moeblaze_layer_config_init(&key.config, sizeof key.config);  // cannot fail: its own size
+  key.config.activation = activation;
+  key.config.checkpoint = checkpoint;
+  return key;
+}
+
+LayerKey layer_key(int64_t top_k, int32_t activation, int32_t checkpoint, int32_t score_function,
+                   int32_t renormalize, float aux_loss_coeff, float z_loss_coeff) {
+  LayerKey key = experts_key(activation, checkpoint);
+  key.config.top_k = top_k;
+  key.config.score_function = score_function;
+  key.config.renormalize = renormalize;
+  key.config.aux_loss_coeff = aux_loss_coeff;
+  key.config.z_loss_coeff = z_loss_coeff;
+  return key;
+}
+
+ffi::Error find_plan(const char* target, const Where& where, const Shapes& s, LayerKey key,
+                     moeblaze_layer_t* layer) {
   key.backend = where.backend;
   key.device = where.device;
-  key.dtype = s.dtype;
-  key.d_model = s.d;
-  key.d_ffn = s.h;
-  key.num_experts = s.E;
-  key.top_k = top_k;
-  key.activation = activation;
-  key.checkpoint = checkpoint;
-  key.score_function = score_function;
-  key.renormalize = renormalize;
-  key.aux_loss_coeff = aux_loss_coeff;
-  key.z_loss_coeff = z_loss_coeff;
-  moeblaze_status_t status = plans().get(key, layer);
-  return status == MOEBLAZE_OK ? ffi::Error::Success() : status_error(target, status);
+  key.config.dtype = s.dtype;
+  key.config.d_model = s.d;
+  key.config.d_ffn = s.h;
+  key.config.num_experts = s.E;
+  key.config.top_k = s.k;
+  return call_result(target, plans().get(key, layer));
 }
 
 // With MOEBLAZE_BACKWARD_CONSUME_SAVED the backward overwrites the saved activations. XLA allows
@@ -335,278 +417,171 @@ ffi::Error backward_flags(const char* target, int32_t consume_saved, const ffi::
   return ffi::Error::Success();
 }
 
-// ---- experts: given ids and g -------------------------------------------------------------------
+// ---- the two pass bodies, shared by the experts and the layer targets ---------------------------
 
-constexpr const char* kExpertsForward = "moeblaze_experts_fwd";
-constexpr const char* kExpertsBackward = "moeblaze_experts_bwd";
-constexpr const char* kLayerForward = "moeblaze_layer_fwd";
-constexpr const char* kLayerBackward = "moeblaze_layer_bwd";
+// moeblaze_experts_forward or moeblaze_layer_forward: the same arguments, and so for the backward.
+using ForwardPass = moeblaze_status_t (*)(moeblaze_layer_t, const moeblaze_forward_args_t*, void*);
+using BackwardPass = moeblaze_status_t (*)(moeblaze_layer_t, const moeblaze_backward_args_t*,
+                                           void*);
 
-// y = experts(x, ids, g); saved (empty for inference) and workspace are byte buffers sized by
-// moeblaze_layer_saved_size / moeblaze_layer_workspace_size(_with_flags) of the same plan.
-ffi::Error experts_forward(const Where& where, ffi::AnyBuffer x, ffi::AnyBuffer ids,
-                           ffi::AnyBuffer g, ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up,
-                           ffi::AnyBuffer w_down, ffi::Result<ffi::AnyBuffer> y,
-                           ffi::Result<ffi::AnyBuffer> saved, ffi::Result<ffi::AnyBuffer> workspace,
-                           int32_t activation, int32_t checkpoint) {
-  const char* target = kExpertsForward;
+// Checks the buffers, finds the plan of `key` and runs `pass`. losses and expert_counts are the
+// layer targets' (null for the experts targets); saved is empty for an inference forward.
+ffi::Error forward(const char* target, ForwardPass pass, const Where& where, const LayerKey& key,
+                   const Inputs& in, ffi::AnyBuffer& y, ffi::AnyBuffer* losses,
+                   ffi::AnyBuffer* expert_counts, ffi::AnyBuffer& saved,
+                   ffi::AnyBuffer& workspace) {
   Shapes s;
-  if (ffi::Error e = read_shapes(target, x, w_gate, &s); e.failure()) return e;
+  if (ffi::Error e = read_shapes(target, in, key.config.top_k, &s); e.failure()) return e;
   Checker check(target);
-  if (ids.dimensions().size() != 2) {
-    check.fail("ids", "expected [T, top_k], got " + shape_string(ids.dimensions()));
-    return check.error();
-  }
-  const int64_t k = ids.dimensions()[1];
-  check.expect(ids, "ids", ffi::DataType::S32, {s.T, k});
-  check.expect(g, "g", routing_dtype(s.type), {s.T, k});
-  check_weights(check, s, activation, w_gate, w_up, w_down);
-  check.expect(*y, "y", s.type, {s.T, s.d});
-  check.expect_bytes(*saved, "saved");
-  check.expect_bytes(*workspace, "workspace");
+  check_inputs(check, s, key.config.activation, in);
+  check.expect(y, "y", s.type, {s.T, s.d});
+  if (losses) check.expect(*losses, "losses", routing_dtype(s.type), {2});
+  if (expert_counts) check.expect(*expert_counts, "expert_counts", ffi::DataType::S32, {s.E});
+  check.expect_bytes(saved, "saved");
+  check.expect_bytes(workspace, "workspace");
   if (!check.ok()) return check.error();
 
   moeblaze_layer_t layer = nullptr;
-  if (ffi::Error e = find_plan(target, where, s, k, activation, checkpoint,
-                               MOEBLAZE_SCORE_SOFTMAX_TOPK, 0, 0.0f, 0.0f, &layer);
-      e.failure()) {
-    return e;
-  }
+  if (ffi::Error e = find_plan(target, where, s, key, &layer); e.failure()) return e;
   moeblaze_forward_args_t args;
   moeblaze_forward_args_init(&args, sizeof args);
   args.num_tokens = s.T;
-  args.x = data_or_null(x);
-  args.ids = static_cast<const int32_t*>(data_or_null(ids));
-  args.g = data_or_null(g);
-  args.w_gate = w_gate.untyped_data();
-  args.w_up = data_or_null(w_up);
-  args.w_down = w_down.untyped_data();
-  args.y = data_or_null(*y);
-  args.saved = data_or_null(*saved);
-  args.saved_bytes = saved->size_bytes();
-  args.workspace = data_or_null(*workspace);
-  args.workspace_bytes = workspace->size_bytes();
-  moeblaze_status_t status = moeblaze_experts_forward(layer, &args, where.stream);
-  return status == MOEBLAZE_OK ? ffi::Error::Success() : status_error(target, status);
+  fill_inputs(in, &args);
+  args.y = data_or_null(&y);
+  args.losses = data(losses);
+  args.expert_counts = static_cast<int32_t*>(data(expert_counts));
+  args.saved = data_or_null(&saved);
+  args.saved_bytes = saved.size_bytes();
+  args.workspace = data_or_null(&workspace);
+  args.workspace_bytes = workspace.size_bytes();
+  return call_result(target, pass(layer, &args, where.stream));
+}
+
+// As forward(), from the cotangents dy and d_losses (the layer targets', else null) and the saved
+// buffer of the forward; saved_out is saved itself when consume_saved aliases them.
+ffi::Error backward(const char* target, BackwardPass pass, const Where& where, const LayerKey& key,
+                    int32_t consume_saved, const ffi::AnyBuffer& dy, const ffi::AnyBuffer* d_losses,
+                    const Inputs& in, const ffi::AnyBuffer& saved, const Gradients& grad,
+                    ffi::AnyBuffer& saved_out, ffi::AnyBuffer& workspace) {
+  Shapes s;
+  if (ffi::Error e = read_shapes(target, in, key.config.top_k, &s); e.failure()) return e;
+  Checker check(target);
+  check.expect(dy, "dy", s.type, {s.T, s.d});
+  if (d_losses) check.expect(*d_losses, "d_losses", routing_dtype(s.type), {2});
+  check_inputs(check, s, key.config.activation, in);
+  check.expect_bytes(saved, "saved");
+  check.expect(*grad.dx, "dx", s.type, {s.T, s.d});
+  if (grad.dg) check.expect(*grad.dg, "dg", routing_dtype(s.type), {s.T, s.k});
+  if (grad.dw_router) check.expect(*grad.dw_router, "dw_router", s.type, {s.E, s.d});
+  check_weights(check, s, key.config.activation, *grad.dw_gate, *grad.dw_up, *grad.dw_down);
+  check.expect_bytes(saved_out, "saved_out");
+  check.expect_bytes(workspace, "workspace");
+  if (!check.ok()) return check.error();
+
+  uint32_t flags = 0;
+  if (ffi::Error e = backward_flags(target, consume_saved, saved, saved_out, &flags); e.failure()) {
+    return e;
+  }
+  moeblaze_layer_t layer = nullptr;
+  if (ffi::Error e = find_plan(target, where, s, key, &layer); e.failure()) return e;
+  moeblaze_backward_args_t args;
+  moeblaze_backward_args_init(&args, sizeof args);
+  args.flags = flags;
+  args.num_tokens = s.T;
+  args.dy = data_or_null(&dy);
+  args.d_losses = data(d_losses);
+  fill_inputs(in, &args);
+  args.saved = saved.untyped_data();
+  args.saved_bytes = saved.size_bytes();
+  args.dx = data_or_null(grad.dx);
+  args.dg = data_or_null(grad.dg);
+  args.dw_router = data(grad.dw_router);
+  args.dw_gate = grad.dw_gate->untyped_data();
+  args.dw_up = data_or_null(grad.dw_up);
+  args.dw_down = grad.dw_down->untyped_data();
+  args.workspace = data_or_null(&workspace);
+  args.workspace_bytes = workspace.size_bytes();
+  return call_result(target, pass(layer, &args, where.stream));
+}
+
+// ---- the four targets ---------------------------------------------------------------------------
+
+// An operand and a result of a target, as the FFI hands them (an `Arg` and a `Ret` of the binding).
+using Arg = ffi::AnyBuffer;
+using Ret = ffi::Result<ffi::AnyBuffer>;
+
+// y = experts(x, ids, g); saved (empty for inference) and workspace are byte buffers sized by
+// moeblaze_layer_saved_size / moeblaze_layer_workspace_size(_with_flags) of the same plan.
+ffi::Error experts_forward(const Where& where, Arg x, Arg ids, Arg g, Arg w_gate, Arg w_up,
+                           Arg w_down, Ret y, Ret saved, Ret workspace, int32_t activation,
+                           int32_t checkpoint) {
+  return forward("moeblaze_experts_fwd", moeblaze_experts_forward, where,
+                 experts_key(activation, checkpoint),
+                 Inputs::experts(x, ids, g, w_gate, w_up, w_down), *y, /*losses=*/nullptr,
+                 /*expert_counts=*/nullptr, *saved, *workspace);
 }
 
 // dx, dg, dw_gate, dw_up (empty for non-gated activations), dw_down from dy and the saved buffer.
 // saved_out is saved itself (aliased); workspace is scratch.
-ffi::Error experts_backward(const Where& where, ffi::AnyBuffer dy, ffi::AnyBuffer x,
-                            ffi::AnyBuffer ids, ffi::AnyBuffer g, ffi::AnyBuffer w_gate,
-                            ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer saved,
-                            ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dg,
-                            ffi::Result<ffi::AnyBuffer> dw_gate, ffi::Result<ffi::AnyBuffer> dw_up,
-                            ffi::Result<ffi::AnyBuffer> dw_down,
-                            ffi::Result<ffi::AnyBuffer> saved_out,
-                            ffi::Result<ffi::AnyBuffer> workspace, int32_t activation,
+ffi::Error experts_backward(const Where& where, Arg dy, Arg x, Arg ids, Arg g, Arg w_gate, Arg w_up,
+                            Arg w_down, Arg saved, Ret dx, Ret dg, Ret dw_gate, Ret dw_up,
+                            Ret dw_down, Ret saved_out, Ret workspace, int32_t activation,
                             int32_t checkpoint, int32_t consume_saved) {
-  const char* target = kExpertsBackward;
-  Shapes s;
-  if (ffi::Error e = read_shapes(target, x, w_gate, &s); e.failure()) return e;
-  Checker check(target);
-  if (ids.dimensions().size() != 2) {
-    check.fail("ids", "expected [T, top_k], got " + shape_string(ids.dimensions()));
-    return check.error();
-  }
-  const int64_t k = ids.dimensions()[1];
-  const ffi::DataType rtype = routing_dtype(s.type);
-  check.expect(dy, "dy", s.type, {s.T, s.d});
-  check.expect(ids, "ids", ffi::DataType::S32, {s.T, k});
-  check.expect(g, "g", rtype, {s.T, k});
-  check_weights(check, s, activation, w_gate, w_up, w_down);
-  check.expect_bytes(saved, "saved");
-  check.expect(*dx, "dx", s.type, {s.T, s.d});
-  check.expect(*dg, "dg", rtype, {s.T, k});
-  check_weights(check, s, activation, *dw_gate, *dw_up, *dw_down);
-  check.expect_bytes(*saved_out, "saved_out");
-  check.expect_bytes(*workspace, "workspace");
-  if (!check.ok()) return check.error();
-
-  uint32_t flags = 0;
-  if (ffi::Error e = backward_flags(target, consume_saved, saved, *saved_out, &flags);
-      e.failure()) {
-    return e;
-  }
-  moeblaze_layer_t layer = nullptr;
-  if (ffi::Error e = find_plan(target, where, s, k, activation, checkpoint,
-                               MOEBLAZE_SCORE_SOFTMAX_TOPK, 0, 0.0f, 0.0f, &layer);
-      e.failure()) {
-    return e;
-  }
-  moeblaze_backward_args_t args;
-  moeblaze_backward_args_init(&args, sizeof args);
-  args.flags = flags;
-  args.num_tokens = s.T;
-  args.dy = data_or_null(dy);
-  args.x = data_or_null(x);
-  args.ids = static_cast<const int32_t*>(data_or_null(ids));
-  args.g = data_or_null(g);
-  args.w_gate = w_gate.untyped_data();
-  args.w_up = data_or_null(w_up);
-  args.w_down = w_down.untyped_data();
-  args.saved = saved.untyped_data();
-  args.saved_bytes = saved.size_bytes();
-  args.dx = data_or_null(*dx);
-  args.dg = data_or_null(*dg);
-  args.dw_gate = dw_gate->untyped_data();
-  args.dw_up = data_or_null(*dw_up);
-  args.dw_down = dw_down->untyped_data();
-  args.workspace = data_or_null(*workspace);
-  args.workspace_bytes = workspace->size_bytes();
-  moeblaze_status_t status = moeblaze_experts_backward(layer, &args, where.stream);
-  return status == MOEBLAZE_OK ? ffi::Error::Success() : status_error(target, status);
+  return backward("moeblaze_experts_bwd", moeblaze_experts_backward, where,
+                  experts_key(activation, checkpoint), consume_saved, dy, /*d_losses=*/nullptr,
+                  Inputs::experts(x, ids, g, w_gate, w_up, w_down), saved,
+                  Gradients::experts(*dx, *dg, *dw_gate, *dw_up, *dw_down), *saved_out, *workspace);
 }
 
-// ---- whole layer: router projection, router, experts --------------------------------------------
-
 // y, losses [2] = {aux, z}, expert_counts [E] int32 from x and every weight.
-ffi::Error layer_forward(const Where& where, ffi::AnyBuffer x, ffi::AnyBuffer w_router,
-                         ffi::AnyBuffer w_gate, ffi::AnyBuffer w_up, ffi::AnyBuffer w_down,
-                         ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::AnyBuffer> losses,
-                         ffi::Result<ffi::AnyBuffer> expert_counts,
-                         ffi::Result<ffi::AnyBuffer> saved, ffi::Result<ffi::AnyBuffer> workspace,
+ffi::Error layer_forward(const Where& where, Arg x, Arg w_router, Arg w_gate, Arg w_up, Arg w_down,
+                         Ret y, Ret losses, Ret expert_counts, Ret saved, Ret workspace,
                          int64_t top_k, int32_t activation, int32_t checkpoint,
                          int32_t score_function, int32_t renormalize, float aux_loss_coeff,
                          float z_loss_coeff) {
-  const char* target = kLayerForward;
-  Shapes s;
-  if (ffi::Error e = read_shapes(target, x, w_gate, &s); e.failure()) return e;
-  Checker check(target);
-  check.expect(w_router, "w_router", s.type, {s.E, s.d});
-  check_weights(check, s, activation, w_gate, w_up, w_down);
-  check.expect(*y, "y", s.type, {s.T, s.d});
-  check.expect(*losses, "losses", routing_dtype(s.type), {2});
-  check.expect(*expert_counts, "expert_counts", ffi::DataType::S32, {s.E});
-  check.expect_bytes(*saved, "saved");
-  check.expect_bytes(*workspace, "workspace");
-  if (!check.ok()) return check.error();
-
-  moeblaze_layer_t layer = nullptr;
-  if (ffi::Error e = find_plan(target, where, s, top_k, activation, checkpoint, score_function,
-                               renormalize, aux_loss_coeff, z_loss_coeff, &layer);
-      e.failure()) {
-    return e;
-  }
-  moeblaze_forward_args_t args;
-  moeblaze_forward_args_init(&args, sizeof args);
-  args.num_tokens = s.T;
-  args.x = data_or_null(x);
-  args.w_router = w_router.untyped_data();
-  args.w_gate = w_gate.untyped_data();
-  args.w_up = data_or_null(w_up);
-  args.w_down = w_down.untyped_data();
-  args.y = data_or_null(*y);
-  args.losses = losses->untyped_data();
-  args.expert_counts = static_cast<int32_t*>(expert_counts->untyped_data());
-  args.saved = data_or_null(*saved);
-  args.saved_bytes = saved->size_bytes();
-  args.workspace = data_or_null(*workspace);
-  args.workspace_bytes = workspace->size_bytes();
-  moeblaze_status_t status = moeblaze_layer_forward(layer, &args, where.stream);
-  return status == MOEBLAZE_OK ? ffi::Error::Success() : status_error(target, status);
+  return forward("moeblaze_layer_fwd", moeblaze_layer_forward, where,
+                 layer_key(top_k, activation, checkpoint, score_function, renormalize,
+                           aux_loss_coeff, z_loss_coeff),
+                 Inputs::layer(x, w_router, w_gate, w_up, w_down), *y, &*losses, &*expert_counts,
+                 *saved, *workspace);
 }
 
 // dx, dw_router, dw_gate, dw_up, dw_down from dy, d_losses [2] and the saved buffer.
-ffi::Error layer_backward(const Where& where, ffi::AnyBuffer dy, ffi::AnyBuffer d_losses,
-                          ffi::AnyBuffer x, ffi::AnyBuffer w_router, ffi::AnyBuffer w_gate,
-                          ffi::AnyBuffer w_up, ffi::AnyBuffer w_down, ffi::AnyBuffer saved,
-                          ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dw_router,
-                          ffi::Result<ffi::AnyBuffer> dw_gate, ffi::Result<ffi::AnyBuffer> dw_up,
-                          ffi::Result<ffi::AnyBuffer> dw_down,
-                          ffi::Result<ffi::AnyBuffer> saved_out,
-                          ffi::Result<ffi::AnyBuffer> workspace, int64_t top_k, int32_t activation,
-                          int32_t checkpoint, int32_t score_function, int32_t renormalize,
-                          float aux_loss_coeff, float z_loss_coeff, int32_t consume_saved) {
-  const char* target = kLayerBackward;
-  Shapes s;
-  if (ffi::Error e = read_shapes(target, x, w_gate, &s); e.failure()) return e;
-  Checker check(target);
-  check.expect(dy, "dy", s.type, {s.T, s.d});
-  check.expect(d_losses, "d_losses", routing_dtype(s.type), {2});
-  check.expect(w_router, "w_router", s.type, {s.E, s.d});
-  check_weights(check, s, activation, w_gate, w_up, w_down);
-  check.expect_bytes(saved, "saved");
-  check.expect(*dx, "dx", s.type, {s.T, s.d});
-  check.expect(*dw_router, "dw_router", s.type, {s.E, s.d});
-  check_weights(check, s, activation, *dw_gate, *dw_up, *dw_down);
-  check.expect_bytes(*saved_out, "saved_out");
-  check.expect_bytes(*workspace, "workspace");
-  if (!check.ok()) return check.error();
+ffi::Error layer_backward(const Where& where, Arg dy, Arg d_losses, Arg x, Arg w_router, Arg w_gate,
+                          Arg w_up, Arg w_down, Arg saved, Ret dx, Ret dw_router, Ret dw_gate,
+                          Ret dw_up, Ret dw_down, Ret saved_out, Ret workspace, int64_t top_k,
+                          int32_t activation, int32_t checkpoint, int32_t score_function,
+                          int32_t renormalize, float aux_loss_coeff, float z_loss_coeff,
+                          int32_t consume_saved) {
+  return backward("moeblaze_layer_bwd", moeblaze_layer_backward, where,
+                  layer_key(top_k, activation, checkpoint, score_function, renormalize,
+                            aux_loss_coeff, z_loss_coeff),
+                  consume_saved, dy, &d_losses, Inputs::layer(x, w_router, w_gate, w_up, w_down),
+                  saved, Gradients::layer(*dx, *dw_router, *dw_gate, *dw_up, *dw_down), *saved_out,
+                  *workspace);
+}
 
-  uint32_t flags = 0;
-  if (ffi::Error e = backward_flags(target, consume_saved, saved, *saved_out, &flags);
-      e.failure()) {
-    return e;
+// `binding` followed by n operands (Arg), then m >= 1 results (Ret). A Binding can only be passed
+// on as a temporary, so every step returns the next one directly.
+template <int n, int m, typename Binding>
+auto buffers(Binding binding) {
+  static_assert(m >= 1, "every target has a result");
+  if constexpr (n > 0) {
+    return buffers<n - 1, m>(std::move(binding).template Arg<ffi::AnyBuffer>());
+  } else if constexpr (m > 1) {
+    return buffers<0, m - 1>(std::move(binding).template Ret<ffi::AnyBuffer>());
+  } else {
+    return std::move(binding).template Ret<ffi::AnyBuffer>();
   }
-  moeblaze_layer_t layer = nullptr;
-  if (ffi::Error e = find_plan(target, where, s, top_k, activation, checkpoint, score_function,
-                               renormalize, aux_loss_coeff, z_loss_coeff, &layer);
-      e.failure()) {
-    return e;
-  }
-  moeblaze_backward_args_t args;
-  moeblaze_backward_args_init(&args, sizeof args);
-  args.flags = flags;
-  args.num_tokens = s.T;
-  args.dy = data_or_null(dy);
-  args.d_losses = d_losses.untyped_data();
-  args.x = data_or_null(x);
-  args.w_router = w_router.untyped_data();
-  args.w_gate = w_gate.untyped_data();
-  args.w_up = data_or_null(w_up);
-  args.w_down = w_down.untyped_data();
-  args.saved = saved.untyped_data();
-  args.saved_bytes = saved.size_bytes();
-  args.dx = data_or_null(*dx);
-  args.dw_router = dw_router->untyped_data();
-  args.dw_gate = dw_gate->untyped_data();
-  args.dw_up = data_or_null(*dw_up);
-  args.dw_down = dw_down->untyped_data();
-  args.workspace = data_or_null(*workspace);
-  args.workspace_bytes = workspace->size_bytes();
-  moeblaze_status_t status = moeblaze_layer_backward(layer, &args, where.stream);
-  return status == MOEBLAZE_OK ? ffi::Error::Success() : status_error(target, status);
 }
 
 }  // namespace
 
 // The binding of each target after its platform contexts (none on the CPU; stream and device
-// ordinal on CUDA). Attribute names match the keyword arguments moeblaze/jax.py passes.
-#define MOEBLAZE_XLA_EXPERTS_FORWARD(binding) \
-  binding                                     \
-      .Arg<ffi::AnyBuffer>() /* x */          \
-      .Arg<ffi::AnyBuffer>() /* ids */        \
-      .Arg<ffi::AnyBuffer>() /* g */          \
-      .Arg<ffi::AnyBuffer>() /* w_gate */     \
-      .Arg<ffi::AnyBuffer>() /* w_up */       \
-      .Arg<ffi::AnyBuffer>() /* w_down */     \
-      .Ret<ffi::AnyBuffer>() /* y */          \
-      .Ret<ffi::AnyBuffer>() /* saved */      \
-      .Ret<ffi::AnyBuffer>() /* workspace */  \
-      .Attr<int32_t>("activation")            \
-      .Attr<int32_t>("checkpoint")
-
-#define MOEBLAZE_XLA_EXPERTS_BACKWARD(binding)               \
-  binding                                                    \
-      .Arg<ffi::AnyBuffer>() /* dy */                        \
-      .Arg<ffi::AnyBuffer>() /* x */                         \
-      .Arg<ffi::AnyBuffer>() /* ids */                       \
-      .Arg<ffi::AnyBuffer>() /* g */                         \
-      .Arg<ffi::AnyBuffer>() /* w_gate */                    \
-      .Arg<ffi::AnyBuffer>() /* w_up */                      \
-      .Arg<ffi::AnyBuffer>() /* w_down */                    \
-      .Arg<ffi::AnyBuffer>() /* saved */                     \
-      .Ret<ffi::AnyBuffer>() /* dx */                        \
-      .Ret<ffi::AnyBuffer>() /* dg */                        \
-      .Ret<ffi::AnyBuffer>() /* dw_gate */                   \
-      .Ret<ffi::AnyBuffer>() /* dw_up */                     \
-      .Ret<ffi::AnyBuffer>() /* dw_down */                   \
-      .Ret<ffi::AnyBuffer>() /* saved_out (aliases saved) */ \
-      .Ret<ffi::AnyBuffer>() /* workspace */                 \
-      .Attr<int32_t>("activation")                           \
-      .Attr<int32_t>("checkpoint")                           \
-      .Attr<int32_t>("consume_saved")
+// ordinal on CUDA): the operands and results in the order of its function's parameters above, then
+// the attributes, whose names match the keyword arguments moeblaze/jax.py passes.
+#define MOEBLAZE_XLA_EXPERTS_ATTRS(binding) \
+  binding.Attr<int32_t>("activation").Attr<int32_t>("checkpoint")
 
 #define MOEBLAZE_XLA_LAYER_ATTRS(binding) \
   binding.Attr<int64_t>("top_k")          \
@@ -617,37 +592,12 @@ ffi::Error layer_backward(const Where& where, ffi::AnyBuffer dy, ffi::AnyBuffer 
       .Attr<float>("aux_loss_coeff")      \
       .Attr<float>("z_loss_coeff")
 
-#define MOEBLAZE_XLA_LAYER_FORWARD(binding)                               \
-  MOEBLAZE_XLA_LAYER_ATTRS(binding                                        \
-                               .Arg<ffi::AnyBuffer>() /* x */             \
-                               .Arg<ffi::AnyBuffer>() /* w_router */      \
-                               .Arg<ffi::AnyBuffer>() /* w_gate */        \
-                               .Arg<ffi::AnyBuffer>() /* w_up */          \
-                               .Arg<ffi::AnyBuffer>() /* w_down */        \
-                               .Ret<ffi::AnyBuffer>() /* y */             \
-                               .Ret<ffi::AnyBuffer>() /* losses */        \
-                               .Ret<ffi::AnyBuffer>() /* expert_counts */ \
-                               .Ret<ffi::AnyBuffer>() /* saved */         \
-                               .Ret<ffi::AnyBuffer>() /* workspace */)
-
-#define MOEBLAZE_XLA_LAYER_BACKWARD(binding)                                          \
-  MOEBLAZE_XLA_LAYER_ATTRS(binding                                                    \
-                               .Arg<ffi::AnyBuffer>() /* dy */                        \
-                               .Arg<ffi::AnyBuffer>() /* d_losses */                  \
-                               .Arg<ffi::AnyBuffer>() /* x */                         \
-                               .Arg<ffi::AnyBuffer>() /* w_router */                  \
-                               .Arg<ffi::AnyBuffer>() /* w_gate */                    \
-                               .Arg<ffi::AnyBuffer>() /* w_up */                      \
-                               .Arg<ffi::AnyBuffer>() /* w_down */                    \
-                               .Arg<ffi::AnyBuffer>() /* saved */                     \
-                               .Ret<ffi::AnyBuffer>() /* dx */                        \
-                               .Ret<ffi::AnyBuffer>() /* dw_router */                 \
-                               .Ret<ffi::AnyBuffer>() /* dw_gate */                   \
-                               .Ret<ffi::AnyBuffer>() /* dw_up */                     \
-                               .Ret<ffi::AnyBuffer>() /* dw_down */                   \
-                               .Ret<ffi::AnyBuffer>() /* saved_out (aliases saved) */ \
-                               .Ret<ffi::AnyBuffer>() /* workspace */)                \
-      .Attr<int32_t>("consume_saved")
+#define MOEBLAZE_XLA_EXPERTS_FORWARD(binding) MOEBLAZE_XLA_EXPERTS_ATTRS((buffers<6, 3>(binding)))
+#define MOEBLAZE_XLA_EXPERTS_BACKWARD(binding) \
+  MOEBLAZE_XLA_EXPERTS_ATTRS((buffers<8, 7>(binding))).Attr<int32_t>("consume_saved")
+#define MOEBLAZE_XLA_LAYER_FORWARD(binding) MOEBLAZE_XLA_LAYER_ATTRS((buffers<5, 5>(binding)))
+#define MOEBLAZE_XLA_LAYER_BACKWARD(binding) \
+  MOEBLAZE_XLA_LAYER_ATTRS((buffers<8, 7>(binding))).Attr<int32_t>("consume_saved")
 
 // ---- CPU handlers: synchronous, device 0 --------------------------------------------------------
 
