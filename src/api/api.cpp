@@ -25,6 +25,46 @@ std::shared_ptr<LayerState> layer_of(moeblaze_layer_t layer) {
   return acquire<LayerState>(layer, HandleKind::Layer, "layer");
 }
 
+// The router and routing-build calls take each tensor as an argument. The layer and num_tokens are
+// checked first, then the call's tensors, then its workspace (execute()).
+struct PlainCall {
+  std::shared_ptr<LayerState> plan;
+  Backend& backend;
+  bool empty;  // no tokens: a tensor with no elements may be NULL
+  const LayerDesc& desc() const { return plan->desc; }
+};
+
+PlainCall plain_call(moeblaze_layer_t layer, int64_t num_tokens) {
+  auto plan = layer_of(layer);
+  Backend& backend = *plan->context->backend;
+  require_num_tokens(plan->desc, num_tokens, "num_tokens");
+  return PlainCall{std::move(plan), backend, num_tokens == 0};
+}
+
+// Checks the workspace against what `pass` needs for call.T tokens (`query` names the size query
+// that gives it), then runs the call under the context's execute lock.
+template <typename Call>
+void execute(const PlainCall& c, Pass pass, Call& call, void* workspace, size_t workspace_bytes,
+             void* stream, const char* query, void (Backend::*run)(const LayerDesc&, const Call&)) {
+  require_buffer(c.backend, workspace, workspace_bytes,
+                 c.backend.workspace_size(c.desc(), pass, call.T, 0), "workspace",
+                 "workspace_bytes", query);
+  call.workspace = {workspace, workspace_bytes};
+  call.stream = stream;
+  std::lock_guard<std::mutex> lock(c.plan->context->execute_mutex);
+  (c.backend.*run)(c.desc(), call);
+}
+
+// The experts and layer passes: the layer handle first, then the args struct (the versioned-struct
+// rules, src/api/versioned_struct.hpp), then `run` checks the fields and executes `pass`.
+template <typename Args>
+void run_pass(moeblaze_layer_t layer, const Args* args, size_t first_published_size, Pass pass,
+              void* stream, void (*run)(LayerState&, const Args&, Pass, void*)) {
+  const auto plan = layer_of(layer);
+  const Args a = read_versioned(args, zeroed<Args>(), first_published_size, "args");
+  run(*plan, a, pass, stream);
+}
+
 }  // namespace
 
 #ifndef MOEBLAZE_GIT_REVISION
@@ -191,9 +231,7 @@ moeblaze_status_t moeblaze_context_set_num_threads(moeblaze_context_t context,
 // ----------------------------------------------------------------------------------
 
 static moeblaze_layer_config_t default_config() {
-  moeblaze_layer_config_t c;
-  std::memset(&c, 0, sizeof(c));
-  c.struct_size = sizeof(c);
+  moeblaze_layer_config_t c = zeroed<moeblaze_layer_config_t>();
   c.dtype = MOEBLAZE_DTYPE_BF16;
   c.top_k = 1;
   c.activation = MOEBLAZE_ACTIVATION_SWIGLU;
@@ -321,20 +359,13 @@ moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_to
                                           int32_t* expert_counts, void* losses, void* workspace,
                                           size_t workspace_bytes, void* stream) {
   return guarded(__func__, [&] {
-    const auto plan = layer_of(layer);
-    const LayerDesc& desc = plan->desc;
-    Backend& backend = *plan->context->backend;
-    require_num_tokens(desc, num_tokens, "num_tokens");
-    const bool empty = num_tokens == 0;
-    require_tensor(backend, logits, true, empty, desc.relem_size(), "logits");
-    require_tensor(backend, ids, true, empty, sizeof(int32_t), "ids");
-    require_tensor(backend, g, true, empty, desc.relem_size(), "g");
-    require_tensor(backend, expert_counts, false, false, sizeof(int32_t), "expert_counts");
-    require_tensor(backend, losses, false, false, desc.relem_size(), "losses");
-    require_buffer(backend, workspace, workspace_bytes,
-                   backend.workspace_size(desc, Pass::RouterForward, num_tokens, 0), "workspace",
-                   "workspace_bytes",
-                   "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_FORWARD)");
+    const PlainCall c = plain_call(layer, num_tokens);
+    const size_t relem = c.desc().relem_size();
+    require_tensor(c.backend, logits, true, c.empty, relem, "logits");
+    require_tensor(c.backend, ids, true, c.empty, sizeof(int32_t), "ids");
+    require_tensor(c.backend, g, true, c.empty, relem, "g");
+    require_tensor(c.backend, expert_counts, false, false, sizeof(int32_t), "expert_counts");
+    require_tensor(c.backend, losses, false, false, relem, "losses");
     RouterForwardCall call;
     call.T = num_tokens;
     call.logits = logits;
@@ -342,10 +373,9 @@ moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_to
     call.g = g;
     call.expert_counts = expert_counts;
     call.losses = losses;
-    call.workspace = {workspace, workspace_bytes};
-    call.stream = stream;
-    std::lock_guard<std::mutex> lock(plan->context->execute_mutex);
-    backend.router_forward(desc, call);
+    execute(c, Pass::RouterForward, call, workspace, workspace_bytes, stream,
+            "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_FORWARD)",
+            &Backend::router_forward);
   });
 }
 
@@ -354,20 +384,13 @@ moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_t
                                            const void* d_losses, void* d_logits, void* workspace,
                                            size_t workspace_bytes, void* stream) {
   return guarded(__func__, [&] {
-    const auto plan = layer_of(layer);
-    const LayerDesc& desc = plan->desc;
-    Backend& backend = *plan->context->backend;
-    require_num_tokens(desc, num_tokens, "num_tokens");
-    const bool empty = num_tokens == 0;
-    require_tensor(backend, logits, true, empty, desc.relem_size(), "logits");
-    require_tensor(backend, ids, true, empty, sizeof(int32_t), "ids");
-    require_tensor(backend, dg, true, empty, desc.relem_size(), "dg");
-    require_tensor(backend, d_losses, false, false, desc.relem_size(), "d_losses");
-    require_tensor(backend, d_logits, true, empty, desc.relem_size(), "d_logits");
-    require_buffer(backend, workspace, workspace_bytes,
-                   backend.workspace_size(desc, Pass::RouterBackward, num_tokens, 0), "workspace",
-                   "workspace_bytes",
-                   "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_BACKWARD)");
+    const PlainCall c = plain_call(layer, num_tokens);
+    const size_t relem = c.desc().relem_size();
+    require_tensor(c.backend, logits, true, c.empty, relem, "logits");
+    require_tensor(c.backend, ids, true, c.empty, sizeof(int32_t), "ids");
+    require_tensor(c.backend, dg, true, c.empty, relem, "dg");
+    require_tensor(c.backend, d_losses, false, false, relem, "d_losses");
+    require_tensor(c.backend, d_logits, true, c.empty, relem, "d_logits");
     RouterBackwardCall call;
     call.T = num_tokens;
     call.logits = logits;
@@ -375,10 +398,9 @@ moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_t
     call.dg = dg;
     call.d_losses = d_losses;
     call.d_logits = d_logits;
-    call.workspace = {workspace, workspace_bytes};
-    call.stream = stream;
-    std::lock_guard<std::mutex> lock(plan->context->execute_mutex);
-    backend.router_backward(desc, call);
+    execute(c, Pass::RouterBackward, call, workspace, workspace_bytes, stream,
+            "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTER_BACKWARD)",
+            &Backend::router_backward);
   });
 }
 
@@ -387,94 +409,65 @@ moeblaze_status_t moeblaze_routing_build(moeblaze_layer_t layer, int64_t num_tok
                                          int32_t* expert_token_indices, int32_t* token_index_map,
                                          void* workspace, size_t workspace_bytes, void* stream) {
   return guarded(__func__, [&] {
-    const auto plan = layer_of(layer);
-    const LayerDesc& desc = plan->desc;
-    Backend& backend = *plan->context->backend;
-    require_num_tokens(desc, num_tokens, "num_tokens");
-    const bool empty = num_tokens == 0;
-    require_tensor(backend, ids, true, empty, sizeof(int32_t), "ids");
-    require_tensor(backend, expert_offsets, true, false, sizeof(int32_t), "expert_offsets");
-    require_tensor(backend, expert_token_indices, true, empty, sizeof(int32_t),
-                   "expert_token_indices");
-    require_tensor(backend, token_index_map, true, empty, sizeof(int32_t), "token_index_map");
-    require_buffer(backend, workspace, workspace_bytes,
-                   backend.workspace_size(desc, Pass::RoutingBuild, num_tokens, 0), "workspace",
-                   "workspace_bytes", "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTING_BUILD)");
+    const PlainCall c = plain_call(layer, num_tokens);
+    const size_t i32 = sizeof(int32_t);
+    require_tensor(c.backend, ids, true, c.empty, i32, "ids");
+    require_tensor(c.backend, expert_offsets, true, false, i32, "expert_offsets");
+    require_tensor(c.backend, expert_token_indices, true, c.empty, i32, "expert_token_indices");
+    require_tensor(c.backend, token_index_map, true, c.empty, i32, "token_index_map");
     RoutingBuildCall call;
     call.T = num_tokens;
     call.ids = ids;
     call.expert_offsets = expert_offsets;
     call.expert_token_indices = expert_token_indices;
     call.token_index_map = token_index_map;
-    call.workspace = {workspace, workspace_bytes};
-    call.stream = stream;
-    std::lock_guard<std::mutex> lock(plan->context->execute_mutex);
-    backend.routing_build(desc, call);
+    execute(c, Pass::RoutingBuild, call, workspace, workspace_bytes, stream,
+            "moeblaze_layer_workspace_size(MOEBLAZE_PASS_ROUTING_BUILD)", &Backend::routing_build);
   });
 }
 
 // ---- experts and whole layer
 // ----------------------------------------------------------------------
 
-static moeblaze_forward_args_t default_forward_args() {
-  moeblaze_forward_args_t a;
-  std::memset(&a, 0, sizeof(a));
-  a.struct_size = sizeof(a);
-  return a;
-}
-
-static moeblaze_backward_args_t default_backward_args() {
-  moeblaze_backward_args_t a;
-  std::memset(&a, 0, sizeof(a));
-  a.struct_size = sizeof(a);
-  return a;
-}
-
 moeblaze_status_t moeblaze_forward_args_init(moeblaze_forward_args_t* args, size_t struct_size) {
   return guarded(__func__, [&] {
-    init_versioned(args, struct_size, default_forward_args(), kForwardArgsV0Size, "args");
+    init_versioned(args, struct_size, zeroed<moeblaze_forward_args_t>(), kForwardArgsV0Size,
+                   "args");
   });
 }
 
 moeblaze_status_t moeblaze_backward_args_init(moeblaze_backward_args_t* args, size_t struct_size) {
   return guarded(__func__, [&] {
-    init_versioned(args, struct_size, default_backward_args(), kBackwardArgsV0Size, "args");
+    init_versioned(args, struct_size, zeroed<moeblaze_backward_args_t>(), kBackwardArgsV0Size,
+                   "args");
   });
 }
 
 moeblaze_status_t moeblaze_experts_forward(moeblaze_layer_t layer,
                                            const moeblaze_forward_args_t* args, void* stream) {
   return guarded(__func__, [&] {
-    const auto plan = layer_of(layer);
-    const auto a = read_versioned(args, default_forward_args(), kForwardArgsV0Size, "args");
-    run_forward(*plan, a, Pass::ExpertsForward, stream);
+    run_pass(layer, args, kForwardArgsV0Size, Pass::ExpertsForward, stream, run_forward);
   });
 }
 
 moeblaze_status_t moeblaze_layer_forward(moeblaze_layer_t layer,
                                          const moeblaze_forward_args_t* args, void* stream) {
   return guarded(__func__, [&] {
-    const auto plan = layer_of(layer);
-    const auto a = read_versioned(args, default_forward_args(), kForwardArgsV0Size, "args");
-    run_forward(*plan, a, Pass::LayerForward, stream);
+    run_pass(layer, args, kForwardArgsV0Size, Pass::LayerForward, stream, run_forward);
   });
 }
 
 moeblaze_status_t moeblaze_experts_backward(moeblaze_layer_t layer,
                                             const moeblaze_backward_args_t* args, void* stream) {
   return guarded(__func__, [&] {
-    const auto plan = layer_of(layer);
-    const auto a = read_versioned(args, default_backward_args(), kBackwardArgsV0Size, "args");
-    run_backward(*plan, a, Pass::ExpertsBackward, stream);
+    run_pass(layer, args, kBackwardArgsV0Size, Pass::ExpertsBackward, stream, run_backward);
   });
 }
 
 moeblaze_status_t moeblaze_layer_backward(moeblaze_layer_t layer,
                                           const moeblaze_backward_args_t* args, void* stream) {
   return guarded(__func__, [&] {
-    const auto plan = layer_of(layer);
-    const auto a = read_versioned(args, default_backward_args(), kBackwardArgsV0Size, "args");
-    run_backward(*plan, a, Pass::LayerBackward, stream);
+    run_pass(layer, args, kBackwardArgsV0Size, Pass::LayerBackward, stream, run_backward);
   });
 }
 

@@ -1,7 +1,6 @@
 // The extern "C" entry points of expert parallelism (the "Expert parallelism" section of
 // moeblaze.h): validate, then dispatch to the rank's ep::EpLayer. Every body runs inside
 // api::guarded(), the exception barrier.
-#include <cstring>
 #include <memory>
 
 #include "api/barrier.hpp"
@@ -16,21 +15,11 @@ using namespace moeblaze::api;
 namespace {
 
 moeblaze_ep_config_t default_ep_config() {
-  moeblaze_ep_config_t c;
-  std::memset(&c, 0, sizeof(c));
-  c.struct_size = sizeof(c);
+  moeblaze_ep_config_t c = zeroed<moeblaze_ep_config_t>();
   c.transport = MOEBLAZE_EP_TRANSPORT_NCCL;
   c.rank = 0;
   c.world_size = 1;
   return c;
-}
-
-template <typename Struct>
-Struct zeroed() {
-  Struct s;
-  std::memset(&s, 0, sizeof(s));
-  s.struct_size = sizeof(s);
-  return s;
 }
 
 // First published sizes (v0.1 of the EP section).

@@ -28,6 +28,15 @@ inline void require_struct_size(size_t caller_size, size_t first_published_size,
                  argument, caller_size, kMaxStructSize);
 }
 
+// A struct of this library's version, all zero: the defaults before a struct's own.
+template <typename Struct>
+Struct zeroed() {
+  Struct s;
+  std::memset(&s, 0, sizeof(s));
+  s.struct_size = static_cast<uint32_t>(sizeof(s));
+  return s;
+}
+
 template <typename Struct>
 Struct read_versioned(const Struct* user, const Struct& defaults, size_t first_published_size,
                       const char* argument) {

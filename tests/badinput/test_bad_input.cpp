@@ -6,19 +6,27 @@
 // as the library asked for (heap blocks of that size), so under AddressSanitizer (scripts/test.sh,
 // sanitize phase) an access one byte outside any of them fails the case.
 //
-// Each case starts from a valid call (checked to succeed) and breaks one thing. The suite prints
-// how many cases it ran.
+// The sweep is table-driven. An Entry is one entry point with a valid call (checked to succeed by
+// its "valid" case): its arguments, and the state the call reads, restored before each case. A
+// case is that call with one thing changed: a row, or a helper that adds a whole class of bad input
+// (bad handles, pointer fields, struct_size, bad values of one argument, buffers). The suite prints
+// how many cases it ran; MOEBLAZE_BADINPUT_LIST=<file> writes them, one a line, so that two
+// versions of the sweep can be compared.
 #include <cfloat>
 #include <cmath>
 #include <cstddef>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <list>
 #include <map>
 #include <memory>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "support/test_support.hpp"
@@ -26,6 +34,16 @@
 using namespace mbtest;
 
 namespace {
+
+constexpr moeblaze_status_t kOk = MOEBLAZE_OK;
+constexpr moeblaze_status_t kInvalid = MOEBLAZE_ERR_INVALID_ARGUMENT;
+constexpr moeblaze_status_t kBadHandle = MOEBLAZE_ERR_INVALID_HANDLE;
+constexpr moeblaze_status_t kShortBuffer = MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE;
+constexpr moeblaze_status_t kMismatch = MOEBLAZE_ERR_VERSION_MISMATCH;
+constexpr int32_t kI32Min = std::numeric_limits<int32_t>::min();
+constexpr int32_t kI32Max = std::numeric_limits<int32_t>::max();
+constexpr int64_t kI64Min = std::numeric_limits<int64_t>::min();
+constexpr int64_t kI64Max = std::numeric_limits<int64_t>::max();
 
 // ---- exact-size buffers -------------------------------------------------------------------------
 
@@ -67,14 +85,50 @@ void restore(const Exact& b, const std::vector<unsigned char>& s) {
   if (!s.empty()) std::memcpy(b.data(), s.data(), s.size());
 }
 
-// ---- the case table
-// -------------------------------------------------------------------------------
+// Buffers one case makes for its call (changed copies of inputs), freed when the case ends.
+class Scratch {
+ public:
+  Exact& block(size_t bytes) {
+    blocks_.emplace_back(bytes);
+    return blocks_.back();
+  }
+  Exact& copy(const Exact& source) {
+    Exact& b = block(source.size());
+    if (source.size() > 0) std::memcpy(b.data(), source.data(), source.size());
+    return b;
+  }
+  // A copy of `source` whose element `at`, of `dtype`, is `value`.
+  void* copy_with(const Exact& source, int32_t dtype, int64_t at, double value) {
+    Exact& b = copy(source);
+    HostTensor one(dtype, {1});
+    one.set(0, value);
+    std::memcpy(b.bytes() + at * dtype_bytes(dtype), one.data(), dtype_bytes(dtype));
+    return b.data();
+  }
+  // A copy of the int32 array `source` whose element `at` is `value`.
+  int32_t* ids_with(const Exact& source, int64_t at, int32_t value) {
+    int32_t* ids = copy(source).as<int32_t>();
+    ids[at] = value;
+    return ids;
+  }
+  // A copy of the ids `source` (top_k 2) in which token `token` names one expert twice.
+  int32_t* ids_repeating(const Exact& source, int64_t token) {
+    int32_t* ids = copy(source).as<int32_t>();
+    ids[2 * token + 1] = ids[2 * token];
+    return ids;
+  }
+
+ private:
+  std::list<Exact> blocks_;
+};
+
+// ---- the sweep ----------------------------------------------------------------------------------
 
 struct Case {
   std::string entry;  // the entry point
-  std::string what;   // the bad input
+  std::string what;   // the bad input: which argument, and what is wrong with it
   moeblaze_status_t expected;
-  std::string needle;  // the message must mention it (failures only)
+  std::string needle;  // the message must mention it (failures only): the argument
   std::function<moeblaze_status_t()> call;
 };
 
@@ -87,29 +141,39 @@ class Sweep {
   }
   // A function that returns no status: `ok` says whether its result is as documented.
   void add_check(std::string entry, std::string what, std::function<bool()> ok) {
-    add(std::move(entry), std::move(what), MOEBLAZE_OK, "",
-        [ok] { return ok() ? MOEBLAZE_OK : MOEBLAZE_ERR_INTERNAL; });
+    add(std::move(entry), std::move(what), kOk, "",
+        [ok] { return ok() ? kOk : MOEBLAZE_ERR_INTERNAL; });
   }
 
   // Runs every case; returns how many.
   size_t run() {
     std::map<std::string, int> per_entry;
+    FILE* list = nullptr;
+    if (const char* path = std::getenv("MOEBLAZE_BADINPUT_LIST")) list = std::fopen(path, "w");
     for (const Case& c : cases_) {
       CAPTURE(c.entry);
       CAPTURE(c.what);
       const moeblaze_status_t status = c.call();
       const std::string message = moeblaze_last_error();
-      CHECK_MESSAGE(status == c.expected, c.entry << " [" << c.what << "] returned "
-                                                  << moeblaze_status_name(status) << " (" << message
-                                                  << "), expected "
-                                                  << moeblaze_status_name(c.expected));
-      if (status != MOEBLAZE_OK && status == c.expected) {
+      // doctest prints a const char* as a pointer: the names go in as strings.
+      const std::string got = moeblaze_status_name(status);
+      const std::string expected = moeblaze_status_name(c.expected);
+      const std::string naming = c.expected == kOk ? "" : " naming '" + c.needle + "'";
+      CHECK_MESSAGE(status == c.expected, c.entry << " [" << c.what << "] returned " << got << " ("
+                                                  << message << "), expected " << expected
+                                                  << naming);
+      if (status != kOk && status == c.expected) {
         CHECK_MESSAGE((!message.empty() && message.find(c.needle) != std::string::npos),
                       c.entry << " [" << c.what << "]: message '" << message
                               << "' does not mention '" << c.needle << "'");
       }
       ++per_entry[c.entry];
+      if (list) {
+        std::fprintf(list, "%s\t%s\t%s\t%s\n", c.entry.c_str(), c.what.c_str(),
+                     moeblaze_status_name(c.expected), c.needle.c_str());
+      }
     }
+    if (list) std::fclose(list);
     entries_ = per_entry.size();
     return cases_.size();
   }
@@ -120,9 +184,128 @@ class Sweep {
   size_t entries_ = 0;
 };
 
+// ---- entry points and the classes of bad input --------------------------------------------------
+
+template <typename Args>
+using Change = std::function<void(Args&, Scratch&)>;
+
+// One entry point from a valid call: `make` gives valid arguments, `reset` restores the state the
+// call reads (saved and exchange buffers), `call` runs it on a handle.
+template <typename Handle, typename Args>
+struct Entry {
+  std::string name;
+  Handle handle;
+  std::function<Args()> make;
+  std::function<moeblaze_status_t(Handle, const Args*)> call;
+  std::function<void()> reset = [] {};
+
+  // A case: the valid call with `change` applied to its arguments.
+  void add(Sweep& sweep, std::string what, moeblaze_status_t expected, std::string needle,
+           Change<Args> change) const {
+    add_run(sweep, std::move(what), expected, std::move(needle), [change](const Entry& e) {
+      Scratch scratch;
+      Args a = e.make();
+      change(a, scratch);
+      return e.call(e.handle, &a);
+    });
+  }
+  // A case that makes its own call of the entry point, after the reset.
+  void add_run(Sweep& sweep, std::string what, moeblaze_status_t expected, std::string needle,
+               std::function<moeblaze_status_t(const Entry&)> run) const {
+    sweep.add(name, std::move(what), expected, std::move(needle), [e = *this, run] {
+      e.reset();
+      return run(e);
+    });
+  }
+  void add_valid(Sweep& sweep) const {
+    add(sweep, "valid", kOk, "", [](Args&, Scratch&) {});
+  }
+  // The valid call on another handle.
+  std::function<moeblaze_status_t(Handle)> on_handle() const {
+    return [e = *this](Handle h) {
+      e.reset();
+      Args a = e.make();
+      return e.call(h, &a);
+    };
+  }
+  // The same entry point from other valid arguments.
+  Entry with(std::function<void(Args&)> preset) const {
+    Entry e = *this;
+    e.make = [make = make, preset] {
+      Args a = make();
+      preset(a);
+      return a;
+    };
+    return e;
+  }
+};
+
+template <typename Args>
+struct Row {
+  std::string what;
+  moeblaze_status_t expected;
+  std::string needle;
+  Change<Args> change;
+};
+
+template <typename Handle, typename Args>
+void add_rows(Sweep& sweep, const Entry<Handle, Args>& e, const std::vector<Row<Args>>& rows) {
+  for (const Row<Args>& r : rows) e.add(sweep, r.what, r.expected, r.needle, r.change);
+}
+
+// One case per value of one argument, named "<label> <value>".
+template <typename Handle, typename Args, typename T>
+void add_values(Sweep& sweep, const Entry<Handle, Args>& e, T Args::*member,
+                const std::string& label, const std::vector<T>& values, moeblaze_status_t expected,
+                const std::string& needle) {
+  for (const T value : values) {
+    e.add(sweep, label + " " + std::to_string(value), expected, needle,
+          [member, value](Args& a, Scratch&) { a.*member = value; });
+  }
+}
+
+const std::vector<int64_t> kBadTokens = {-1, kI64Min, kI64Max, int64_t(1) << 31,
+                                         (int64_t(1) << 62) + 1};
+
+template <typename Handle, typename Args>
+void add_bad_tokens(Sweep& sweep, const Entry<Handle, Args>& e) {
+  add_values(sweep, e, &Args::num_tokens, "num_tokens", kBadTokens, kInvalid, "num_tokens");
+}
+
+template <typename Pointer>
+Pointer offset_by(Pointer p, size_t bytes) {
+  return reinterpret_cast<Pointer>(reinterpret_cast<uintptr_t>(p) + bytes);
+}
+
+// The classes of bad buffer (a pointer and its byte count).
+enum BufferClass : unsigned { kNull = 1, kOneByteShort = 2, kMisaligned = 4 };
+
+// `arg` NULL, one byte short or misaligned by 8 (those in `classes`); the message must name
+// `needle`, or "<needle>_bytes" for the short one.
+template <typename Handle, typename Args, typename Pointer>
+void add_buffer_cases(Sweep& sweep, const Entry<Handle, Args>& e, const std::string& arg,
+                      Pointer Args::*pointer, size_t Args::*bytes, unsigned classes,
+                      const std::string& needle) {
+  if (classes & kNull) {
+    e.add(sweep, arg + " NULL", kInvalid, needle,
+          [pointer](Args& a, Scratch&) { a.*pointer = nullptr; });
+  }
+  if (classes & kOneByteShort) {
+    e.add(sweep, arg + " one byte short", kShortBuffer, needle + "_bytes",
+          [bytes](Args& a, Scratch&) { a.*bytes -= 1; });
+  }
+  if (classes & kMisaligned) {
+    e.add(sweep, arg + " misaligned by 8", kInvalid, needle,
+          [pointer](Args& a, Scratch&) { a.*pointer = offset_by(a.*pointer, 8); });
+  }
+}
+
 // Handles that are not live handles of the kind asked for.
 template <typename Handle>
-std::vector<std::pair<std::string, Handle>> bad_handles(Handle destroyed, void* other_kind) {
+using BadHandles = std::vector<std::pair<std::string, Handle>>;
+
+template <typename Handle>
+BadHandles<Handle> bad_handles(Handle destroyed, void* other_kind) {
   static int32_t foreign_object = 0;
   return {{"NULL", nullptr},
           {"destroyed", destroyed},
@@ -132,9 +315,271 @@ std::vector<std::pair<std::string, Handle>> bad_handles(Handle destroyed, void* 
           {"all bits set", reinterpret_cast<Handle>(~uintptr_t(0))}};
 }
 
-const int64_t kBadTokens[] = {-1, std::numeric_limits<int64_t>::min(),
-                              std::numeric_limits<int64_t>::max(), int64_t(1) << 31,
-                              (int64_t(1) << 62) + 1};
+// An entry point's call on one handle argument. A NULL handle is refused like any bad one, except
+// by the destroy calls (`null_accepted`).
+template <typename Handle>
+struct HandleUse {
+  std::string entry;
+  std::function<moeblaze_status_t(Handle)> call;
+  bool null_accepted = false;
+  std::string prefix = "";  // the case is "<prefix><bad handle>"
+};
+
+// A query's call on a handle, its outputs pointing at variables.
+template <typename Handle, typename... Out>
+std::function<moeblaze_status_t(Handle)> with_outputs(moeblaze_status_t (*query)(Handle, Out*...)) {
+  return [query](Handle h) {
+    std::tuple<Out...> out{};
+    return std::apply([&](Out&... o) { return query(h, &o...); }, out);
+  };
+}
+
+// Every use, and the valid call of every entry, against every bad handle: INVALID_HANDLE and a
+// message naming `argument`.
+template <typename Handle, typename... Args>
+void add_bad_handle_cases(Sweep& sweep, const BadHandles<Handle>& bad, const std::string& argument,
+                          std::vector<HandleUse<Handle>> uses,
+                          const Entry<Handle, Args>&... entries) {
+  (uses.push_back({entries.name, entries.on_handle()}), ...);
+  for (const HandleUse<Handle>& use : uses) {
+    for (const auto& [what, handle] : bad) {
+      const bool accepted = handle == nullptr && use.null_accepted;
+      sweep.add(use.entry, use.prefix + what, accepted ? kOk : kBadHandle, argument,
+                [call = use.call, h = handle] { return call(h); });
+    }
+  }
+}
+
+// A pointer field of an args struct, as bytes at an offset (every pointer has one representation).
+struct Field {
+  const char* name;
+  size_t offset;
+  size_t element;  // element size: what a pointer must be aligned to
+  enum Use { Required, Optional, Ignored } use;
+};
+
+template <typename Args>
+void set_field(Args& a, const Field& f, const void* value) {
+  std::memcpy(reinterpret_cast<unsigned char*>(&a) + f.offset, &value, sizeof value);
+}
+template <typename Args>
+const void* get_field(const Args& a, const Field& f) {
+  const void* value = nullptr;
+  std::memcpy(&value, reinterpret_cast<const unsigned char*>(&a) + f.offset, sizeof value);
+  return value;
+}
+
+#define MB_FIELD(Args, name, element, use)           \
+  Field {                                            \
+#name, offsetof(Args, name), element, Field::use \
+  }
+
+// Each pointer field NULL, misaligned, and (where the call ignores it) a poison pointer that must
+// never be read. `prefix` is how messages name the fields ("args->").
+template <typename Handle, typename Args>
+void add_field_cases(Sweep& sweep, const Entry<Handle, Args>& e, const std::vector<Field>& fields,
+                     const std::string& prefix = "args->") {
+  for (const Field& f : fields) {
+    const std::string arg = prefix + f.name;
+    e.add(sweep, arg + " NULL", f.use == Field::Required ? kInvalid : kOk, arg,
+          [f](Args& a, Scratch&) { set_field(a, f, nullptr); });
+    if (f.use == Field::Ignored) {
+      e.add(sweep, arg + " poison (ignored)", kOk, "", [f](Args& a, Scratch&) {
+        set_field(a, f, reinterpret_cast<const void*>(uintptr_t(0x40)));
+      });
+      continue;
+    }
+    for (size_t offset = 1; offset < f.element; offset *= 2) {
+      e.add(sweep, arg + " misaligned by " + std::to_string(offset), kInvalid, arg,
+            [f, offset](Args& a, Scratch&) {
+              const void* p = get_field(a, f);
+              if (p == nullptr) p = reinterpret_cast<const void*>(uintptr_t(0x1000));
+              set_field(a, f, static_cast<const unsigned char*>(p) + offset);
+            });
+    }
+  }
+}
+
+// struct_size cases of a versioned struct passed by pointer.
+template <typename Handle, typename Args>
+void add_struct_size_cases(Sweep& sweep, const Entry<Handle, Args>& e) {
+  const std::pair<uint32_t, moeblaze_status_t> sizes[] = {
+      {0u, kMismatch},
+      {4u, kMismatch},
+      {uint32_t(sizeof(Args) - 8), kMismatch},
+      // Only sizeof(Args) bytes are there: nothing past them may be read.
+      {(1u << 20) + 8, kInvalid},
+      {0x80000000u, kInvalid},
+      {0xFFFFFFFFu, kInvalid}};
+  for (const auto& [size, expected] : sizes) {
+    e.add(sweep, "struct_size = " + std::to_string(size), expected, "struct_size",
+          [size = size](Args& a, Scratch&) { a.struct_size = size; });
+  }
+  // A newer caller's larger struct: zero tail accepted, a set byte refused.
+  for (bool set_tail : {false, true}) {
+    e.add_run(
+        sweep, set_tail ? "larger struct_size, tail byte set" : "larger struct_size, zero tail",
+        set_tail ? MOEBLAZE_ERR_NOT_SUPPORTED : kOk, "struct_size", [set_tail](const auto& e) {
+          Exact bigger(sizeof(Args) + 64);
+          Args a = e.make();
+          a.struct_size = uint32_t(bigger.size());
+          std::memcpy(bigger.data(), &a, sizeof a);
+          if (set_tail) bigger.bytes()[sizeof(Args) + 63] = 1;
+          return e.call(e.handle, bigger.as<const Args>());
+        });
+  }
+  e.add_run(sweep, "args NULL", kInvalid, "is NULL",
+            [](const auto& e) { return e.call(e.handle, nullptr); });
+}
+
+// The arguments of the size queries (`pass` is the EP saved-size query's `part`).
+struct Query {
+  int32_t pass;
+  int64_t num_tokens;
+  int64_t recv_rows;
+  uint32_t flags;
+  bool bytes_null;
+};
+
+template <typename Handle>
+Entry<Handle, Query> query_entry(
+    std::string name, Handle handle, Query valid,
+    std::function<moeblaze_status_t(Handle, const Query&, size_t*)> query) {
+  return {std::move(name), handle, [valid] { return valid; },
+          [query](Handle h, const Query* q) {
+            size_t bytes = 0;
+            return query(h, *q, q->bytes_null ? nullptr : &bytes);
+          }};
+}
+
+// `member` of a size query set to each bad value, for each of `passes`.
+template <typename Handle>
+void add_query_values(Sweep& sweep, const Entry<Handle, Query>& e, std::vector<int32_t> passes,
+                      int64_t Query::*member, const std::string& label) {
+  for (int32_t pass : passes) {
+    add_values(sweep, e.with([pass](Query& q) { q.pass = pass; }), member, label, kBadTokens,
+               kInvalid, label);
+  }
+}
+
+// ---- global functions and contexts --------------------------------------------------------------
+
+// A versioned struct's *_init function, on untyped memory.
+struct Init {
+  const char* name;
+  size_t size;
+  std::function<moeblaze_status_t(void*, size_t)> call;
+};
+
+template <typename Struct>
+Init init_of(const char* name, moeblaze_status_t (*init)(Struct*, size_t)) {
+  return {name, sizeof(Struct),
+          [init](void* p, size_t n) { return init(static_cast<Struct*>(p), n); }};
+}
+
+void add_global_cases(Sweep& sweep) {
+  for (int32_t status : {-1, 9, 10, 98, 100, kI32Min, kI32Max}) {
+    sweep.add_check("moeblaze_status_name", "status " + std::to_string(status), [status] {
+      const char* s = moeblaze_status_name(status);
+      return s != nullptr && std::strlen(s) > 0;
+    });
+    sweep.add_check("moeblaze_status_string", "status " + std::to_string(status), [status] {
+      const char* s = moeblaze_status_string(status);
+      return s != nullptr && std::strlen(s) > 0;
+    });
+  }
+  for (int32_t backend : {-1, 0, 3, 100, kI32Min}) {
+    sweep.add_check("moeblaze_backend_available", "backend " + std::to_string(backend),
+                    [backend] { return moeblaze_backend_available(backend) == 0; });
+  }
+  sweep.add_check("moeblaze_copy_last_error", "NULL buffer", [] {
+    moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0);  // leaves a message
+    return moeblaze_copy_last_error(nullptr, 100) == std::strlen(moeblaze_last_error()) + 1;
+  });
+  sweep.add_check("moeblaze_copy_last_error", "size 0 and 1", [] {
+    moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0);
+    Exact one(1);
+    one.bytes()[0] = 'x';
+    const size_t needed = moeblaze_copy_last_error(one.as<char>(), 0);
+    const bool untouched = one.bytes()[0] == 'x';
+    moeblaze_copy_last_error(one.as<char>(), 1);
+    return needed > 1 && untouched && one.bytes()[0] == '\0';
+  });
+  sweep.add_check("moeblaze_get_build_info", "never NULL",
+                  [] { return moeblaze_get_build_info() != nullptr; });
+  sweep.add_check("moeblaze_get_version", "the header's version",
+                  [] { return moeblaze_get_version() == MOEBLAZE_VERSION; });
+  sweep.add_check("moeblaze_get_abi_version", "the header's ABI version",
+                  [] { return moeblaze_get_abi_version() == MOEBLAZE_ABI_VERSION; });
+  sweep.add_check("moeblaze_last_error", "never NULL, after a failure and after a success", [] {
+    moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0);
+    const char* failed = moeblaze_last_error();
+    const bool named = failed != nullptr && std::strstr(failed, "out") != nullptr;
+    moeblaze_get_build_info();
+    moeblaze_context_destroy(nullptr);  // a successful call clears it
+    const char* cleared = moeblaze_last_error();
+    return named && cleared != nullptr && cleared[0] == '\0';
+  });
+
+  // Contexts.
+  const std::string create = "moeblaze_context_create";
+  const auto create_on = [create, &sweep](std::string what, moeblaze_status_t expected,
+                                          std::string needle, int32_t backend, int32_t device) {
+    sweep.add(create, std::move(what), expected, std::move(needle), [backend, device] {
+      moeblaze_context_t c = nullptr;
+      return moeblaze_context_create(&c, backend, device);
+    });
+  };
+  sweep.add(create, "out NULL", kInvalid, "out",
+            [] { return moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0); });
+  for (int32_t backend : {-1, 0, 3, kI32Max}) {
+    create_on("backend " + std::to_string(backend), kInvalid, "backend", backend, 0);
+  }
+  for (int32_t device : {-1, 1, kI32Min, kI32Max}) {
+    create_on("CPU device " + std::to_string(device), kInvalid, "device", MOEBLAZE_BACKEND_CPU,
+              device);
+  }
+  if (!moeblaze_backend_available(MOEBLAZE_BACKEND_CUDA)) {
+    create_on("CUDA without a usable GPU", MOEBLAZE_ERR_NOT_SUPPORTED, "CUDA",
+              MOEBLAZE_BACKEND_CUDA, 0);
+  }
+
+  // Versioned struct init functions.
+  const Init inits[] = {init_of("moeblaze_layer_config_init", moeblaze_layer_config_init),
+                        init_of("moeblaze_forward_args_init", moeblaze_forward_args_init),
+                        init_of("moeblaze_backward_args_init", moeblaze_backward_args_init),
+                        init_of("moeblaze_ep_config_init", moeblaze_ep_config_init),
+                        init_of("moeblaze_ep_forward_args_init", moeblaze_ep_forward_args_init),
+                        init_of("moeblaze_ep_backward_args_init", moeblaze_ep_backward_args_init)};
+  for (const Init& init : inits) {
+    const auto call = init.call;
+    const size_t size = init.size;
+    sweep.add(init.name, "NULL", kInvalid, "", [call, size] { return call(nullptr, size); });
+    for (size_t bad : {size_t(0), size_t(4), size - 4}) {
+      sweep.add(init.name, "struct_size " + std::to_string(bad), kMismatch, "struct_size",
+                [call, bad] {
+                  Exact block(bad ? bad : 1);
+                  return call(block.data(), bad);
+                });
+    }
+    for (size_t bad : {(size_t(1) << 20) + 1, ~size_t(0)}) {
+      sweep.add(init.name, "struct_size " + std::to_string(bad), kInvalid, "struct_size",
+                [call, size, bad] {
+                  Exact block(size);  // the library must refuse before writing `bad` bytes
+                  return call(block.data(), bad);
+                });
+    }
+    sweep.add(init.name, "a larger struct is zeroed past the known fields", kOk, "", [call, size] {
+      Exact block(size + 32);
+      std::memset(block.data(), 0x5a, block.size());
+      const moeblaze_status_t s = call(block.data(), block.size());
+      for (size_t i = size; i < block.size(); ++i) {
+        if (block.bytes()[i] != 0) return moeblaze_status_t(MOEBLAZE_ERR_INTERNAL);
+      }
+      return s;
+    });
+  }
+}
 
 // ---- one layer configuration with every buffer of its calls ------------------------------------
 
@@ -151,6 +596,38 @@ const LayerCase kLayerCases[] = {
      MOEBLAZE_CHECKPOINT_RECOMPUTE, MOEBLAZE_SCORE_SIGMOID, 1, 0.01f, 0.0f},
     {"F64 ReGLU topk-softmax save-all", MOEBLAZE_DTYPE_F64, MOEBLAZE_ACTIVATION_REGLU,
      MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_SCORE_TOPK_SOFTMAX, 0, 0.0f, 0.01f},
+};
+
+// The plain arguments of the router and routing-build calls, as structs so a case can change one.
+// The fields carry moeblaze.h's parameter names: the field cases take their names from them.
+struct RouterForwardArgs {
+  int64_t num_tokens;
+  const void* logits;
+  int32_t* ids;
+  void* g;
+  int32_t* expert_counts;
+  void* losses;
+  void* workspace;
+  size_t workspace_bytes;
+};
+struct RouterBackwardArgs {
+  int64_t num_tokens;
+  const void* logits;
+  const int32_t* ids;
+  const void* dg;
+  const void* d_losses;
+  void* d_logits;
+  void* workspace;
+  size_t workspace_bytes;
+};
+struct RoutingBuildArgs {
+  int64_t num_tokens;
+  const int32_t* ids;
+  int32_t* expert_offsets;
+  int32_t* expert_token_indices;
+  int32_t* token_index_map;
+  void* workspace;
+  size_t workspace_bytes;
 };
 
 struct World {
@@ -242,9 +719,9 @@ struct World {
   World(const World&) = delete;
   World& operator=(const World&) = delete;
 
-  moeblaze_forward_args_t forward_args(int32_t pass) const {
-    moeblaze_forward_args_t a;
-    moeblaze_forward_args_init(&a, sizeof a);
+  // The inputs the forward and the backward args share.
+  template <typename Args>
+  void set_inputs(Args& a) const {
     a.num_tokens = T;
     a.x = x.data();
     a.w_router = w_router.data();
@@ -253,6 +730,12 @@ struct World {
     a.w_down = w_down.data();
     a.ids = ids.as<int32_t>();
     a.g = g.data();
+  }
+
+  moeblaze_forward_args_t forward_args(int32_t pass) const {
+    moeblaze_forward_args_t a;
+    moeblaze_forward_args_init(&a, sizeof a);
+    set_inputs(a);
     a.y = y.data();
     if (pass == MOEBLAZE_PASS_LAYER_FORWARD) {
       a.logits_out = logits_out.data();
@@ -274,15 +757,8 @@ struct World {
                                                                    : MOEBLAZE_PASS_LAYER_FORWARD;
     moeblaze_backward_args_t a;
     moeblaze_backward_args_init(&a, sizeof a);
-    a.num_tokens = T;
+    set_inputs(a);
     a.dy = dy.data();
-    a.x = x.data();
-    a.w_router = w_router.data();
-    a.w_gate = w_gate.data();
-    a.w_up = gated ? w_up.data() : nullptr;
-    a.w_down = w_down.data();
-    a.ids = ids.as<int32_t>();
-    a.g = g.data();
     a.saved = saved.at(forward).data();
     a.saved_bytes = saved.at(forward).size();
     a.dx = dx.data();
@@ -300,34 +776,40 @@ struct World {
     return a;
   }
 
+  RouterForwardArgs router_forward_args() const {
+    const Exact& ws = workspace.at(MOEBLAZE_PASS_ROUTER_FORWARD);
+    return {T,
+            logits.data(),
+            ids_out.as<int32_t>(),
+            g_out.data(),
+            counts.as<int32_t>(),
+            losses.data(),
+            ws.data(),
+            ws.size()};
+  }
+  RouterBackwardArgs router_backward_args() const {
+    const Exact& ws = workspace.at(MOEBLAZE_PASS_ROUTER_BACKWARD);
+    return {T,         logits.data(), ids.as<int32_t>(), dg.data(), losses.data(), d_logits.data(),
+            ws.data(), ws.size()};
+  }
+  RoutingBuildArgs routing_build_args() const {
+    const Exact& ws = workspace.at(MOEBLAZE_PASS_ROUTING_BUILD);
+    return {T,
+            ids.as<int32_t>(),
+            offsets.as<int32_t>(),
+            token_indices.as<int32_t>(),
+            index_map.as<int32_t>(),
+            ws.data(),
+            ws.size()};
+  }
+
   void restore_saved() {
     for (auto& [pass, bytes] : saved_pristine) restore(saved.at(pass), bytes);
   }
 };
 
-// A pointer field of an args struct, as bytes at an offset (every pointer has one representation).
-struct Field {
-  const char* name;
-  size_t offset;
-  size_t element;  // element size: what a pointer must be aligned to
-  enum Use { Required, Optional, Ignored } use;
-};
-
 template <typename Args>
-void set_field(Args& a, const Field& f, const void* value) {
-  std::memcpy(reinterpret_cast<unsigned char*>(&a) + f.offset, &value, sizeof value);
-}
-template <typename Args>
-const void* get_field(const Args& a, const Field& f) {
-  const void* value = nullptr;
-  std::memcpy(&value, reinterpret_cast<const unsigned char*>(&a) + f.offset, sizeof value);
-  return value;
-}
-
-#define MB_FIELD(Args, name, element, use)           \
-  Field {                                            \
-#name, offsetof(Args, name), element, Field::use \
-  }
+using LayerEntry = Entry<moeblaze_layer_t, Args>;
 
 std::vector<Field> forward_fields(const World& w, bool whole_layer) {
   using A = moeblaze_forward_args_t;
@@ -373,1032 +855,408 @@ std::vector<Field> backward_fields(const World& w, bool whole_layer) {
       Field{"d_logits", offsetof(A, d_logits), rs, layer_opt}};
 }
 
-// Pointer-field cases shared by the four args-struct calls: NULL, misaligned, and (for fields the
-// call ignores) a poison pointer that must never be read.
-template <typename Args>
-void add_field_cases(Sweep& sweep, const std::string& entry, const std::vector<Field>& fields,
-                     std::function<Args()> make, std::function<moeblaze_status_t(Args&)> call,
-                     std::function<void()> reset) {
-  for (const Field& f : fields) {
-    const std::string arg = std::string("args->") + f.name;
-    sweep.add(entry, arg + " NULL",
-              f.use == Field::Required ? MOEBLAZE_ERR_INVALID_ARGUMENT : MOEBLAZE_OK, arg, [=] {
-                reset();
-                Args a = make();
-                set_field(a, f, nullptr);
-                return call(a);
-              });
-    if (f.use == Field::Ignored) {
-      sweep.add(entry, arg + " poison (ignored)", MOEBLAZE_OK, "", [=] {
-        reset();
-        Args a = make();
-        set_field(a, f, reinterpret_cast<const void*>(uintptr_t(0x40)));
-        return call(a);
-      });
-      continue;
+// ---- the layer's entry points -------------------------------------------------------------------
+
+void add_config_cases(Sweep& sweep, const Entry<moeblaze_context_t, moeblaze_layer_config_t>& e) {
+  using C = moeblaze_layer_config_t;
+  const auto bad = [&](const char* field, Change<C> change) {
+    e.add(sweep, std::string("config.") + field, kInvalid, field, std::move(change));
+  };
+  for (int32_t v : {-1, 4, kI32Max}) bad("dtype", [v](C& c, Scratch&) { c.dtype = v; });
+  for (int64_t v : {int64_t(0), int64_t(-1), (int64_t(1) << 20) + 1, kI64Max, kI64Min}) {
+    bad("d_model", [v](C& c, Scratch&) { c.d_model = v; });
+    bad("d_ffn", [v](C& c, Scratch&) { c.d_ffn = v; });
+    bad("top_k", [v](C& c, Scratch&) { c.top_k = v; });
+  }
+  for (int64_t v : {int64_t(0), int64_t(-1), int64_t(MOEBLAZE_MAX_EXPERTS + 1), kI64Max}) {
+    bad("num_experts", [v](C& c, Scratch&) { c.num_experts = v; });
+  }
+  bad("top_k", [](C& c, Scratch&) { c.top_k = c.num_experts + 1; });
+  bad("top_k", [](C& c, Scratch&) {
+    c.num_experts = 64;
+    c.top_k = MOEBLAZE_MAX_TOP_K + 1;
+  });
+  for (int32_t v : {-1, 7, 1000}) bad("activation", [v](C& c, Scratch&) { c.activation = v; });
+  for (int32_t v : {-1, 3}) {
+    bad("checkpoint", [v](C& c, Scratch&) { c.checkpoint = v; });
+    bad("score_function", [v](C& c, Scratch&) { c.score_function = v; });
+  }
+  for (int32_t v : {-1, 2}) {
+    bad("renormalize", [v](C& c, Scratch&) { c.renormalize = v; });
+    bad("deterministic", [v](C& c, Scratch&) { c.deterministic = v; });
+  }
+  for (float v : {-1.0f, NAN, INFINITY, -INFINITY, -FLT_MIN}) {
+    bad("aux_loss_coeff", [v](C& c, Scratch&) { c.aux_loss_coeff = v; });
+    bad("z_loss_coeff", [v](C& c, Scratch&) { c.z_loss_coeff = v; });
+  }
+  bad("reserved0", [](C& c, Scratch&) { c.reserved0 = 1; });
+}
+
+void add_size_query_cases(Sweep& sweep, const LayerEntry<Query>& ws,
+                          const LayerEntry<Query>& ws_flags, const LayerEntry<Query>& saved) {
+  for (const LayerEntry<Query>* e : {&ws, &ws_flags, &saved}) e->add_valid(sweep);
+  for (int32_t pass : {-1, 7, 100, kI32Min}) {
+    ws.add_run(sweep, "pass " + std::to_string(pass), kInvalid, "pass", [pass](const auto& e) {
+      size_t b = 1;  // the query zeroes it before it checks anything
+      const moeblaze_status_t s = moeblaze_layer_workspace_size(e.handle, pass, 4, &b);
+      return b == 0 ? s : MOEBLAZE_ERR_INTERNAL;
+    });
+  }
+  add_values(sweep, saved, &Query::pass, "pass", {-1, 0, 1, 2, 4, 6, 7}, kInvalid, "pass");
+  add_query_values(sweep, ws, {0, 1, 2, 3, 4, 5, 6}, &Query::num_tokens, "num_tokens");
+  add_query_values(sweep, saved, {MOEBLAZE_PASS_LAYER_FORWARD}, &Query::num_tokens, "num_tokens");
+  add_values(sweep, ws_flags, &Query::flags, "flags", {8u, 0x80000000u, 0xFFFFFFFFu}, kInvalid,
+             "flags");
+  for (const LayerEntry<Query>* e : {&ws, &saved}) {
+    e->add(sweep, "bytes NULL", kInvalid, "bytes", [](Query& q, Scratch&) { q.bytes_null = true; });
+  }
+}
+
+void add_router_cases(Sweep& sweep, const std::shared_ptr<World>& wp,
+                      const LayerEntry<RouterForwardArgs>& forward,
+                      const LayerEntry<RouterBackwardArgs>& backward,
+                      const LayerEntry<RoutingBuildArgs>& build) {
+  const World& w = *wp;
+  const int32_t rdtype = routing_dtype(w.config.dtype);
+  {
+    using A = RouterForwardArgs;
+    forward.add_valid(sweep);
+    add_field_cases(sweep, forward,
+                    {MB_FIELD(A, logits, w.rs, Required), MB_FIELD(A, ids, 4, Required),
+                     MB_FIELD(A, g, w.rs, Required), MB_FIELD(A, expert_counts, 4, Optional),
+                     MB_FIELD(A, losses, w.rs, Optional)},
+                    "");
+    add_bad_tokens(sweep, forward);
+    add_buffer_cases(sweep, forward, "workspace", &A::workspace, &A::workspace_bytes,
+                     kNull | kOneByteShort | kMisaligned, "workspace");
+    for (double bad : {double(NAN), double(INFINITY), -double(INFINITY)}) {
+      for (int64_t at : {int64_t(0), w.T * w.E - 1}) {
+        forward.add(sweep, "logits[" + std::to_string(at) + "] = " + std::to_string(bad),
+                    MOEBLAZE_ERR_NON_FINITE, "logits", [wp, rdtype, at, bad](A& a, Scratch& s) {
+                      a.logits = s.copy_with(wp->logits, rdtype, at, bad);
+                    });
+      }
     }
-    for (size_t offset = 1; offset < f.element; offset *= 2) {
-      sweep.add(entry, arg + " misaligned by " + std::to_string(offset),
-                MOEBLAZE_ERR_INVALID_ARGUMENT, arg, [=] {
-                  reset();
-                  Args a = make();
-                  const void* p = get_field(a, f);
-                  if (p == nullptr) p = reinterpret_cast<const void*>(uintptr_t(0x1000));
-                  set_field(a, f, static_cast<const unsigned char*>(p) + offset);
-                  return call(a);
-                });
+    // Extreme but finite logits: routing works, nothing non-finite is returned with OK.
+    for (double extreme : {1e30, -1e30, 3e38, -3e38, -1000.0}) {
+      forward.add_run(sweep, "every logit " + std::to_string(extreme), kOk, "",
+                      [wp, rdtype, extreme](const auto& e) {
+                        HostTensor logits(rdtype, {World::T, World::E});
+                        logits.fill(extreme);
+                        A a = e.make();
+                        a.logits = logits.data();
+                        a.losses =
+                            nullptr;  // the z-loss of +-3e38 does not fit in the routing dtype
+                        const moeblaze_status_t s = e.call(e.handle, &a);
+                        HostTensor g(rdtype, {World::N});
+                        std::memcpy(g.data(), wp->g_out.data(), wp->g_out.size());
+                        for (int64_t i = 0; i < World::N; ++i) {
+                          if (!std::isfinite(g.get(i)))
+                            return moeblaze_status_t(MOEBLAZE_ERR_INTERNAL);
+                        }
+                        return s;
+                      });
+    }
+  }
+  {
+    using A = RouterBackwardArgs;
+    backward.add_valid(sweep);
+    add_field_cases(sweep, backward,
+                    {MB_FIELD(A, logits, w.rs, Required), MB_FIELD(A, ids, 4, Required),
+                     MB_FIELD(A, dg, w.rs, Required), MB_FIELD(A, d_losses, w.rs, Optional),
+                     MB_FIELD(A, d_logits, w.rs, Required)},
+                    "");
+    add_bad_tokens(sweep, backward);
+    add_buffer_cases(sweep, backward, "workspace", &A::workspace, &A::workspace_bytes,
+                     kOneByteShort, "workspace");
+    for (int32_t bad : {-1, int32_t(World::E), kI32Max, kI32Min}) {
+      for (int64_t at : {int64_t(0), World::N - 1}) {
+        backward.add(sweep, "ids[" + std::to_string(at) + "] = " + std::to_string(bad), kInvalid,
+                     "ids",
+                     [wp, at, bad](A& a, Scratch& s) { a.ids = s.ids_with(wp->ids, at, bad); });
+      }
+    }
+    backward.add(sweep, "ids repeated within a token", kInvalid, "ids",
+                 [wp](A& a, Scratch& s) { a.ids = s.ids_repeating(wp->ids, 0); });
+    backward.add(
+        sweep, "logits NaN", MOEBLAZE_ERR_NON_FINITE, "logits",
+        [wp, rdtype](A& a, Scratch& s) { a.logits = s.copy_with(wp->logits, rdtype, 3, NAN); });
+  }
+  {
+    using A = RoutingBuildArgs;
+    build.add_valid(sweep);
+    add_field_cases(
+        sweep, build,
+        {MB_FIELD(A, ids, 4, Required), MB_FIELD(A, expert_offsets, 4, Required),
+         MB_FIELD(A, expert_token_indices, 4, Required), MB_FIELD(A, token_index_map, 4, Required)},
+        "");
+    for (int32_t bad : {-1, int32_t(World::E), kI32Min}) {
+      build.add(sweep, "ids[7] = " + std::to_string(bad), kInvalid, "ids",
+                [wp, bad](A& a, Scratch& s) { a.ids = s.ids_with(wp->ids, 7, bad); });
+    }
+    add_buffer_cases(sweep, build, "workspace", &A::workspace, &A::workspace_bytes, kOneByteShort,
+                     "workspace");
+    add_bad_tokens(sweep, build);
+  }
+}
+
+// An experts or whole-layer pass, from the world's args struct for it (`args`).
+template <typename Args>
+LayerEntry<Args> pass_entry(const char* name, const std::shared_ptr<World>& wp, int32_t pass,
+                            moeblaze_status_t (*run)(moeblaze_layer_t, const Args*, void*),
+                            Args (World::*args)(int32_t) const, std::function<void()> reset) {
+  return {name, wp->layer, [wp, pass, args] { return ((*wp).*args)(pass); },
+          [run](moeblaze_layer_t layer, const Args* a) { return run(layer, a, nullptr); },
+          std::move(reset)};
+}
+
+void add_forward_cases(Sweep& sweep, const std::shared_ptr<World>& wp,
+                       const LayerEntry<moeblaze_forward_args_t>& e, bool whole) {
+  using A = moeblaze_forward_args_t;
+  e.add_valid(sweep);
+  // The valid workspace has the plain (inference) size: one byte less is refused without a saved
+  // buffer and enough with one (MOEBLAZE_FORWARD_WITH_SAVED needs less).
+  add_rows(sweep, e,
+           {{"inference (saved NULL)", kOk, "",
+             [](A& a, Scratch&) {
+               a.saved = nullptr;
+               a.saved_bytes = 0;
+             }},
+            {"workspace one byte short (inference)", kShortBuffer, "args->workspace_bytes",
+             [](A& a, Scratch&) {
+               a.saved = nullptr;
+               a.saved_bytes = 0;
+               a.workspace_bytes -= 1;
+             }},
+            {"workspace one byte short (training)", kOk, "",
+             [](A& a, Scratch&) { a.workspace_bytes -= 1; }}});
+  add_field_cases(sweep, e, forward_fields(*wp, whole));
+  add_struct_size_cases(sweep, e);
+  add_bad_tokens(sweep, e);
+  add_values(sweep, e, &A::flags, "flags", {1u, 4u, 0x80000000u}, kInvalid, "args->flags");
+  add_buffer_cases(sweep, e, "saved", &A::saved, &A::saved_bytes, kOneByteShort | kMisaligned,
+                   "args->saved");
+  add_buffer_cases(sweep, e, "workspace", &A::workspace, &A::workspace_bytes, kNull | kMisaligned,
+                   "args->workspace");
+  if (!whole) {
+    for (int32_t bad : {-1, int32_t(World::E), kI32Max}) {
+      e.add(sweep, "ids[3] = " + std::to_string(bad), kInvalid, "ids",
+            [wp, bad](A& a, Scratch& s) { a.ids = s.ids_with(wp->ids, 3, bad); });
+    }
+    e.add(sweep, "ids repeated within a token", kInvalid, "ids",
+          [wp](A& a, Scratch& s) { a.ids = s.ids_repeating(wp->ids, 2); });
+  } else {
+    // x that makes a logit non-finite.
+    for (double bad : {double(NAN), double(INFINITY), -double(INFINITY)}) {
+      e.add(sweep, "x[0] = " + std::to_string(bad), MOEBLAZE_ERR_NON_FINITE, "logits",
+            [wp, bad](A& a, Scratch& s) { a.x = s.copy_with(wp->x, wp->config.dtype, 0, bad); });
     }
   }
 }
 
-// struct_size cases of a versioned args struct passed by pointer.
-template <typename Args>
-void add_struct_size_cases(Sweep& sweep, const std::string& entry, std::function<Args()> make,
-                           std::function<moeblaze_status_t(const Args*)> call,
-                           std::function<void()> reset) {
-  for (uint32_t size : {0u, 4u, uint32_t(sizeof(Args) - 8)}) {
-    sweep.add(entry, "struct_size = " + std::to_string(size), MOEBLAZE_ERR_VERSION_MISMATCH,
-              "struct_size", [=] {
-                reset();
-                Args a = make();
-                a.struct_size = size;
-                return call(&a);
-              });
+void add_backward_cases(Sweep& sweep, const std::shared_ptr<World>& wp,
+                        const LayerEntry<moeblaze_backward_args_t>& e, bool whole) {
+  using A = moeblaze_backward_args_t;
+  World& w = *wp;
+  const int32_t forward = whole ? MOEBLAZE_PASS_LAYER_FORWARD : MOEBLAZE_PASS_EXPERTS_FORWARD;
+  const int32_t other = whole ? MOEBLAZE_PASS_EXPERTS_FORWARD : MOEBLAZE_PASS_LAYER_FORWARD;
+  e.add_valid(sweep);
+  add_field_cases(sweep, e, backward_fields(w, whole));
+  add_struct_size_cases(sweep, e);
+  add_bad_tokens(sweep, e);
+  for (int64_t T : {int64_t(0), World::T - 1}) {
+    e.add(sweep, "num_tokens " + std::to_string(T) + " (not the forward's)", kMismatch, "saved",
+          [T](A& a, Scratch&) { a.num_tokens = T; });
   }
-  for (uint32_t size : {(1u << 20) + 8, 0x80000000u, 0xFFFFFFFFu}) {
-    sweep.add(entry, "struct_size = " + std::to_string(size), MOEBLAZE_ERR_INVALID_ARGUMENT,
-              "struct_size", [=] {
-                reset();
-                Args a = make();  // sizeof(Args) bytes only: nothing past them may be read
-                a.struct_size = size;
-                return call(&a);
-              });
-  }
-  // A newer caller's larger struct: zero tail accepted, a set byte refused.
-  for (bool set_tail : {false, true}) {
-    sweep.add(entry,
-              set_tail ? "larger struct_size, tail byte set" : "larger struct_size, zero tail",
-              set_tail ? MOEBLAZE_ERR_NOT_SUPPORTED : MOEBLAZE_OK, "struct_size", [=] {
-                reset();
-                Exact bigger(sizeof(Args) + 64);
-                Args a = make();
-                a.struct_size = uint32_t(bigger.size());
-                std::memcpy(bigger.data(), &a, sizeof a);
-                if (set_tail) bigger.bytes()[sizeof(Args) + 63] = 1;
-                return call(bigger.as<const Args>());
-              });
-  }
-  sweep.add(entry, "args NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "is NULL", [=] {
-    reset();
-    return call(nullptr);
-  });
-}
-
-// ---- the sweeps
-// -----------------------------------------------------------------------------------
-
-void add_global_cases(Sweep& sweep) {
-  for (int32_t status : {-1, 9, 10, 98, 100, std::numeric_limits<int32_t>::min(),
-                         std::numeric_limits<int32_t>::max()}) {
-    sweep.add_check("moeblaze_status_name", "status " + std::to_string(status), [status] {
-      const char* s = moeblaze_status_name(status);
-      return s != nullptr && std::strlen(s) > 0;
-    });
-    sweep.add_check("moeblaze_status_string", "status " + std::to_string(status), [status] {
-      const char* s = moeblaze_status_string(status);
-      return s != nullptr && std::strlen(s) > 0;
-    });
-  }
-  for (int32_t backend : {-1, 0, 3, 100, std::numeric_limits<int32_t>::min()}) {
-    sweep.add_check("moeblaze_backend_available", "backend " + std::to_string(backend),
-                    [backend] { return moeblaze_backend_available(backend) == 0; });
-  }
-  sweep.add_check("moeblaze_copy_last_error", "NULL buffer", [] {
-    moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0);  // leaves a message
-    return moeblaze_copy_last_error(nullptr, 100) == std::strlen(moeblaze_last_error()) + 1;
-  });
-  sweep.add_check("moeblaze_copy_last_error", "size 0 and 1", [] {
-    moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0);
-    Exact one(1);
-    one.bytes()[0] = 'x';
-    const size_t needed = moeblaze_copy_last_error(one.as<char>(), 0);
-    const bool untouched = one.bytes()[0] == 'x';
-    moeblaze_copy_last_error(one.as<char>(), 1);
-    return needed > 1 && untouched && one.bytes()[0] == '\0';
-  });
-  sweep.add_check("moeblaze_get_build_info", "never NULL",
-                  [] { return moeblaze_get_build_info() != nullptr; });
-  sweep.add_check("moeblaze_get_version", "the header's version",
-                  [] { return moeblaze_get_version() == MOEBLAZE_VERSION; });
-  sweep.add_check("moeblaze_get_abi_version", "the header's ABI version",
-                  [] { return moeblaze_get_abi_version() == MOEBLAZE_ABI_VERSION; });
-  sweep.add_check("moeblaze_last_error", "never NULL, after a failure and after a success", [] {
-    moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0);
-    const char* failed = moeblaze_last_error();
-    const bool named = failed != nullptr && std::strstr(failed, "out") != nullptr;
-    moeblaze_get_build_info();
-    moeblaze_context_destroy(nullptr);  // a successful call clears it
-    const char* cleared = moeblaze_last_error();
-    return named && cleared != nullptr && cleared[0] == '\0';
-  });
-
-  // Contexts.
-  const std::string create = "moeblaze_context_create";
-  sweep.add(create, "out NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "out",
-            [] { return moeblaze_context_create(nullptr, MOEBLAZE_BACKEND_CPU, 0); });
-  for (int32_t backend : {-1, 0, 3, std::numeric_limits<int32_t>::max()}) {
-    sweep.add(create, "backend " + std::to_string(backend), MOEBLAZE_ERR_INVALID_ARGUMENT,
-              "backend", [backend] {
-                moeblaze_context_t c = nullptr;
-                return moeblaze_context_create(&c, backend, 0);
-              });
-  }
-  for (int32_t device :
-       {-1, 1, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()}) {
-    sweep.add(create, "CPU device " + std::to_string(device), MOEBLAZE_ERR_INVALID_ARGUMENT,
-              "device", [device] {
-                moeblaze_context_t c = nullptr;
-                return moeblaze_context_create(&c, MOEBLAZE_BACKEND_CPU, device);
-              });
-  }
-  if (!moeblaze_backend_available(MOEBLAZE_BACKEND_CUDA)) {
-    sweep.add(create, "CUDA without a usable GPU", MOEBLAZE_ERR_NOT_SUPPORTED, "CUDA", [] {
-      moeblaze_context_t c = nullptr;
-      return moeblaze_context_create(&c, MOEBLAZE_BACKEND_CUDA, 0);
-    });
-  }
-
-  // Versioned struct init functions.
-  struct Init {
-    const char* name;
-    size_t size;
-    std::function<moeblaze_status_t(void*, size_t)> call;
+  add_values(sweep, e, &A::flags, "flags", {4u, 8u, 0x80000000u}, kInvalid, "args->flags");
+  add_buffer_cases(sweep, e, "saved", &A::saved, &A::saved_bytes,
+                   kNull | kOneByteShort | kMisaligned, "args->saved");
+  add_buffer_cases(sweep, e, "workspace", &A::workspace, &A::workspace_bytes, kOneByteShort,
+                   "args->workspace");
+  e.add(sweep, "the other forward's saved buffer", kMismatch, "saved",
+        [wp, forward, other](A& a, Scratch& s) {
+          // Big enough for either layout; only its header differs.
+          const Exact& theirs = wp->saved.at(other);
+          Exact& copy = s.block(std::max(theirs.size(), wp->saved.at(forward).size()));
+          std::memcpy(copy.data(), theirs.data(), theirs.size());
+          a.saved = copy.data();
+          a.saved_bytes = copy.size();
+        });
+  // The saved buffer overwritten between forward and backward: its header words, then every word
+  // of its routing index with values no index can have.
+  const auto overwritten = [&](std::string what, moeblaze_status_t expected, std::string needle,
+                               std::function<void(const Exact&)> poke) {
+    e.add(sweep, std::move(what), expected, std::move(needle),
+          [wp, forward, poke](A&, Scratch&) { poke(wp->saved.at(forward)); });
   };
-  const Init inits[] = {
-      {"moeblaze_layer_config_init", sizeof(moeblaze_layer_config_t),
-       [](void* p, size_t n) {
-         return moeblaze_layer_config_init(static_cast<moeblaze_layer_config_t*>(p), n);
-       }},
-      {"moeblaze_forward_args_init", sizeof(moeblaze_forward_args_t),
-       [](void* p, size_t n) {
-         return moeblaze_forward_args_init(static_cast<moeblaze_forward_args_t*>(p), n);
-       }},
-      {"moeblaze_backward_args_init", sizeof(moeblaze_backward_args_t),
-       [](void* p, size_t n) {
-         return moeblaze_backward_args_init(static_cast<moeblaze_backward_args_t*>(p), n);
-       }},
-      {"moeblaze_ep_config_init", sizeof(moeblaze_ep_config_t),
-       [](void* p, size_t n) {
-         return moeblaze_ep_config_init(static_cast<moeblaze_ep_config_t*>(p), n);
-       }},
-      {"moeblaze_ep_forward_args_init", sizeof(moeblaze_ep_forward_args_t),
-       [](void* p, size_t n) {
-         return moeblaze_ep_forward_args_init(static_cast<moeblaze_ep_forward_args_t*>(p), n);
-       }},
-      {"moeblaze_ep_backward_args_init", sizeof(moeblaze_ep_backward_args_t),
-       [](void* p, size_t n) {
-         return moeblaze_ep_backward_args_init(static_cast<moeblaze_ep_backward_args_t*>(p), n);
-       }},
-  };
-  for (const Init& init : inits) {
-    const auto call = init.call;
-    const size_t size = init.size;
-    sweep.add(init.name, "NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "",
-              [call, size] { return call(nullptr, size); });
-    for (size_t bad : {size_t(0), size_t(4), size - 4}) {
-      sweep.add(init.name, "struct_size " + std::to_string(bad), MOEBLAZE_ERR_VERSION_MISMATCH,
-                "struct_size", [call, bad] {
-                  Exact block(bad ? bad : 1);
-                  return call(block.data(), bad);
-                });
+  for (size_t word = 0; word < 8; ++word) {
+    overwritten("saved header word " + std::to_string(word) + " flipped", kMismatch, "saved",
+                [word](const Exact& b) { b.as<uint32_t>()[word] ^= 0x00010001u; });
+  }
+  overwritten("saved all zero", kMismatch, "saved",
+              [](const Exact& b) { std::memset(b.data(), 0, b.size()); });
+  std::vector<int32_t> ids(w.ids.as<int32_t>(), w.ids.as<int32_t>() + World::N);
+  if (whole) {  // the router chose: read its ids back from the forward's output
+    std::vector<int32_t> router_ids(World::N);
+    moeblaze_forward_args_t a = w.forward_args(MOEBLAZE_PASS_LAYER_FORWARD);
+    Exact saved(w.saved.at(forward).size());
+    a.saved = saved.data();
+    a.ids_out = router_ids.data();
+    MB_CHECK(moeblaze_layer_forward(w.layer, &a, nullptr));
+    ids = router_ids;
+  }
+  const ReferenceRoutingIndex index = routing_index_of(ids, World::T, World::E, World::k);
+  const std::vector<unsigned char>& pristine = w.saved_pristine.at(forward);
+  const std::pair<const char*, const std::vector<int32_t>*> arrays[] = {
+      {"expert_offsets", &index.expert_offsets},
+      {"expert_token_indices", &index.expert_token_indices},
+      {"token_index_map", &index.token_index_map}};
+  for (const auto& [name, words] : arrays) {
+    const int64_t at = find_int32_sequence(pristine.data(), pristine.size(), *words);
+    REQUIRE_MESSAGE(at >= 0, name);
+    const int32_t N = int32_t(World::N);
+    for (size_t i = 0; i < words->size(); ++i) {
+      for (int32_t value : {-1, N + 1, kI32Max, kI32Min}) {
+        overwritten(
+            std::string("saved ") + name + "[" + std::to_string(i) + "] = " + std::to_string(value),
+            kInvalid, "saved", [at = at, i, value](const Exact& b) {
+              reinterpret_cast<int32_t*>(b.bytes() + at)[i] = value;
+            });
+      }
     }
-    for (size_t bad : {(size_t(1) << 20) + 1, ~size_t(0)}) {
-      sweep.add(init.name, "struct_size " + std::to_string(bad), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                "struct_size", [call, size, bad] {
-                  Exact block(size);  // the library must refuse before writing `bad` bytes
-                  return call(block.data(), bad);
-                });
+  }
+  if (whole) {
+    const int64_t at = find_int32_sequence(pristine.data(), pristine.size(), ids);
+    REQUIRE(at >= 0);
+    for (size_t i : {size_t(0), size_t(World::N - 1)}) {
+      overwritten("saved ids[" + std::to_string(i) + "] out of range", kInvalid, "saved ids",
+                  [at, i](const Exact& b) { reinterpret_cast<int32_t*>(b.bytes() + at)[i] = 99; });
     }
-    sweep.add(init.name, "a larger struct is zeroed past the known fields", MOEBLAZE_OK, "",
-              [call, size] {
-                Exact block(size + 32);
-                std::memset(block.data(), 0x5a, block.size());
-                const moeblaze_status_t s = call(block.data(), block.size());
-                for (size_t i = size; i < block.size(); ++i) {
-                  if (block.bytes()[i] != 0) return moeblaze_status_t(MOEBLAZE_ERR_INTERNAL);
-                }
-                return s;
-              });
+  } else {
+    e.add(sweep, "ids other than the forward's", kInvalid, "ids", [wp](A& a, Scratch& s) {
+      int32_t* swapped = s.copy(wp->ids).as<int32_t>();
+      std::swap(swapped[0], swapped[1]);
+      a.ids = swapped;
+    });
   }
 }
 
 void add_layer_cases(Sweep& sweep, const std::shared_ptr<World>& wp) {
   World& w = *wp;
-  const auto bad_layers = bad_handles<moeblaze_layer_t>(w.destroyed_layer, w.context);
-  const auto bad_contexts = bad_handles<moeblaze_context_t>(w.destroyed_context, w.layer);
-
-  // ---- contexts and layer plans
-  for (const auto& [what, c] : bad_contexts) {
-    const moeblaze_context_t context = c;
-    const moeblaze_status_t destroy_status =
-        context == nullptr ? MOEBLAZE_OK : MOEBLAZE_ERR_INVALID_HANDLE;
-    sweep.add("moeblaze_context_destroy", what, destroy_status, "context",
-              [context] { return moeblaze_context_destroy(context); });
-    sweep.add("moeblaze_context_get_info", what, MOEBLAZE_ERR_INVALID_HANDLE, "context", [context] {
-      int32_t b = 0, d = 0;
-      return moeblaze_context_get_info(context, &b, &d);
-    });
-    sweep.add("moeblaze_context_set_num_threads", what, MOEBLAZE_ERR_INVALID_HANDLE, "context",
-              [context] { return moeblaze_context_set_num_threads(context, 1); });
-    sweep.add("moeblaze_layer_create", "context " + what, MOEBLAZE_ERR_INVALID_HANDLE, "context",
-              [wp, context] {
-                moeblaze_layer_t out = nullptr;
-                return moeblaze_layer_create(&out, context, &wp->config);
-              });
-  }
-  for (int32_t threads :
-       {-1, 4097, std::numeric_limits<int32_t>::min(), std::numeric_limits<int32_t>::max()}) {
-    sweep.add("moeblaze_context_set_num_threads", "num_threads " + std::to_string(threads),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "num_threads",
-              [wp, threads] { return moeblaze_context_set_num_threads(wp->context, threads); });
-  }
-  sweep.add("moeblaze_context_get_info", "both outputs NULL", MOEBLAZE_OK, "",
-            [wp] { return moeblaze_context_get_info(wp->context, nullptr, nullptr); });
-
-  // Config fields out of range.
-  struct ConfigCase {
-    const char* field;
-    std::function<void(moeblaze_layer_config_t&)> set;
-  };
-  const int64_t kI64Min = std::numeric_limits<int64_t>::min();
-  const int64_t kI64Max = std::numeric_limits<int64_t>::max();
-  std::vector<ConfigCase> config_cases;
-  for (int32_t v : {-1, 4, std::numeric_limits<int32_t>::max()}) {
-    config_cases.push_back({"dtype", [v](moeblaze_layer_config_t& c) { c.dtype = v; }});
-  }
-  for (int64_t v : {int64_t(0), int64_t(-1), (int64_t(1) << 20) + 1, kI64Max, kI64Min}) {
-    config_cases.push_back({"d_model", [v](moeblaze_layer_config_t& c) { c.d_model = v; }});
-    config_cases.push_back({"d_ffn", [v](moeblaze_layer_config_t& c) { c.d_ffn = v; }});
-    config_cases.push_back({"top_k", [v](moeblaze_layer_config_t& c) { c.top_k = v; }});
-  }
-  for (int64_t v : {int64_t(0), int64_t(-1), int64_t(MOEBLAZE_MAX_EXPERTS + 1), kI64Max}) {
-    config_cases.push_back({"num_experts", [v](moeblaze_layer_config_t& c) { c.num_experts = v; }});
-  }
-  config_cases.push_back(
-      {"top_k", [](moeblaze_layer_config_t& c) { c.top_k = c.num_experts + 1; }});
-  config_cases.push_back({"top_k", [](moeblaze_layer_config_t& c) {
-                            c.num_experts = 64;
-                            c.top_k = MOEBLAZE_MAX_TOP_K + 1;
-                          }});
-  for (int32_t v : {-1, 7, 1000}) {
-    config_cases.push_back({"activation", [v](moeblaze_layer_config_t& c) { c.activation = v; }});
-  }
-  for (int32_t v : {-1, 3}) {
-    config_cases.push_back({"checkpoint", [v](moeblaze_layer_config_t& c) { c.checkpoint = v; }});
-    config_cases.push_back(
-        {"score_function", [v](moeblaze_layer_config_t& c) { c.score_function = v; }});
-  }
-  for (int32_t v : {-1, 2}) {
-    config_cases.push_back({"renormalize", [v](moeblaze_layer_config_t& c) { c.renormalize = v; }});
-    config_cases.push_back(
-        {"deterministic", [v](moeblaze_layer_config_t& c) { c.deterministic = v; }});
-  }
-  for (float v : {-1.0f, NAN, INFINITY, -INFINITY, -FLT_MIN}) {
-    config_cases.push_back(
-        {"aux_loss_coeff", [v](moeblaze_layer_config_t& c) { c.aux_loss_coeff = v; }});
-    config_cases.push_back(
-        {"z_loss_coeff", [v](moeblaze_layer_config_t& c) { c.z_loss_coeff = v; }});
-  }
-  config_cases.push_back({"reserved0", [](moeblaze_layer_config_t& c) { c.reserved0 = 1; }});
-  for (const ConfigCase& cc : config_cases) {
-    const auto set = cc.set;
-    sweep.add("moeblaze_layer_create", std::string("config.") + cc.field,
-              MOEBLAZE_ERR_INVALID_ARGUMENT, cc.field, [wp, set] {
-                moeblaze_layer_config_t c = wp->config;
-                set(c);
-                moeblaze_layer_t out = nullptr;
-                return moeblaze_layer_create(&out, wp->context, &c);
-              });
-  }
-  sweep.add("moeblaze_layer_create", "out NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "out",
-            [wp] { return moeblaze_layer_create(nullptr, wp->context, &wp->config); });
-  add_struct_size_cases<moeblaze_layer_config_t>(
-      sweep, "moeblaze_layer_create", [wp] { return wp->config; },
-      [wp](const moeblaze_layer_config_t* c) {
+  using C = moeblaze_layer_config_t;
+  const Entry<moeblaze_context_t, C> create{
+      "moeblaze_layer_create", w.context, [wp] { return wp->config; },
+      [](moeblaze_context_t context, const C* c) {
         moeblaze_layer_t out = nullptr;
-        const moeblaze_status_t s = moeblaze_layer_create(&out, wp->context, c);
+        const moeblaze_status_t s = moeblaze_layer_create(&out, context, c);
         if (out != nullptr) moeblaze_layer_destroy(out);
         return s;
-      },
-      [] {});
-
-  for (const auto& [what, l] : bad_layers) {
-    const moeblaze_layer_t layer = l;
-    sweep.add("moeblaze_layer_destroy", what,
-              layer == nullptr ? MOEBLAZE_OK : MOEBLAZE_ERR_INVALID_HANDLE, "layer",
-              [layer] { return moeblaze_layer_destroy(layer); });
-    sweep.add("moeblaze_layer_get_config", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [layer] {
-      moeblaze_layer_config_t c;
-      moeblaze_layer_config_init(&c, sizeof c);
-      return moeblaze_layer_get_config(layer, &c);
-    });
-    sweep.add("moeblaze_layer_workspace_size", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [layer] {
-      size_t b = 0;
-      return moeblaze_layer_workspace_size(layer, MOEBLAZE_PASS_LAYER_FORWARD, 4, &b);
-    });
-    sweep.add("moeblaze_layer_workspace_size_with_flags", what, MOEBLAZE_ERR_INVALID_HANDLE,
-              "layer", [layer] {
-                size_t b = 0;
-                return moeblaze_layer_workspace_size_with_flags(layer, 0, 4, 0, &b);
-              });
-    sweep.add("moeblaze_layer_saved_size", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [layer] {
-      size_t b = 0;
-      return moeblaze_layer_saved_size(layer, MOEBLAZE_PASS_LAYER_FORWARD, 4, &b);
-    });
-    sweep.add("moeblaze_router_forward", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [wp, layer] {
-      World& w = *wp;
-      const Exact& ws = w.workspace.at(MOEBLAZE_PASS_ROUTER_FORWARD);
-      return moeblaze_router_forward(layer, w.T, w.logits.data(), w.ids_out.as<int32_t>(),
-                                     w.g_out.data(), nullptr, nullptr, ws.data(), ws.size(),
-                                     nullptr);
-    });
-    sweep.add("moeblaze_router_backward", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [wp, layer] {
-      World& w = *wp;
-      const Exact& ws = w.workspace.at(MOEBLAZE_PASS_ROUTER_BACKWARD);
-      return moeblaze_router_backward(layer, w.T, w.logits.data(), w.ids.as<int32_t>(), w.dg.data(),
-                                      nullptr, w.d_logits.data(), ws.data(), ws.size(), nullptr);
-    });
-    sweep.add("moeblaze_routing_build", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [wp, layer] {
-      World& w = *wp;
-      const Exact& ws = w.workspace.at(MOEBLAZE_PASS_ROUTING_BUILD);
-      return moeblaze_routing_build(layer, w.T, w.ids.as<int32_t>(), w.offsets.as<int32_t>(),
-                                    w.token_indices.as<int32_t>(), w.index_map.as<int32_t>(),
-                                    ws.data(), ws.size(), nullptr);
-    });
-    for (int32_t pass : {MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_LAYER_FORWARD}) {
-      sweep.add(pass == MOEBLAZE_PASS_LAYER_FORWARD ? "moeblaze_layer_forward"
-                                                    : "moeblaze_experts_forward",
-                what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [wp, layer, pass] {
-                  moeblaze_forward_args_t a = wp->forward_args(pass);
-                  return pass == MOEBLAZE_PASS_LAYER_FORWARD
-                             ? moeblaze_layer_forward(layer, &a, nullptr)
-                             : moeblaze_experts_forward(layer, &a, nullptr);
-                });
-    }
-    for (int32_t pass : {MOEBLAZE_PASS_EXPERTS_BACKWARD, MOEBLAZE_PASS_LAYER_BACKWARD}) {
-      sweep.add(pass == MOEBLAZE_PASS_LAYER_BACKWARD ? "moeblaze_layer_backward"
-                                                     : "moeblaze_experts_backward",
-                what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [wp, layer, pass] {
-                  wp->restore_saved();
-                  moeblaze_backward_args_t a = wp->backward_args(pass);
-                  return pass == MOEBLAZE_PASS_LAYER_BACKWARD
-                             ? moeblaze_layer_backward(layer, &a, nullptr)
-                             : moeblaze_experts_backward(layer, &a, nullptr);
-                });
-    }
-  }
-  // get_config's own argument.
-  sweep.add("moeblaze_layer_get_config", "config NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "config",
-            [wp] { return moeblaze_layer_get_config(wp->layer, nullptr); });
-  for (uint32_t size : {0u, 4u, uint32_t(sizeof(moeblaze_layer_config_t) - 4)}) {
-    sweep.add("moeblaze_layer_get_config", "struct_size " + std::to_string(size),
-              MOEBLAZE_ERR_VERSION_MISMATCH, "struct_size", [wp, size] {
-                Exact block(sizeof(moeblaze_layer_config_t));
-                block.as<moeblaze_layer_config_t>()->struct_size = size;
-                return moeblaze_layer_get_config(wp->layer, block.as<moeblaze_layer_config_t>());
-              });
-  }
-  for (uint32_t size : {(1u << 20) + 4, 0xFFFFFFF0u}) {
-    sweep.add("moeblaze_layer_get_config", "struct_size " + std::to_string(size),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "struct_size", [wp, size] {
-                Exact block(sizeof(moeblaze_layer_config_t));
-                block.as<moeblaze_layer_config_t>()->struct_size = size;
-                return moeblaze_layer_get_config(wp->layer, block.as<moeblaze_layer_config_t>());
-              });
-  }
-
-  // ---- size queries
-  for (int32_t pass : {-1, 7, 100, std::numeric_limits<int32_t>::min()}) {
-    sweep.add("moeblaze_layer_workspace_size", "pass " + std::to_string(pass),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "pass", [wp, pass] {
-                size_t b = 1;
-                const moeblaze_status_t s = moeblaze_layer_workspace_size(wp->layer, pass, 4, &b);
-                return b == 0 ? s : MOEBLAZE_ERR_INTERNAL;
-              });
-  }
-  for (int32_t pass : {-1, 0, 1, 2, 4, 6, 7}) {
-    sweep.add("moeblaze_layer_saved_size", "pass " + std::to_string(pass),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "pass", [wp, pass] {
-                size_t b = 0;
-                return moeblaze_layer_saved_size(wp->layer, pass, 4, &b);
-              });
-  }
-  for (int64_t T : kBadTokens) {
-    for (int32_t pass = 0; pass <= 6; ++pass) {
-      sweep.add("moeblaze_layer_workspace_size", "num_tokens " + std::to_string(T),
-                MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens", [wp, pass, T] {
-                  size_t b = 0;
-                  return moeblaze_layer_workspace_size(wp->layer, pass, T, &b);
-                });
-    }
-    sweep.add("moeblaze_layer_saved_size", "num_tokens " + std::to_string(T),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens", [wp, T] {
-                size_t b = 0;
-                return moeblaze_layer_saved_size(wp->layer, MOEBLAZE_PASS_LAYER_FORWARD, T, &b);
-              });
-  }
-  for (uint32_t flags : {8u, 0x80000000u, 0xFFFFFFFFu}) {
-    sweep.add("moeblaze_layer_workspace_size_with_flags", "flags " + std::to_string(flags),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "flags", [wp, flags] {
-                size_t b = 0;
-                return moeblaze_layer_workspace_size_with_flags(wp->layer, 6, 4, flags, &b);
-              });
-  }
-  sweep.add("moeblaze_layer_workspace_size", "bytes NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes",
-            [wp] { return moeblaze_layer_workspace_size(wp->layer, 0, 4, nullptr); });
-  sweep.add("moeblaze_layer_saved_size", "bytes NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes",
-            [wp] { return moeblaze_layer_saved_size(wp->layer, 3, 4, nullptr); });
-
-  // ---- router and routing build
-  {
-    struct RouterForwardArgs {
-      int64_t T;
-      const void* logits;
-      int32_t* ids;
-      void* g;
-      int32_t* counts;
-      void* losses;
-      void* ws;
-      size_t ws_bytes;
-    };
-    auto base = [wp] {
-      World& w = *wp;
-      const Exact& ws = w.workspace.at(MOEBLAZE_PASS_ROUTER_FORWARD);
-      return RouterForwardArgs{w.T,
-                               w.logits.data(),
-                               w.ids_out.as<int32_t>(),
-                               w.g_out.data(),
-                               w.counts.as<int32_t>(),
-                               w.losses.data(),
-                               ws.data(),
-                               ws.size()};
-    };
-    auto call = [wp](const RouterForwardArgs& a) {
-      return moeblaze_router_forward(wp->layer, a.T, a.logits, a.ids, a.g, a.counts, a.losses, a.ws,
-                                     a.ws_bytes, nullptr);
-    };
-    const std::string entry = "moeblaze_router_forward";
-    sweep.add(entry, "valid", MOEBLAZE_OK, "", [=] { return call(base()); });
-    struct P {
-      const char* name;
-      std::function<void(RouterForwardArgs&, const void*)> set;
-      size_t element;
-      bool required;
-    };
-    const P pointers[] = {
-        {"logits", [](RouterForwardArgs& a, const void* p) { a.logits = p; }, w.rs, true},
-        {"ids", [](RouterForwardArgs& a, const void* p) { a.ids = (int32_t*)p; }, 4, true},
-        {"g", [](RouterForwardArgs& a, const void* p) { a.g = (void*)p; }, w.rs, true},
-        {"expert_counts", [](RouterForwardArgs& a, const void* p) { a.counts = (int32_t*)p; }, 4,
-         false},
-        {"losses", [](RouterForwardArgs& a, const void* p) { a.losses = (void*)p; }, w.rs, false},
-    };
-    for (const P& p : pointers) {
-      const auto set = p.set;
-      sweep.add(entry, std::string(p.name) + " NULL",
-                p.required ? MOEBLAZE_ERR_INVALID_ARGUMENT : MOEBLAZE_OK, p.name, [=] {
-                  RouterForwardArgs a = base();
-                  set(a, nullptr);
-                  return call(a);
-                });
-      for (size_t off = 1; off < p.element; off *= 2) {
-        sweep.add(entry, std::string(p.name) + " misaligned by " + std::to_string(off),
-                  MOEBLAZE_ERR_INVALID_ARGUMENT, p.name, [=] {
-                    RouterForwardArgs a = base();
-                    set(a, wp->d_logits.plus(off));
-                    return call(a);
-                  });
-      }
-    }
-    for (int64_t T : kBadTokens) {
-      sweep.add(entry, "num_tokens " + std::to_string(T), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                "num_tokens", [=] {
-                  RouterForwardArgs a = base();
-                  a.T = T;
-                  return call(a);
-                });
-    }
-    sweep.add(entry, "workspace one byte short", MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
-              "workspace_bytes", [=] {
-                RouterForwardArgs a = base();
-                a.ws_bytes -= 1;
-                return call(a);
-              });
-    sweep.add(entry, "workspace NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "workspace", [=] {
-      RouterForwardArgs a = base();
-      a.ws = nullptr;
-      return call(a);
-    });
-    sweep.add(entry, "workspace misaligned by 8", MOEBLAZE_ERR_INVALID_ARGUMENT, "workspace", [=] {
-      RouterForwardArgs a = base();
-      a.ws = static_cast<unsigned char*>(a.ws) + 8;
-      return call(a);
-    });
-    for (double bad : {double(NAN), double(INFINITY), -double(INFINITY)}) {
-      for (int64_t at : {int64_t(0), w.T * w.E - 1}) {
-        sweep.add(entry, "logits[" + std::to_string(at) + "] = " + std::to_string(bad),
-                  MOEBLAZE_ERR_NON_FINITE, "logits", [=] {
-                    World& w = *wp;
-                    Exact logits(w.logits.size());
-                    std::memcpy(logits.data(), w.logits.data(), w.logits.size());
-                    HostTensor one(routing_dtype(w.config.dtype), {1});
-                    one.set(0, bad);
-                    std::memcpy(logits.bytes() + at * w.rs, one.data(), w.rs);
-                    RouterForwardArgs a = base();
-                    a.logits = logits.data();
-                    return call(a);
-                  });
-      }
-    }
-    // Extreme but finite logits: routing works, nothing non-finite is returned with OK.
-    for (double extreme : {1e30, -1e30, 3e38, -3e38, -1000.0}) {
-      sweep.add(entry, "every logit " + std::to_string(extreme), MOEBLAZE_OK, "", [=] {
-        World& w = *wp;
-        HostTensor logits(routing_dtype(w.config.dtype), {w.T, w.E});
-        logits.fill(extreme);
-        RouterForwardArgs a = base();
-        a.logits = logits.data();
-        a.losses = nullptr;  // the z-loss of +-3e38 does not fit (tested below)
-        const moeblaze_status_t s = call(a);
-        HostTensor g(routing_dtype(w.config.dtype), {w.N});
-        std::memcpy(g.data(), w.g_out.data(), w.g_out.size());
-        for (int64_t i = 0; i < w.N; ++i) {
-          if (!std::isfinite(g.get(i))) return moeblaze_status_t(MOEBLAZE_ERR_INTERNAL);
-        }
-        return s;
+      }};
+  const LayerEntry<C> get_config{"moeblaze_layer_get_config", w.layer,
+                                 [] {
+                                   C c;
+                                   moeblaze_layer_config_init(&c, sizeof c);
+                                   return c;
+                                 },
+                                 [](moeblaze_layer_t layer, const C* c) {
+                                   Exact block(sizeof *c);  // it writes struct_size bytes
+                                   std::memcpy(block.data(), c, sizeof *c);
+                                   return moeblaze_layer_get_config(layer, block.as<C>());
+                                 }};
+  const auto ws = query_entry<moeblaze_layer_t>(
+      "moeblaze_layer_workspace_size", w.layer, {MOEBLAZE_PASS_LAYER_FORWARD, 4, 0, 0, false},
+      [](moeblaze_layer_t l, const Query& q, size_t* b) {
+        return moeblaze_layer_workspace_size(l, q.pass, q.num_tokens, b);
       });
-    }
-  }
-  {
-    const std::string entry = "moeblaze_router_backward";
-    struct A {
-      int64_t T;
-      const void* logits;
-      const int32_t* ids;
-      const void* dg;
-      const void* d_losses;
-      void* d_logits;
-      void* ws;
-      size_t ws_bytes;
-    };
-    auto base = [wp] {
-      World& w = *wp;
-      const Exact& ws = w.workspace.at(MOEBLAZE_PASS_ROUTER_BACKWARD);
-      return A{w.T,         w.logits.data(), w.ids.as<int32_t>(),
-               w.dg.data(), w.losses.data(), w.d_logits.data(),
-               ws.data(),   ws.size()};
-    };
-    auto call = [wp](const A& a) {
-      return moeblaze_router_backward(wp->layer, a.T, a.logits, a.ids, a.dg, a.d_losses, a.d_logits,
-                                      a.ws, a.ws_bytes, nullptr);
-    };
-    sweep.add(entry, "valid", MOEBLAZE_OK, "", [=] { return call(base()); });
-    struct P {
-      const char* name;
-      std::function<void(A&, const void*)> set;
-      size_t element;
-      bool required;
-    };
-    const P pointers[] = {
-        {"logits", [](A& a, const void* p) { a.logits = p; }, w.rs, true},
-        {"ids", [](A& a, const void* p) { a.ids = (const int32_t*)p; }, 4, true},
-        {"dg", [](A& a, const void* p) { a.dg = p; }, w.rs, true},
-        {"d_losses", [](A& a, const void* p) { a.d_losses = p; }, w.rs, false},
-        {"d_logits", [](A& a, const void* p) { a.d_logits = (void*)p; }, w.rs, true},
-    };
-    for (const P& p : pointers) {
-      const auto set = p.set;
-      sweep.add(entry, std::string(p.name) + " NULL",
-                p.required ? MOEBLAZE_ERR_INVALID_ARGUMENT : MOEBLAZE_OK, p.name, [=] {
-                  A a = base();
-                  set(a, nullptr);
-                  return call(a);
-                });
-      for (size_t off = 1; off < p.element; off *= 2) {
-        sweep.add(entry, std::string(p.name) + " misaligned by " + std::to_string(off),
-                  MOEBLAZE_ERR_INVALID_ARGUMENT, p.name, [=] {
-                    A a = base();
-                    set(a, wp->dx.plus(off));
-                    return call(a);
-                  });
-      }
-    }
-    for (int64_t T : kBadTokens) {
-      sweep.add(entry, "num_tokens " + std::to_string(T), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                "num_tokens", [=] {
-                  A a = base();
-                  a.T = T;
-                  return call(a);
-                });
-    }
-    sweep.add(entry, "workspace one byte short", MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
-              "workspace_bytes", [=] {
-                A a = base();
-                a.ws_bytes -= 1;
-                return call(a);
-              });
-    for (int32_t bad : {-1, int32_t(World::E), std::numeric_limits<int32_t>::max(),
-                        std::numeric_limits<int32_t>::min()}) {
-      for (int64_t at : {int64_t(0), World::N - 1}) {
-        sweep.add(entry, "ids[" + std::to_string(at) + "] = " + std::to_string(bad),
-                  MOEBLAZE_ERR_INVALID_ARGUMENT, "ids", [=] {
-                    Exact ids(wp->ids.size());
-                    std::memcpy(ids.data(), wp->ids.data(), ids.size());
-                    ids.as<int32_t>()[at] = bad;
-                    A a = base();
-                    a.ids = ids.as<int32_t>();
-                    return call(a);
-                  });
-      }
-    }
-    sweep.add(entry, "ids repeated within a token", MOEBLAZE_ERR_INVALID_ARGUMENT, "ids", [=] {
-      Exact ids(wp->ids.size());
-      std::memcpy(ids.data(), wp->ids.data(), ids.size());
-      ids.as<int32_t>()[1] = ids.as<int32_t>()[0];
-      A a = base();
-      a.ids = ids.as<int32_t>();
-      return call(a);
-    });
-    sweep.add(entry, "logits NaN", MOEBLAZE_ERR_NON_FINITE, "logits", [=] {
-      World& w = *wp;
-      HostTensor logits(routing_dtype(w.config.dtype), {w.T, w.E});
-      std::memcpy(logits.data(), w.logits.data(), w.logits.size());
-      logits.set(3, NAN);
-      A a = base();
-      a.logits = logits.data();
-      return call(a);
-    });
-  }
-  {
-    const std::string entry = "moeblaze_routing_build";
-    struct A {
-      int64_t T;
-      const int32_t* ids;
-      int32_t *offsets, *token_indices, *index_map;
-      void* ws;
-      size_t ws_bytes;
-    };
-    auto base = [wp] {
-      World& w = *wp;
-      const Exact& ws = w.workspace.at(MOEBLAZE_PASS_ROUTING_BUILD);
-      return A{w.T,
-               w.ids.as<int32_t>(),
-               w.offsets.as<int32_t>(),
-               w.token_indices.as<int32_t>(),
-               w.index_map.as<int32_t>(),
-               ws.data(),
-               ws.size()};
-    };
-    auto call = [wp](const A& a) {
-      return moeblaze_routing_build(wp->layer, a.T, a.ids, a.offsets, a.token_indices, a.index_map,
-                                    a.ws, a.ws_bytes, nullptr);
-    };
-    sweep.add(entry, "valid", MOEBLAZE_OK, "", [=] { return call(base()); });
-    const std::pair<const char*, std::function<void(A&, int32_t*)>> pointers[] = {
-        {"ids", [](A& a, int32_t* p) { a.ids = p; }},
-        {"expert_offsets", [](A& a, int32_t* p) { a.offsets = p; }},
-        {"expert_token_indices", [](A& a, int32_t* p) { a.token_indices = p; }},
-        {"token_index_map", [](A& a, int32_t* p) { a.index_map = p; }},
-    };
-    for (const auto& [name, set] : pointers) {
-      const auto setter = set;
-      const std::string n = name;
-      sweep.add(entry, n + " NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, n, [=] {
-        A a = base();
-        setter(a, nullptr);
-        return call(a);
+  const auto ws_flags = query_entry<moeblaze_layer_t>(
+      "moeblaze_layer_workspace_size_with_flags", w.layer,
+      {MOEBLAZE_PASS_LAYER_BACKWARD, 4, 0, 0, false},
+      [](moeblaze_layer_t l, const Query& q, size_t* b) {
+        return moeblaze_layer_workspace_size_with_flags(l, q.pass, q.num_tokens, q.flags, b);
       });
-      for (size_t off : {size_t(1), size_t(2)}) {
-        sweep.add(entry, n + " misaligned by " + std::to_string(off), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                  n, [=] {
-                    A a = base();
-                    setter(a, reinterpret_cast<int32_t*>(wp->dx.plus(off)));
-                    return call(a);
-                  });
-      }
-    }
-    for (int32_t bad : {-1, int32_t(World::E), std::numeric_limits<int32_t>::min()}) {
-      sweep.add(entry, "ids[7] = " + std::to_string(bad), MOEBLAZE_ERR_INVALID_ARGUMENT, "ids",
-                [=] {
-                  Exact ids(wp->ids.size());
-                  std::memcpy(ids.data(), wp->ids.data(), ids.size());
-                  ids.as<int32_t>()[7] = bad;
-                  A a = base();
-                  a.ids = ids.as<int32_t>();
-                  return call(a);
-                });
-    }
-    sweep.add(entry, "workspace one byte short", MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
-              "workspace_bytes", [=] {
-                A a = base();
-                a.ws_bytes -= 1;
-                return call(a);
-              });
-    for (int64_t T : kBadTokens) {
-      sweep.add(entry, "num_tokens " + std::to_string(T), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                "num_tokens", [=] {
-                  A a = base();
-                  a.T = T;
-                  return call(a);
-                });
-    }
-  }
-
-  // ---- experts and whole layer, forward
-  for (int32_t pass : {MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_LAYER_FORWARD}) {
-    const bool whole = pass == MOEBLAZE_PASS_LAYER_FORWARD;
-    const std::string entry = whole ? "moeblaze_layer_forward" : "moeblaze_experts_forward";
-    using Args = moeblaze_forward_args_t;
-    const std::function<Args()> make = [wp, pass] { return wp->forward_args(pass); };
-    const std::function<moeblaze_status_t(const Args*)> call_ptr = [wp, whole](const Args* a) {
-      return whole ? moeblaze_layer_forward(wp->layer, a, nullptr)
-                   : moeblaze_experts_forward(wp->layer, a, nullptr);
-    };
-    const std::function<moeblaze_status_t(Args&)> call = [call_ptr](Args& a) {
-      return call_ptr(&a);
-    };
-    const std::function<void()> reset = [] {};
-    sweep.add(entry, "valid", MOEBLAZE_OK, "", [=] {
-      Args a = make();
-      return call(a);
-    });
-    sweep.add(entry, "inference (saved NULL)", MOEBLAZE_OK, "", [=] {
-      Args a = make();
-      a.saved = nullptr;
-      a.saved_bytes = 0;
-      return call(a);
-    });
-    add_field_cases<Args>(sweep, entry, forward_fields(w, whole), make, call, reset);
-    add_struct_size_cases<Args>(sweep, entry, make, call_ptr, reset);
-    for (int64_t T : kBadTokens) {
-      sweep.add(entry, "num_tokens " + std::to_string(T), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                "num_tokens", [=] {
-                  Args a = make();
-                  a.num_tokens = T;
-                  return call(a);
-                });
-    }
-    for (uint32_t flags : {1u, 4u, 0x80000000u}) {
-      sweep.add(entry, "flags " + std::to_string(flags), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                "args->flags", [=] {
-                  Args a = make();
-                  a.flags = flags;
-                  return call(a);
-                });
-    }
-    sweep.add(entry, "saved one byte short", MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
-              "args->saved_bytes", [=] {
-                Args a = make();
-                a.saved_bytes -= 1;
-                return call(a);
-              });
-    sweep.add(entry, "saved misaligned by 8", MOEBLAZE_ERR_INVALID_ARGUMENT, "args->saved", [=] {
-      Args a = make();
-      a.saved = static_cast<unsigned char*>(a.saved) + 8;
-      return call(a);
-    });
-    // The baseline's workspace has the plain (inference) size: one byte less is refused without
-    // a saved buffer and enough with one (MOEBLAZE_FORWARD_WITH_SAVED needs less).
-    sweep.add(entry, "workspace one byte short (inference)", MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
-              "args->workspace_bytes", [=] {
-                Args a = make();
-                a.saved = nullptr;
-                a.saved_bytes = 0;
-                a.workspace_bytes -= 1;
-                return call(a);
-              });
-    sweep.add(entry, "workspace one byte short (training)", MOEBLAZE_OK, "", [=] {
-      Args a = make();
-      a.workspace_bytes -= 1;
-      return call(a);
-    });
-    sweep.add(entry, "workspace NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "args->workspace", [=] {
-      Args a = make();
-      a.workspace = nullptr;
-      return call(a);
-    });
-    sweep.add(entry, "workspace misaligned by 8", MOEBLAZE_ERR_INVALID_ARGUMENT, "args->workspace",
-              [=] {
-                Args a = make();
-                a.workspace = static_cast<unsigned char*>(a.workspace) + 8;
-                return call(a);
-              });
-    if (!whole) {
-      for (int32_t bad : {-1, int32_t(World::E), std::numeric_limits<int32_t>::max()}) {
-        sweep.add(entry, "ids[3] = " + std::to_string(bad), MOEBLAZE_ERR_INVALID_ARGUMENT, "ids",
-                  [=] {
-                    Exact ids(wp->ids.size());
-                    std::memcpy(ids.data(), wp->ids.data(), ids.size());
-                    ids.as<int32_t>()[3] = bad;
-                    Args a = make();
-                    a.ids = ids.as<int32_t>();
-                    return call(a);
-                  });
-      }
-      sweep.add(entry, "ids repeated within a token", MOEBLAZE_ERR_INVALID_ARGUMENT, "ids", [=] {
-        Exact ids(wp->ids.size());
-        std::memcpy(ids.data(), wp->ids.data(), ids.size());
-        ids.as<int32_t>()[5] = ids.as<int32_t>()[4];
-        Args a = make();
-        a.ids = ids.as<int32_t>();
-        return call(a);
+  const auto saved = query_entry<moeblaze_layer_t>(
+      "moeblaze_layer_saved_size", w.layer, {MOEBLAZE_PASS_LAYER_FORWARD, 4, 0, 0, false},
+      [](moeblaze_layer_t l, const Query& q, size_t* b) {
+        return moeblaze_layer_saved_size(l, q.pass, q.num_tokens, b);
       });
-    } else {
-      // x that makes a logit non-finite.
-      for (double bad : {double(NAN), double(INFINITY), -double(INFINITY)}) {
-        sweep.add(entry, "x[0] = " + std::to_string(bad), MOEBLAZE_ERR_NON_FINITE, "logits", [=] {
-          World& w = *wp;
-          HostTensor x(w.config.dtype, {w.T, w.d});
-          std::memcpy(x.data(), w.x.data(), w.x.size());
-          x.set(0, bad);
-          Args a = make();
-          a.x = x.data();
-          return call(a);
-        });
-      }
-    }
-  }
+  const LayerEntry<RouterForwardArgs> router_forward{
+      "moeblaze_router_forward", w.layer, [wp] { return wp->router_forward_args(); },
+      [](moeblaze_layer_t l, const RouterForwardArgs* a) {
+        return moeblaze_router_forward(l, a->num_tokens, a->logits, a->ids, a->g, a->expert_counts,
+                                       a->losses, a->workspace, a->workspace_bytes, nullptr);
+      }};
+  const LayerEntry<RouterBackwardArgs> router_backward{
+      "moeblaze_router_backward", w.layer, [wp] { return wp->router_backward_args(); },
+      [](moeblaze_layer_t l, const RouterBackwardArgs* a) {
+        return moeblaze_router_backward(l, a->num_tokens, a->logits, a->ids, a->dg, a->d_losses,
+                                        a->d_logits, a->workspace, a->workspace_bytes, nullptr);
+      }};
+  const LayerEntry<RoutingBuildArgs> routing_build{
+      "moeblaze_routing_build", w.layer, [wp] { return wp->routing_build_args(); },
+      [](moeblaze_layer_t l, const RoutingBuildArgs* a) {
+        return moeblaze_routing_build(l, a->num_tokens, a->ids, a->expert_offsets,
+                                      a->expert_token_indices, a->token_index_map, a->workspace,
+                                      a->workspace_bytes, nullptr);
+      }};
+  const auto experts_forward =
+      pass_entry("moeblaze_experts_forward", wp, MOEBLAZE_PASS_EXPERTS_FORWARD,
+                 moeblaze_experts_forward, &World::forward_args, [] {});
+  const auto layer_forward = pass_entry("moeblaze_layer_forward", wp, MOEBLAZE_PASS_LAYER_FORWARD,
+                                        moeblaze_layer_forward, &World::forward_args, [] {});
+  // The backward passes read the saved buffer their forward filled: each case starts from it.
+  const std::function<void()> restore_saved = [wp] { wp->restore_saved(); };
+  const auto experts_backward =
+      pass_entry("moeblaze_experts_backward", wp, MOEBLAZE_PASS_EXPERTS_BACKWARD,
+                 moeblaze_experts_backward, &World::backward_args, restore_saved);
+  const auto layer_backward =
+      pass_entry("moeblaze_layer_backward", wp, MOEBLAZE_PASS_LAYER_BACKWARD,
+                 moeblaze_layer_backward, &World::backward_args, restore_saved);
 
-  // ---- experts and whole layer, backward
-  for (int32_t pass : {MOEBLAZE_PASS_EXPERTS_BACKWARD, MOEBLAZE_PASS_LAYER_BACKWARD}) {
-    const bool whole = pass == MOEBLAZE_PASS_LAYER_BACKWARD;
-    const int32_t forward = whole ? MOEBLAZE_PASS_LAYER_FORWARD : MOEBLAZE_PASS_EXPERTS_FORWARD;
-    const std::string entry = whole ? "moeblaze_layer_backward" : "moeblaze_experts_backward";
-    using Args = moeblaze_backward_args_t;
-    const std::function<Args()> make = [wp, pass] { return wp->backward_args(pass); };
-    const std::function<moeblaze_status_t(const Args*)> call_ptr = [wp, whole](const Args* a) {
-      return whole ? moeblaze_layer_backward(wp->layer, a, nullptr)
-                   : moeblaze_experts_backward(wp->layer, a, nullptr);
-    };
-    const std::function<moeblaze_status_t(Args&)> call = [call_ptr](Args& a) {
-      return call_ptr(&a);
-    };
-    const std::function<void()> reset = [wp] { wp->restore_saved(); };
-    sweep.add(entry, "valid", MOEBLAZE_OK, "", [=] {
-      reset();
-      Args a = make();
-      return call(a);
-    });
-    add_field_cases<Args>(sweep, entry, backward_fields(w, whole), make, call, reset);
-    add_struct_size_cases<Args>(sweep, entry, make, call_ptr, reset);
-    for (int64_t T : kBadTokens) {
-      sweep.add(entry, "num_tokens " + std::to_string(T), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                "num_tokens", [=] {
-                  reset();
-                  Args a = make();
-                  a.num_tokens = T;
-                  return call(a);
-                });
-    }
-    for (int64_t T : {int64_t(0), World::T - 1}) {
-      sweep.add(entry, "num_tokens " + std::to_string(T) + " (not the forward's)",
-                MOEBLAZE_ERR_VERSION_MISMATCH, "saved", [=] {
-                  reset();
-                  Args a = make();
-                  a.num_tokens = T;
-                  return call(a);
-                });
-    }
-    for (uint32_t flags : {4u, 8u, 0x80000000u}) {
-      sweep.add(entry, "flags " + std::to_string(flags), MOEBLAZE_ERR_INVALID_ARGUMENT,
-                "args->flags", [=] {
-                  reset();
-                  Args a = make();
-                  a.flags = flags;
-                  return call(a);
-                });
-    }
-    sweep.add(entry, "saved NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "args->saved", [=] {
-      reset();
-      Args a = make();
-      a.saved = nullptr;
-      return call(a);
-    });
-    sweep.add(entry, "saved one byte short", MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
-              "args->saved_bytes", [=] {
-                reset();
-                Args a = make();
-                a.saved_bytes -= 1;
-                return call(a);
-              });
-    sweep.add(entry, "saved misaligned by 8", MOEBLAZE_ERR_INVALID_ARGUMENT, "args->saved", [=] {
-      reset();
-      Args a = make();
-      a.saved = static_cast<const unsigned char*>(a.saved) + 8;
-      return call(a);
-    });
-    sweep.add(entry, "workspace one byte short", MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
-              "args->workspace_bytes", [=] {
-                reset();
-                Args a = make();
-                a.workspace_bytes -= 1;
-                return call(a);
-              });
-    sweep.add(
-        entry, "the other forward's saved buffer", MOEBLAZE_ERR_VERSION_MISMATCH, "saved", [=] {
-          reset();
-          World& w = *wp;
-          const int32_t other = whole ? MOEBLAZE_PASS_EXPERTS_FORWARD : MOEBLAZE_PASS_LAYER_FORWARD;
-          // Big enough for either layout; only its header differs.
-          const Exact& theirs = w.saved.at(other);
-          Exact copy(std::max(theirs.size(), w.saved.at(forward).size()));
-          std::memcpy(copy.data(), theirs.data(), theirs.size());
-          Args a = make();
-          a.saved = copy.data();
-          a.saved_bytes = copy.size();
-          return call(a);
-        });
-    // The saved buffer overwritten between forward and backward: its header words, then every
-    // word of its routing index with values no index can have.
-    for (size_t word = 0; word < 8; ++word) {
-      sweep.add(entry, "saved header word " + std::to_string(word) + " flipped",
-                MOEBLAZE_ERR_VERSION_MISMATCH, "saved", [=] {
-                  reset();
-                  wp->saved.at(forward).as<uint32_t>()[word] ^= 0x00010001u;
-                  Args a = make();
-                  return call(a);
-                });
-    }
-    sweep.add(entry, "saved all zero", MOEBLAZE_ERR_VERSION_MISMATCH, "saved", [=] {
-      reset();
-      std::memset(wp->saved.at(forward).data(), 0, wp->saved.at(forward).size());
-      Args a = make();
-      return call(a);
-    });
-    {
-      World& w = *wp;
-      std::vector<int32_t> ids(w.ids.as<int32_t>(), w.ids.as<int32_t>() + World::N);
-      if (whole) {  // the router chose: read its ids back from the forward's output
-        std::vector<int32_t> router_ids(World::N);
-        moeblaze_forward_args_t a = w.forward_args(MOEBLAZE_PASS_LAYER_FORWARD);
-        Exact saved(w.saved.at(forward).size());
-        a.saved = saved.data();
-        a.ids_out = router_ids.data();
-        MB_CHECK(moeblaze_layer_forward(w.layer, &a, nullptr));
-        ids = router_ids;
-      }
-      const ReferenceRoutingIndex index = routing_index_of(ids, World::T, World::E, World::k);
-      const Exact& buffer = w.saved.at(forward);
-      const std::pair<const char*, const std::vector<int32_t>*> arrays[] = {
-          {"expert_offsets", &index.expert_offsets},
-          {"expert_token_indices", &index.expert_token_indices},
-          {"token_index_map", &index.token_index_map}};
-      for (const auto& [name, words] : arrays) {
-        const int64_t at =
-            find_int32_sequence(w.saved_pristine.at(forward).data(), buffer.size(), *words);
-        REQUIRE_MESSAGE(at >= 0, name);
-        const int32_t N = int32_t(World::N);
-        for (size_t i = 0; i < words->size(); ++i) {
-          for (int32_t value : {-1, N + 1, std::numeric_limits<int32_t>::max(),
-                                std::numeric_limits<int32_t>::min()}) {
-            sweep.add(entry,
-                      std::string("saved ") + name + "[" + std::to_string(i) +
-                          "] = " + std::to_string(value),
-                      MOEBLAZE_ERR_INVALID_ARGUMENT, "saved", [=] {
-                        reset();
-                        reinterpret_cast<int32_t*>(wp->saved.at(forward).bytes() + at)[i] = value;
-                        Args a = make();
-                        return call(a);
-                      });
-          }
-        }
-      }
-      if (whole) {
-        const int64_t at =
-            find_int32_sequence(w.saved_pristine.at(forward).data(), buffer.size(), ids);
-        REQUIRE(at >= 0);
-        for (size_t i : {size_t(0), size_t(World::N - 1)}) {
-          sweep.add(entry, "saved ids[" + std::to_string(i) + "] out of range",
-                    MOEBLAZE_ERR_INVALID_ARGUMENT, "saved ids", [=] {
-                      reset();
-                      reinterpret_cast<int32_t*>(wp->saved.at(forward).bytes() + at)[i] = 99;
-                      Args a = make();
-                      return call(a);
-                    });
-        }
-      } else {
-        sweep.add(entry, "ids other than the forward's", MOEBLAZE_ERR_INVALID_ARGUMENT, "ids", [=] {
-          reset();
-          Exact ids(wp->ids.size());
-          std::memcpy(ids.data(), wp->ids.data(), ids.size());
-          std::swap(ids.as<int32_t>()[0], ids.as<int32_t>()[1]);
-          Args a = make();
-          a.ids = ids.as<int32_t>();
-          return call(a);
-        });
-      }
-    }
+  // Every call that takes a context or a layer, on each bad one.
+  add_bad_handle_cases<moeblaze_context_t>(
+      sweep, bad_handles<moeblaze_context_t>(w.destroyed_context, w.layer), "context",
+      {{"moeblaze_context_destroy", moeblaze_context_destroy, true},
+       {"moeblaze_context_get_info", with_outputs(moeblaze_context_get_info)},
+       {"moeblaze_context_set_num_threads",
+        [](moeblaze_context_t c) { return moeblaze_context_set_num_threads(c, 1); }},
+       {create.name, create.on_handle(), false, "context "}});
+  add_bad_handle_cases<moeblaze_layer_t>(
+      sweep, bad_handles<moeblaze_layer_t>(w.destroyed_layer, w.context), "layer",
+      {{"moeblaze_layer_destroy", moeblaze_layer_destroy, true}}, get_config, ws, ws_flags, saved,
+      router_forward, router_backward, routing_build, experts_forward, layer_forward,
+      experts_backward, layer_backward);
+
+  // Contexts.
+  for (int32_t threads : {-1, 4097, kI32Min, kI32Max}) {
+    sweep.add("moeblaze_context_set_num_threads", "num_threads " + std::to_string(threads),
+              kInvalid, "num_threads",
+              [wp, threads] { return moeblaze_context_set_num_threads(wp->context, threads); });
   }
+  sweep.add("moeblaze_context_get_info", "both outputs NULL", kOk, "",
+            [wp] { return moeblaze_context_get_info(wp->context, nullptr, nullptr); });
+
+  // The layer plan.
+  create.add_valid(sweep);
+  add_config_cases(sweep, create);
+  create.add_run(sweep, "out NULL", kInvalid, "out", [](const auto& e) {
+    const C c = e.make();
+    return moeblaze_layer_create(nullptr, e.handle, &c);
+  });
+  add_struct_size_cases(sweep, create);
+  get_config.add_valid(sweep);
+  get_config.add_run(sweep, "config NULL", kInvalid, "config",
+                     [](const auto& e) { return moeblaze_layer_get_config(e.handle, nullptr); });
+  add_values(sweep, get_config, &C::struct_size, "struct_size", {0u, 4u, uint32_t(sizeof(C) - 4)},
+             kMismatch, "struct_size");
+  add_values(sweep, get_config, &C::struct_size, "struct_size", {(1u << 20) + 4, 0xFFFFFFF0u},
+             kInvalid, "struct_size");
+
+  add_size_query_cases(sweep, ws, ws_flags, saved);
+  add_router_cases(sweep, wp, router_forward, router_backward, routing_build);
+  add_forward_cases(sweep, wp, experts_forward, false);
+  add_forward_cases(sweep, wp, layer_forward, true);
+  add_backward_cases(sweep, wp, experts_backward, false);
+  add_backward_cases(sweep, wp, layer_backward, true);
 }
 
 // ---- expert parallelism (one rank of a LOCAL group: every call completes on one thread) --------
@@ -1491,41 +1349,35 @@ struct EpWorld {
     moeblaze_context_destroy(context);
   }
 
-  moeblaze_ep_forward_args_t forward_args() const {
-    moeblaze_ep_forward_args_t a;
-    moeblaze_ep_forward_args_init(&a, sizeof a);
+  // The inputs and buffers of one step, which the forward and the backward args share.
+  template <typename Args>
+  void set_step(Args& a) const {
     a.num_tokens = T;
     a.x = x.data();
     a.w_router = w_router.data();
     a.w_gate = w_gate.data();
     a.w_up = w_up.data();
     a.w_down = w_down.data();
-    a.y = y.data();
     a.home_saved = home.data();
     a.home_saved_bytes = home.size();
     a.expert_saved = expert.data();
     a.expert_saved_bytes = expert.size();
     a.workspace = workspace.data();
     a.workspace_bytes = workspace.size();
+  }
+  moeblaze_ep_forward_args_t forward_args() const {
+    moeblaze_ep_forward_args_t a;
+    moeblaze_ep_forward_args_init(&a, sizeof a);
+    set_step(a);
+    a.y = y.data();
     return a;
   }
   moeblaze_ep_backward_args_t backward_args() const {
     moeblaze_ep_backward_args_t a;
     moeblaze_ep_backward_args_init(&a, sizeof a);
-    a.num_tokens = T;
+    set_step(a);
     a.dy = dy.data();
-    a.x = x.data();
-    a.w_router = w_router.data();
-    a.w_gate = w_gate.data();
-    a.w_up = w_up.data();
-    a.w_down = w_down.data();
-    a.home_saved = home.data();
-    a.home_saved_bytes = home.size();
-    a.expert_saved = expert.data();
-    a.expert_saved_bytes = expert.size();
     a.dx = dx.data();
-    a.workspace = workspace.data();
-    a.workspace_bytes = workspace.size();
     return a;
   }
   void to_begun() {
@@ -1539,450 +1391,265 @@ struct EpWorld {
   }
 };
 
+template <typename Args>
+using EpEntry = Entry<moeblaze_ep_layer_t, Args>;
+template <typename Args>
+using ExchangeCall =
+    std::function<moeblaze_status_t(moeblaze_ep_layer_t, const Args*, void*, size_t)>;
+
+// A step call of the EP layer on the world's exchange buffer.
+template <typename Args>
+EpEntry<Args> ep_entry(std::string name, const std::shared_ptr<EpWorld>& wp,
+                       std::function<Args()> make, ExchangeCall<Args> call,
+                       std::function<void()> reset) {
+  return {std::move(name), wp->layer, std::move(make),
+          [wp, call](moeblaze_ep_layer_t layer, const Args* a) {
+            return call(layer, a, wp->exchange.data(), wp->exchange.size());
+          },
+          std::move(reset)};
+}
+
+// The exchange buffer NULL, one byte short and misaligned by 4.
+template <typename Args>
+void add_exchange_cases(Sweep& sweep, const EpEntry<Args>& e, const std::shared_ptr<EpWorld>& wp,
+                        ExchangeCall<Args> call) {
+  struct Bad {
+    const char* what;
+    moeblaze_status_t expected;
+    const char* needle;
+    void* exchange;
+    size_t bytes;
+  };
+  const Exact& x = wp->exchange;
+  const Bad bads[] = {
+      {"exchange NULL", kInvalid, "exchange", nullptr, x.size()},
+      {"exchange one byte short", kShortBuffer, "exchange_bytes", x.data(), x.size() - 1},
+      {"exchange misaligned by 4", kInvalid, "exchange", x.plus(4), x.size()}};
+  for (const Bad& b : bads) {
+    e.add_run(sweep, b.what, b.expected, b.needle, [call, b](const auto& e) {
+      Args a = e.make();
+      return call(e.handle, &a, b.exchange, b.bytes);
+    });
+  }
+}
+
+// The exchange and HOME buffers overwritten between calls, every word of each: words that hold a
+// header field, a count or an index must be refused; words that hold values (logits, g) or padding
+// may be accepted; nothing may be read or written outside the buffers.
+template <typename Args>
+void add_overwritten_cases(Sweep& sweep, const EpEntry<Args>& e,
+                           const std::shared_ptr<EpWorld>& wp) {
+  // `exchange`: a 64-byte header (12 words of fields, then padding), then the count table.
+  for (size_t word = 0; word < wp->exchange.size() / 4; ++word) {
+    const bool padding = word >= 12 && word < 16;
+    for (int32_t value : {-1, 1 << 24}) {
+      e.add(sweep, "exchange word " + std::to_string(word) + " = " + std::to_string(value),
+            padding ? kOk : kInvalid, "exchange",
+            [wp, word, value](Args&, Scratch&) { wp->exchange.as<int32_t>()[word] = value; });
+    }
+  }
+  for (size_t word = 0; word < wp->home.size() / 4; ++word) {
+    const bool checked = wp->home_checked_words.count(word) > 0;
+    e.add(sweep, "home_saved word " + std::to_string(word) + " = INT32_MIN",
+          checked ? kInvalid : kOk, "home_saved",
+          [wp, word](Args&, Scratch&) { wp->home.as<int32_t>()[word] = kI32Min; });
+  }
+}
+
 void add_ep_cases(Sweep& sweep, const std::shared_ptr<EpWorld>& wp) {
   EpWorld& w = *wp;
-  const auto bad_layers = bad_handles<moeblaze_ep_layer_t>(w.destroyed_layer, w.group);
-  const auto bad_groups = bad_handles<moeblaze_ep_group_t>(w.destroyed_group, w.layer);
+  using FA = moeblaze_ep_forward_args_t;
+  using BA = moeblaze_ep_backward_args_t;
+  using EC = moeblaze_ep_config_t;
+  const ExchangeCall<FA> begin_call = [](moeblaze_ep_layer_t l, const FA* a, void* x, size_t n) {
+    int64_t recv_rows = 0;
+    return moeblaze_ep_forward_begin(l, a, x, n, &recv_rows, nullptr);
+  };
+  const ExchangeCall<FA> finish_call = [](moeblaze_ep_layer_t l, const FA* a, void* x, size_t n) {
+    return moeblaze_ep_forward_finish(l, a, x, n, nullptr);
+  };
+  const ExchangeCall<BA> backward_call = [](moeblaze_ep_layer_t l, const BA* a, void* x, size_t n) {
+    return moeblaze_ep_backward(l, a, x, n, nullptr);
+  };
+  // finish runs on a begun step, backward on a finished one.
+  const std::function<FA()> make_fa = [wp] { return wp->forward_args(); };
+  const auto begin = ep_entry<FA>("moeblaze_ep_forward_begin", wp, make_fa, begin_call, [] {});
+  const auto finish = ep_entry<FA>("moeblaze_ep_forward_finish", wp, make_fa, finish_call,
+                                   [wp] { wp->to_begun(); });
+  const auto backward = ep_entry<BA>(
+      "moeblaze_ep_backward", wp, [wp] { return wp->backward_args(); }, backward_call,
+      [wp] { wp->to_finished(); });
+  const Entry<moeblaze_context_t, EC> create{
+      "moeblaze_ep_layer_create", w.context, [wp] { return wp->ep; },
+      [wp](moeblaze_context_t context, const EC* ep) {
+        moeblaze_ep_layer_t out = nullptr;
+        const moeblaze_status_t s = moeblaze_ep_layer_create(&out, context, &wp->config, ep);
+        if (out != nullptr) moeblaze_ep_layer_destroy(out);
+        return s;
+      }};
+  const auto ws = query_entry<moeblaze_ep_layer_t>(
+      "moeblaze_ep_layer_workspace_size", w.layer, {MOEBLAZE_EP_PASS_FORWARD_BEGIN, 4, 4, 0, false},
+      [](moeblaze_ep_layer_t l, const Query& q, size_t* b) {
+        return moeblaze_ep_layer_workspace_size(l, q.pass, q.num_tokens, q.recv_rows, b);
+      });
+  const auto ws_flags =
+      query_entry<moeblaze_ep_layer_t>("moeblaze_ep_layer_workspace_size_with_flags", w.layer,
+                                       {MOEBLAZE_EP_PASS_BACKWARD, 4, 4, 0, false},
+                                       [](moeblaze_ep_layer_t l, const Query& q, size_t* b) {
+                                         return moeblaze_ep_layer_workspace_size_with_flags(
+                                             l, q.pass, q.num_tokens, q.recv_rows, q.flags, b);
+                                       });
+  const auto saved = query_entry<moeblaze_ep_layer_t>(
+      "moeblaze_ep_layer_saved_size", w.layer, {MOEBLAZE_EP_SAVED_HOME, 4, 4, 0, false},
+      [](moeblaze_ep_layer_t l, const Query& q, size_t* b) {
+        return moeblaze_ep_layer_saved_size(l, q.pass, q.num_tokens, q.recv_rows, b);
+      });
 
-  sweep.add("moeblaze_ep_local_group_create", "out NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "out",
+  // Groups, and every call that takes an EP layer on each bad one.
+  sweep.add("moeblaze_ep_local_group_create", "out NULL", kInvalid, "out",
             [] { return moeblaze_ep_local_group_create(nullptr, 1); });
-  for (int32_t size : {0, -1, MOEBLAZE_MAX_EXPERTS + 1, std::numeric_limits<int32_t>::min()}) {
-    sweep.add("moeblaze_ep_local_group_create", "world_size " + std::to_string(size),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "world_size", [size] {
+  for (int32_t size : {0, -1, MOEBLAZE_MAX_EXPERTS + 1, kI32Min}) {
+    sweep.add("moeblaze_ep_local_group_create", "world_size " + std::to_string(size), kInvalid,
+              "world_size", [size] {
                 moeblaze_ep_group_t g = nullptr;
                 return moeblaze_ep_local_group_create(&g, size);
               });
   }
-  for (const auto& [what, g] : bad_groups) {
-    const moeblaze_ep_group_t group = g;
-    sweep.add("moeblaze_ep_local_group_destroy", what,
-              group == nullptr ? MOEBLAZE_OK : MOEBLAZE_ERR_INVALID_HANDLE, "group",
-              [group] { return moeblaze_ep_local_group_destroy(group); });
-    if (group == nullptr) continue;  // a NULL communicator is its own case below
-    sweep.add("moeblaze_ep_layer_create", "communicator " + what, MOEBLAZE_ERR_INVALID_HANDLE,
-              "communicator", [wp, group] {
-                moeblaze_ep_config_t ep = wp->ep;
-                ep.communicator = group;
-                moeblaze_ep_layer_t out = nullptr;
-                return moeblaze_ep_layer_create(&out, wp->context, &wp->config, &ep);
-              });
-  }
-  struct EpConfigCase {
-    const char* what;
-    std::function<void(moeblaze_ep_config_t&)> set;
-    moeblaze_status_t expected;
-    const char* needle;
-  };
-  const EpConfigCase ep_cases[] = {
-      {"transport 0", [](moeblaze_ep_config_t& e) { e.transport = 0; }, MOEBLAZE_ERR_NOT_SUPPORTED,
-       "transport"},
-      {"transport 3", [](moeblaze_ep_config_t& e) { e.transport = 3; }, MOEBLAZE_ERR_NOT_SUPPORTED,
-       "transport"},
-      {"NCCL on a CPU context",
-       [](moeblaze_ep_config_t& e) { e.transport = MOEBLAZE_EP_TRANSPORT_NCCL; },
-       MOEBLAZE_ERR_NOT_SUPPORTED, "NCCL"},
-      {"rank -1", [](moeblaze_ep_config_t& e) { e.rank = -1; }, MOEBLAZE_ERR_INVALID_ARGUMENT,
-       "rank"},
-      {"rank = world_size", [](moeblaze_ep_config_t& e) { e.rank = 1; },
-       MOEBLAZE_ERR_INVALID_ARGUMENT, "rank"},
-      {"world_size 0", [](moeblaze_ep_config_t& e) { e.world_size = 0; },
-       MOEBLAZE_ERR_INVALID_ARGUMENT, "world_size"},
-      {"world_size > E", [](moeblaze_ep_config_t& e) { e.world_size = 5; },
-       MOEBLAZE_ERR_INVALID_ARGUMENT, "world_size"},
-      {"world_size 2 with a 1-rank group", [](moeblaze_ep_config_t& e) { e.world_size = 2; },
-       MOEBLAZE_ERR_INVALID_ARGUMENT, "world_size"},
-      {"communicator NULL", [](moeblaze_ep_config_t& e) { e.communicator = nullptr; },
-       MOEBLAZE_ERR_INVALID_ARGUMENT, "communicator"},
-  };
-  for (const EpConfigCase& c : ep_cases) {
-    const auto set = c.set;
-    sweep.add("moeblaze_ep_layer_create", c.what, c.expected, c.needle, [wp, set] {
-      moeblaze_ep_config_t ep = wp->ep;
-      set(ep);
-      moeblaze_ep_layer_t out = nullptr;
-      return moeblaze_ep_layer_create(&out, wp->context, &wp->config, &ep);
-    });
-  }
-  sweep.add("moeblaze_ep_layer_create", "out NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "out",
-            [wp] { return moeblaze_ep_layer_create(nullptr, wp->context, &wp->config, &wp->ep); });
-  add_struct_size_cases<moeblaze_ep_config_t>(
-      sweep, "moeblaze_ep_layer_create", [wp] { return wp->ep; },
-      [wp](const moeblaze_ep_config_t* e) {
-        moeblaze_ep_layer_t out = nullptr;
-        const moeblaze_status_t s = moeblaze_ep_layer_create(&out, wp->context, &wp->config, e);
-        if (out != nullptr) moeblaze_ep_layer_destroy(out);
-        return s;
-      },
-      [] {});
+  const auto bad_groups = bad_handles<moeblaze_ep_group_t>(w.destroyed_group, w.layer);
+  add_bad_handle_cases<moeblaze_ep_group_t>(
+      sweep, bad_groups, "group",
+      {{"moeblaze_ep_local_group_destroy", moeblaze_ep_local_group_destroy, true}});
+  add_bad_handle_cases<moeblaze_ep_layer_t>(
+      sweep, bad_handles<moeblaze_ep_layer_t>(w.destroyed_layer, w.group), "layer",
+      {{"moeblaze_ep_layer_destroy", moeblaze_ep_layer_destroy, true},
+       {"moeblaze_ep_layer_get_experts", with_outputs(moeblaze_ep_layer_get_experts)},
+       {"moeblaze_ep_layer_exchange_size", with_outputs(moeblaze_ep_layer_exchange_size)}},
+      ws, ws_flags, saved, begin, finish, backward);
 
-  for (const auto& [what, l] : bad_layers) {
-    const moeblaze_ep_layer_t layer = l;
-    sweep.add("moeblaze_ep_layer_destroy", what,
-              layer == nullptr ? MOEBLAZE_OK : MOEBLAZE_ERR_INVALID_HANDLE, "layer",
-              [layer] { return moeblaze_ep_layer_destroy(layer); });
-    sweep.add("moeblaze_ep_layer_get_experts", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [layer] {
-      int64_t b = 0, e = 0;
-      return moeblaze_ep_layer_get_experts(layer, &b, &e);
-    });
-    sweep.add("moeblaze_ep_layer_exchange_size", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer",
-              [layer] {
-                size_t b = 0;
-                return moeblaze_ep_layer_exchange_size(layer, &b);
-              });
-    sweep.add("moeblaze_ep_layer_workspace_size", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer",
-              [layer] {
-                size_t b = 0;
-                return moeblaze_ep_layer_workspace_size(layer, 0, 4, 0, &b);
-              });
-    sweep.add("moeblaze_ep_layer_workspace_size_with_flags", what, MOEBLAZE_ERR_INVALID_HANDLE,
-              "layer", [layer] {
-                size_t b = 0;
-                return moeblaze_ep_layer_workspace_size_with_flags(layer, 2, 4, 4, 0, &b);
-              });
-    sweep.add("moeblaze_ep_layer_saved_size", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [layer] {
-      size_t b = 0;
-      return moeblaze_ep_layer_saved_size(layer, 0, 4, 0, &b);
-    });
-    sweep.add("moeblaze_ep_forward_begin", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [wp, layer] {
-      moeblaze_ep_forward_args_t a = wp->forward_args();
-      int64_t r = 0;
-      return moeblaze_ep_forward_begin(layer, &a, wp->exchange.data(), wp->exchange.size(), &r,
-                                       nullptr);
-    });
-    sweep.add("moeblaze_ep_forward_finish", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer",
-              [wp, layer] {
-                wp->to_begun();
-                moeblaze_ep_forward_args_t a = wp->forward_args();
-                return moeblaze_ep_forward_finish(layer, &a, wp->exchange.data(),
-                                                  wp->exchange.size(), nullptr);
-              });
-    sweep.add("moeblaze_ep_backward", what, MOEBLAZE_ERR_INVALID_HANDLE, "layer", [wp, layer] {
-      wp->to_finished();
-      moeblaze_ep_backward_args_t a = wp->backward_args();
-      return moeblaze_ep_backward(layer, &a, wp->exchange.data(), wp->exchange.size(), nullptr);
-    });
+  // The EP layer plan.
+  create.add_valid(sweep);
+  for (const auto& [what, group] : bad_groups) {
+    if (group == nullptr) continue;  // a NULL communicator is its own case below
+    create.add(sweep, "communicator " + what, kBadHandle, "communicator",
+               [g = group](EC& ep, Scratch&) { ep.communicator = g; });
   }
+  add_rows(sweep, create,
+           {{"transport 0", MOEBLAZE_ERR_NOT_SUPPORTED, "transport",
+             [](EC& e, Scratch&) { e.transport = 0; }},
+            {"transport 3", MOEBLAZE_ERR_NOT_SUPPORTED, "transport",
+             [](EC& e, Scratch&) { e.transport = 3; }},
+            {"NCCL on a CPU context", MOEBLAZE_ERR_NOT_SUPPORTED, "NCCL",
+             [](EC& e, Scratch&) { e.transport = MOEBLAZE_EP_TRANSPORT_NCCL; }},
+            {"rank -1", kInvalid, "rank", [](EC& e, Scratch&) { e.rank = -1; }},
+            {"rank = world_size", kInvalid, "rank", [](EC& e, Scratch&) { e.rank = 1; }},
+            {"world_size 0", kInvalid, "world_size", [](EC& e, Scratch&) { e.world_size = 0; }},
+            {"world_size > E", kInvalid, "world_size", [](EC& e, Scratch&) { e.world_size = 5; }},
+            {"world_size 2 with a 1-rank group", kInvalid, "world_size",
+             [](EC& e, Scratch&) { e.world_size = 2; }},
+            {"communicator NULL", kInvalid, "communicator",
+             [](EC& e, Scratch&) { e.communicator = nullptr; }}});
+  create.add_run(sweep, "out NULL", kInvalid, "out", [wp](const auto& e) {
+    const EC ep = e.make();
+    return moeblaze_ep_layer_create(nullptr, e.handle, &wp->config, &ep);
+  });
+  add_struct_size_cases(sweep, create);
+
   // Size queries.
-  for (int32_t pass : {-1, 3, std::numeric_limits<int32_t>::max()}) {
-    sweep.add("moeblaze_ep_layer_workspace_size", "pass " + std::to_string(pass),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "pass", [wp, pass] {
-                size_t b = 0;
-                return moeblaze_ep_layer_workspace_size(wp->layer, pass, 4, 4, &b);
-              });
-  }
-  for (int32_t part : {-1, 2}) {
-    sweep.add("moeblaze_ep_layer_saved_size", "part " + std::to_string(part),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "part", [wp, part] {
-                size_t b = 0;
-                return moeblaze_ep_layer_saved_size(wp->layer, part, 4, 4, &b);
-              });
-  }
-  for (int64_t T : kBadTokens) {
-    for (int32_t pass : {0, 1, 2}) {
-      sweep.add("moeblaze_ep_layer_workspace_size", "num_tokens " + std::to_string(T),
-                MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens", [wp, T, pass] {
-                  size_t b = 0;
-                  return moeblaze_ep_layer_workspace_size(wp->layer, pass, T, 4, &b);
-                });
-    }
-    sweep.add("moeblaze_ep_layer_saved_size", "num_tokens " + std::to_string(T),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens", [wp, T] {
-                size_t b = 0;
-                return moeblaze_ep_layer_saved_size(wp->layer, 0, T, 4, &b);
-              });
-    for (int32_t pass : {1, 2}) {
-      sweep.add("moeblaze_ep_layer_workspace_size", "recv_rows " + std::to_string(T),
-                MOEBLAZE_ERR_INVALID_ARGUMENT, "recv_rows", [wp, T, pass] {
-                  size_t b = 0;
-                  return moeblaze_ep_layer_workspace_size(wp->layer, pass, 4, T, &b);
-                });
-    }
-    sweep.add("moeblaze_ep_layer_saved_size", "recv_rows " + std::to_string(T),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "recv_rows", [wp, T] {
-                size_t b = 0;
-                return moeblaze_ep_layer_saved_size(wp->layer, 1, 4, T, &b);
-              });
-  }
-  for (uint32_t flags : {4u, 0xFFFFFFFFu}) {
-    sweep.add("moeblaze_ep_layer_workspace_size_with_flags", "flags " + std::to_string(flags),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "flags", [wp, flags] {
-                size_t b = 0;
-                return moeblaze_ep_layer_workspace_size_with_flags(wp->layer, 2, 4, 4, flags, &b);
-              });
-  }
-  sweep.add("moeblaze_ep_layer_exchange_size", "bytes NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "bytes",
+  for (const EpEntry<Query>* e : {&ws, &ws_flags, &saved}) e->add_valid(sweep);
+  add_values(sweep, ws, &Query::pass, "pass", {-1, 3, kI32Max}, kInvalid, "pass");
+  add_values(sweep, saved, &Query::pass, "part", {-1, 2}, kInvalid, "part");
+  add_query_values(sweep, ws, {0, 1, 2}, &Query::num_tokens, "num_tokens");
+  add_query_values(sweep, saved, {MOEBLAZE_EP_SAVED_HOME}, &Query::num_tokens, "num_tokens");
+  add_query_values(sweep, ws, {1, 2}, &Query::recv_rows, "recv_rows");
+  add_query_values(sweep, saved, {MOEBLAZE_EP_SAVED_EXPERT}, &Query::recv_rows, "recv_rows");
+  add_values(sweep, ws_flags, &Query::flags, "flags", {4u, 0xFFFFFFFFu}, kInvalid, "flags");
+  sweep.add("moeblaze_ep_layer_exchange_size", "bytes NULL", kInvalid, "bytes",
             [wp] { return moeblaze_ep_layer_exchange_size(wp->layer, nullptr); });
-  sweep.add("moeblaze_ep_layer_get_experts", "both outputs NULL", MOEBLAZE_OK, "",
+  sweep.add("moeblaze_ep_layer_get_experts", "both outputs NULL", kOk, "",
             [wp] { return moeblaze_ep_layer_get_experts(wp->layer, nullptr, nullptr); });
 
-  // The three collective calls.
-  using FA = moeblaze_ep_forward_args_t;
-  using BA = moeblaze_ep_backward_args_t;
-  const std::function<FA()> make_fa = [wp] { return wp->forward_args(); };
-  const std::function<BA()> make_ba = [wp] { return wp->backward_args(); };
-  const std::function<moeblaze_status_t(const FA*)> begin_ptr = [wp](const FA* a) {
-    int64_t r = 0;
-    return moeblaze_ep_forward_begin(wp->layer, a, wp->exchange.data(), wp->exchange.size(), &r,
-                                     nullptr);
-  };
-  const std::function<moeblaze_status_t(const FA*)> finish_ptr = [wp](const FA* a) {
-    return moeblaze_ep_forward_finish(wp->layer, a, wp->exchange.data(), wp->exchange.size(),
-                                      nullptr);
-  };
-  const std::function<moeblaze_status_t(const BA*)> backward_ptr = [wp](const BA* a) {
-    return moeblaze_ep_backward(wp->layer, a, wp->exchange.data(), wp->exchange.size(), nullptr);
-  };
-  const std::function<void()> begun = [wp] { wp->to_begun(); };
-  const std::function<void()> finished = [wp] { wp->to_finished(); };
-  const std::function<void()> nothing = [] {};
-
-  sweep.add("moeblaze_ep_forward_begin", "valid", MOEBLAZE_OK, "", [=] {
-    FA a = make_fa();
-    return begin_ptr(&a);
-  });
-  sweep.add("moeblaze_ep_forward_finish", "valid", MOEBLAZE_OK, "", [=] {
-    begun();
-    FA a = make_fa();
-    return finish_ptr(&a);
-  });
-  sweep.add("moeblaze_ep_backward", "valid", MOEBLAZE_OK, "", [=] {
-    finished();
-    BA a = make_ba();
-    return backward_ptr(&a);
-  });
-  add_struct_size_cases<FA>(sweep, "moeblaze_ep_forward_begin", make_fa, begin_ptr, nothing);
-  add_struct_size_cases<FA>(sweep, "moeblaze_ep_forward_finish", make_fa, finish_ptr, begun);
-  add_struct_size_cases<BA>(sweep, "moeblaze_ep_backward", make_ba, backward_ptr, finished);
+  // The three step calls: args structs, buffers, sizes, flags and call order.
   {
-    using A = FA;
-    const std::vector<Field> begin_fields = {
-        MB_FIELD(A, x, 4, Required),         MB_FIELD(A, w_router, 4, Required),
-        MB_FIELD(A, w_gate, 4, Ignored),     MB_FIELD(A, w_up, 4, Ignored),
-        MB_FIELD(A, w_down, 4, Ignored),     MB_FIELD(A, y, 4, Ignored),
-        MB_FIELD(A, logits_out, 4, Ignored), MB_FIELD(A, ids_out, 4, Ignored),
-        MB_FIELD(A, g_out, 4, Ignored),      MB_FIELD(A, expert_counts, 4, Ignored),
-        MB_FIELD(A, losses, 4, Ignored),     MB_FIELD(A, expert_saved, 16, Ignored),
+    // The forward args' pointer fields, as begin and as finish use them.
+    struct StepField {
+      Field begin;
+      Field::Use finish;
     };
-    const std::vector<Field> finish_fields = {
-        MB_FIELD(A, x, 4, Required),          MB_FIELD(A, w_router, 4, Ignored),
-        MB_FIELD(A, w_gate, 4, Required),     MB_FIELD(A, w_up, 4, Required),
-        MB_FIELD(A, w_down, 4, Required),     MB_FIELD(A, y, 4, Required),
-        MB_FIELD(A, logits_out, 4, Optional), MB_FIELD(A, ids_out, 4, Optional),
-        MB_FIELD(A, g_out, 4, Optional),      MB_FIELD(A, expert_counts, 4, Optional),
-        MB_FIELD(A, losses, 4, Optional),
-    };
-    const std::function<moeblaze_status_t(A&)> begin = [begin_ptr](A& a) { return begin_ptr(&a); };
-    const std::function<moeblaze_status_t(A&)> finish = [finish_ptr](A& a) {
-      return finish_ptr(&a);
-    };
-    add_field_cases<A>(sweep, "moeblaze_ep_forward_begin", begin_fields, make_fa, begin, nothing);
-    add_field_cases<A>(sweep, "moeblaze_ep_forward_finish", finish_fields, make_fa, finish, begun);
+    const StepField step_fields[] = {{MB_FIELD(FA, x, 4, Required), Field::Required},
+                                     {MB_FIELD(FA, w_router, 4, Required), Field::Ignored},
+                                     {MB_FIELD(FA, w_gate, 4, Ignored), Field::Required},
+                                     {MB_FIELD(FA, w_up, 4, Ignored), Field::Required},
+                                     {MB_FIELD(FA, w_down, 4, Ignored), Field::Required},
+                                     {MB_FIELD(FA, y, 4, Ignored), Field::Required},
+                                     {MB_FIELD(FA, logits_out, 4, Ignored), Field::Optional},
+                                     {MB_FIELD(FA, ids_out, 4, Ignored), Field::Optional},
+                                     {MB_FIELD(FA, g_out, 4, Ignored), Field::Optional},
+                                     {MB_FIELD(FA, expert_counts, 4, Ignored), Field::Optional},
+                                     {MB_FIELD(FA, losses, 4, Ignored), Field::Optional}};
+    std::vector<Field> begin_fields, finish_fields;
+    for (const StepField& f : step_fields) {
+      begin_fields.push_back(f.begin);
+      finish_fields.push_back(f.begin);
+      finish_fields.back().use = f.finish;
+    }
+    begin_fields.push_back(MB_FIELD(FA, expert_saved, 16, Ignored));  // finish's: a buffer, below
+    add_field_cases(sweep, begin, begin_fields);
+    add_field_cases(sweep, finish, finish_fields);
   }
   {
     using A = BA;
-    const std::vector<Field> fields = {
-        MB_FIELD(A, dy, 4, Required),        MB_FIELD(A, d_losses, 4, Optional),
-        MB_FIELD(A, x, 4, Required),         MB_FIELD(A, w_router, 4, Required),
-        MB_FIELD(A, w_gate, 4, Required),    MB_FIELD(A, w_up, 4, Required),
-        MB_FIELD(A, w_down, 4, Required),    MB_FIELD(A, dx, 4, Optional),
-        MB_FIELD(A, dw_router, 4, Optional), MB_FIELD(A, dw_gate, 4, Optional),
-        MB_FIELD(A, dw_up, 4, Optional),     MB_FIELD(A, dw_down, 4, Optional),
-        MB_FIELD(A, dg, 4, Optional),        MB_FIELD(A, d_logits, 4, Optional),
-    };
-    const std::function<moeblaze_status_t(A&)> call = [backward_ptr](A& a) {
-      return backward_ptr(&a);
-    };
-    add_field_cases<A>(sweep, "moeblaze_ep_backward", fields, make_ba, call, finished);
+    add_field_cases(sweep, backward,
+                    {MB_FIELD(A, dy, 4, Required), MB_FIELD(A, d_losses, 4, Optional),
+                     MB_FIELD(A, x, 4, Required), MB_FIELD(A, w_router, 4, Required),
+                     MB_FIELD(A, w_gate, 4, Required), MB_FIELD(A, w_up, 4, Required),
+                     MB_FIELD(A, w_down, 4, Required), MB_FIELD(A, dx, 4, Optional),
+                     MB_FIELD(A, dw_router, 4, Optional), MB_FIELD(A, dw_gate, 4, Optional),
+                     MB_FIELD(A, dw_up, 4, Optional), MB_FIELD(A, dw_down, 4, Optional),
+                     MB_FIELD(A, dg, 4, Optional), MB_FIELD(A, d_logits, 4, Optional)});
   }
-  // Buffers, sizes, flags and call order.
-  struct BufferCase {
-    const char* what;
-    std::function<void(FA&)> set;
-    moeblaze_status_t expected;
-    const char* needle;
-  };
-  const BufferCase forward_buffers[] = {
-      {"home_saved NULL", [](FA& a) { a.home_saved = nullptr; }, MOEBLAZE_ERR_INVALID_ARGUMENT,
-       "args->home_saved"},
-      {"home_saved one byte short", [](FA& a) { a.home_saved_bytes -= 1; },
-       MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->home_saved_bytes"},
-      {"home_saved misaligned by 8",
-       [](FA& a) { a.home_saved = static_cast<unsigned char*>(a.home_saved) + 8; },
-       MOEBLAZE_ERR_INVALID_ARGUMENT, "args->home_saved"},
-      {"workspace one byte short", [](FA& a) { a.workspace_bytes = 1; },
-       MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->workspace_bytes"},
-      {"workspace NULL", [](FA& a) { a.workspace = nullptr; }, MOEBLAZE_ERR_INVALID_ARGUMENT,
-       "args->workspace"},
-      {"flags 1", [](FA& a) { a.flags = 1; }, MOEBLAZE_ERR_INVALID_ARGUMENT, "args->flags"},
-  };
-  for (const BufferCase& c : forward_buffers) {
-    const auto set = c.set;
-    sweep.add("moeblaze_ep_forward_begin", c.what, c.expected, c.needle, [=] {
-      FA a = make_fa();
-      set(a);
-      return begin_ptr(&a);
-    });
-    sweep.add("moeblaze_ep_forward_finish", c.what, c.expected, c.needle, [=] {
-      begun();
-      FA a = make_fa();
-      set(a);
-      return finish_ptr(&a);
-    });
+  // The workspace is as large as the largest pass needs: 1 byte is short for each call.
+  const auto one_byte_workspace = [](auto& a, Scratch&) { a.workspace_bytes = 1; };
+  for (const EpEntry<FA>* e : {&begin, &finish}) {
+    e->add_valid(sweep);
+    add_struct_size_cases(sweep, *e);
+    add_bad_tokens(sweep, *e);
+    add_buffer_cases(sweep, *e, "home_saved", &FA::home_saved, &FA::home_saved_bytes,
+                     kNull | kOneByteShort | kMisaligned, "args->home_saved");
+    add_buffer_cases(sweep, *e, "workspace", &FA::workspace, &FA::workspace_bytes, kNull,
+                     "args->workspace");
+    e->add(sweep, "workspace one byte short", kShortBuffer, "args->workspace_bytes",
+           one_byte_workspace);
+    add_values(sweep, *e, &FA::flags, "flags", {1u}, kInvalid, "args->flags");
   }
-  sweep.add("moeblaze_ep_forward_finish", "expert_saved NULL", MOEBLAZE_ERR_INVALID_ARGUMENT,
-            "args->expert_saved", [=] {
-              begun();
-              FA a = make_fa();
-              a.expert_saved = nullptr;
-              return finish_ptr(&a);
-            });
-  sweep.add("moeblaze_ep_forward_finish", "expert_saved one byte short",
-            MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->expert_saved_bytes", [=] {
-              begun();
-              FA a = make_fa();
-              a.expert_saved_bytes -= 1;
-              return finish_ptr(&a);
-            });
-  for (int64_t T : kBadTokens) {
-    sweep.add("moeblaze_ep_forward_begin", "num_tokens " + std::to_string(T),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens", [=] {
-                FA a = make_fa();
-                a.num_tokens = T;
-                return begin_ptr(&a);
-              });
-    sweep.add("moeblaze_ep_forward_finish", "num_tokens " + std::to_string(T),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens", [=] {
-                begun();
-                FA a = make_fa();
-                a.num_tokens = T;
-                return finish_ptr(&a);
-              });
-    sweep.add("moeblaze_ep_backward", "num_tokens " + std::to_string(T),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "num_tokens", [=] {
-                finished();
-                BA a = make_ba();
-                a.num_tokens = T;
-                return backward_ptr(&a);
-              });
-  }
-  for (uint32_t flags : {4u, 0x80000000u}) {
-    sweep.add("moeblaze_ep_backward", "flags " + std::to_string(flags),
-              MOEBLAZE_ERR_INVALID_ARGUMENT, "args->flags", [=] {
-                finished();
-                BA a = make_ba();
-                a.flags = flags;
-                return backward_ptr(&a);
-              });
-  }
-  sweep.add("moeblaze_ep_backward", "home_saved NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "home_saved",
-            [=] {
-              finished();
-              BA a = make_ba();
-              a.home_saved = nullptr;
-              return backward_ptr(&a);
-            });
-  sweep.add("moeblaze_ep_backward", "expert_saved one byte short",
-            MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->expert_saved_bytes", [=] {
-              finished();
-              BA a = make_ba();
-              a.expert_saved_bytes -= 1;
-              return backward_ptr(&a);
-            });
-  sweep.add("moeblaze_ep_backward", "workspace one byte short", MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
-            "args->workspace_bytes", [=] {
-              finished();
-              BA a = make_ba();
-              a.workspace_bytes = 1;
-              return backward_ptr(&a);
-            });
-  // The exchange buffer itself.
-  const std::string calls[] = {"moeblaze_ep_forward_begin", "moeblaze_ep_forward_finish",
-                               "moeblaze_ep_backward"};
-  for (const std::string& entry : calls) {
-    auto run = [=](void* exchange, size_t bytes) {
-      if (entry == calls[0]) {
-        FA a = make_fa();
-        int64_t r = 0;
-        return moeblaze_ep_forward_begin(wp->layer, &a, exchange, bytes, &r, nullptr);
-      }
-      if (entry == calls[1]) {
-        begun();
-        FA a = make_fa();
-        return moeblaze_ep_forward_finish(wp->layer, &a, exchange, bytes, nullptr);
-      }
-      finished();
-      BA a = make_ba();
-      return moeblaze_ep_backward(wp->layer, &a, exchange, bytes, nullptr);
-    };
-    sweep.add(entry, "exchange NULL", MOEBLAZE_ERR_INVALID_ARGUMENT, "exchange",
-              [=] { return run(nullptr, wp->exchange.size()); });
-    sweep.add(entry, "exchange one byte short", MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE,
-              "exchange_bytes", [=] { return run(wp->exchange.data(), wp->exchange.size() - 1); });
-    sweep.add(entry, "exchange misaligned by 4", MOEBLAZE_ERR_INVALID_ARGUMENT, "exchange",
-              [=] { return run(wp->exchange.plus(4), wp->exchange.size()); });
-  }
-  sweep.add("moeblaze_ep_forward_begin", "recv_rows NULL", MOEBLAZE_ERR_INVALID_ARGUMENT,
-            "recv_rows", [=] {
-              FA a = make_fa();
-              return moeblaze_ep_forward_begin(wp->layer, &a, wp->exchange.data(),
-                                               wp->exchange.size(), nullptr, nullptr);
-            });
-  sweep.add("moeblaze_ep_forward_finish", "a finished step", MOEBLAZE_ERR_INVALID_ARGUMENT,
-            "already finished", [=] {
-              finished();
-              FA a = make_fa();
-              return finish_ptr(&a);
-            });
-  sweep.add("moeblaze_ep_backward", "a step not finished", MOEBLAZE_ERR_INVALID_ARGUMENT,
-            "forward_finish", [=] {
-              begun();
-              BA a = make_ba();
-              return backward_ptr(&a);
-            });
-  sweep.add("moeblaze_ep_forward_finish", "exchange never begun", MOEBLAZE_ERR_INVALID_ARGUMENT,
-            "forward_begin", [=] {
-              begun();
-              std::memset(wp->exchange.data(), 0, wp->exchange.size());
-              FA a = make_fa();
-              return finish_ptr(&a);
-            });
-  // The exchange and HOME buffers overwritten between calls, every word of each: words that hold
-  // a header field, a count or an index must be refused; words that hold values (logits, g) or
-  // padding may be accepted; nothing may be read or written outside the buffers.
-  for (int phase = 0; phase < 2; ++phase) {
-    const bool in_finish = phase == 0;
-    const std::string entry = in_finish ? calls[1] : calls[2];
-    auto call = [=] {
-      if (in_finish) {
-        FA a = make_fa();
-        return finish_ptr(&a);
-      }
-      BA a = make_ba();
-      return backward_ptr(&a);
-    };
-    // `exchange`: a 64-byte header (12 words of fields, then padding), then the count table.
-    for (size_t word = 0; word < w.exchange.size() / 4; ++word) {
-      const bool padding = word >= 12 && word < 16;
-      for (int32_t value : {-1, 1 << 24}) {
-        sweep.add(entry, "exchange word " + std::to_string(word) + " = " + std::to_string(value),
-                  padding ? MOEBLAZE_OK : MOEBLAZE_ERR_INVALID_ARGUMENT, "exchange", [=] {
-                    in_finish ? begun() : finished();
-                    reinterpret_cast<int32_t*>(wp->exchange.data())[word] = value;
-                    return call();
-                  });
-      }
-    }
-    for (size_t word = 0; word < w.home.size() / 4; ++word) {
-      const bool checked = w.home_checked_words.count(word) > 0;
-      sweep.add(entry, "home_saved word " + std::to_string(word) + " = INT32_MIN",
-                checked ? MOEBLAZE_ERR_INVALID_ARGUMENT : MOEBLAZE_OK, "home_saved", [=] {
-                  in_finish ? begun() : finished();
-                  reinterpret_cast<int32_t*>(wp->home.data())[word] =
-                      std::numeric_limits<int32_t>::min();
-                  return call();
-                });
-    }
-  }
+  add_buffer_cases(sweep, finish, "expert_saved", &FA::expert_saved, &FA::expert_saved_bytes,
+                   kNull | kOneByteShort, "args->expert_saved");
+  backward.add_valid(sweep);
+  add_struct_size_cases(sweep, backward);
+  add_bad_tokens(sweep, backward);
+  add_values(sweep, backward, &BA::flags, "flags", {4u, 0x80000000u}, kInvalid, "args->flags");
+  add_buffer_cases(sweep, backward, "home_saved", &BA::home_saved, &BA::home_saved_bytes, kNull,
+                   "home_saved");
+  add_buffer_cases(sweep, backward, "expert_saved", &BA::expert_saved, &BA::expert_saved_bytes,
+                   kOneByteShort, "args->expert_saved");
+  backward.add(sweep, "workspace one byte short", kShortBuffer, "args->workspace_bytes",
+               one_byte_workspace);
+
+  add_exchange_cases(sweep, begin, wp, begin_call);
+  add_exchange_cases(sweep, finish, wp, finish_call);
+  add_exchange_cases(sweep, backward, wp, backward_call);
+  begin.add_run(sweep, "recv_rows NULL", kInvalid, "recv_rows", [wp](const auto& e) {
+    FA a = e.make();
+    return moeblaze_ep_forward_begin(e.handle, &a, wp->exchange.data(), wp->exchange.size(),
+                                     nullptr, nullptr);
+  });
+  finish.add(sweep, "a finished step", kInvalid, "already finished",
+             [wp](FA&, Scratch&) { wp->to_finished(); });
+  backward.add(sweep, "a step not finished", kInvalid, "forward_finish",
+               [wp](BA&, Scratch&) { wp->to_begun(); });
+  finish.add(sweep, "exchange never begun", kInvalid, "forward_begin",
+             [wp](FA&, Scratch&) { std::memset(wp->exchange.data(), 0, wp->exchange.size()); });
+  add_overwritten_cases(sweep, finish, wp);
+  add_overwritten_cases(sweep, backward, wp);
 }
 
 }  // namespace
@@ -1992,7 +1659,7 @@ TEST_CASE("bad input: every entry point refuses every class of bad input") {
   add_global_cases(sweep);
   std::vector<std::shared_ptr<World>> worlds;
   for (const LayerCase& lc : kLayerCases) {
-    INFO(lc.name);
+    INFO(std::string(lc.name));
     worlds.push_back(std::make_shared<World>(lc));
     add_layer_cases(sweep, worlds.back());
   }
