@@ -968,7 +968,7 @@ void add_router_cases(Sweep& sweep, const std::shared_ptr<World>& wp,
                     "");
     add_bad_tokens(sweep, backward);
     add_buffer_cases(sweep, backward, "workspace", &A::workspace, &A::workspace_bytes,
-                     kOneByteShort, "workspace");
+                     kNull | kOneByteShort | kMisaligned, "workspace");
     for (int32_t bad : {-1, int32_t(World::E), kI32Max, kI32Min}) {
       for (int64_t at : {int64_t(0), World::N - 1}) {
         backward.add(sweep, "ids[" + std::to_string(at) + "] = " + std::to_string(bad), kInvalid,
@@ -994,8 +994,8 @@ void add_router_cases(Sweep& sweep, const std::shared_ptr<World>& wp,
       build.add(sweep, "ids[7] = " + std::to_string(bad), kInvalid, "ids",
                 [wp, bad](A& a, Scratch& s) { a.ids = s.ids_with(wp->ids, 7, bad); });
     }
-    add_buffer_cases(sweep, build, "workspace", &A::workspace, &A::workspace_bytes, kOneByteShort,
-                     "workspace");
+    add_buffer_cases(sweep, build, "workspace", &A::workspace, &A::workspace_bytes,
+                     kNull | kOneByteShort | kMisaligned, "workspace");
     add_bad_tokens(sweep, build);
   }
 }
