@@ -566,6 +566,17 @@ def launch(world, spec, args):
         return results, None
 
 
+def died_by_signal(error):
+    """Whether launch()'s error says the first failed rank was killed by a signal other than the
+    launcher's own kill (-9): "world W: rank R exit -N"."""
+    words = error.split("\n", 1)[0].split()
+    try:
+        code = int(words[-1])
+    except ValueError:
+        return False  # a timeout
+    return code < 0 and code != -9
+
+
 def median(values):
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
@@ -798,6 +809,11 @@ def main(argv=None):
     for world in args.worlds:
         t0 = time.monotonic()
         per_rank, error = launch(world, spec, args)
+        if error and died_by_signal(error):
+            # A rank killed by a signal (gloo has aborted a CPU rank under heavy load) gets one more
+            # launch on the same inputs; a fault of the library would repeat, and is reported.
+            log(f"W={world}: {error.splitlines()[0]}; launching the world once more")
+            per_rank, error = launch(world, spec, args)
         if error:
             log(f"W={world}: FAILED after {time.monotonic() - t0:.0f} s\n{error}")
             rows.extend(error_rows(world, spec, error))

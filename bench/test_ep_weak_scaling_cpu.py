@@ -161,6 +161,13 @@ def test_failed_worker_is_reported(tmp_path):
     assert proc.returncode != 0 and "unknown impl" in proc.stderr
 
 
+def test_only_a_rank_killed_by_a_signal_gets_a_second_launch():
+    assert ep_weak_scaling.died_by_signal("world 2: rank 1 exit -6\nrank 1 exit -6:\nterminate")
+    assert not ep_weak_scaling.died_by_signal("world 2: rank 1 exit 1\nTraceback")
+    assert not ep_weak_scaling.died_by_signal("world 2: rank 0 exit -9\n")  # the launcher's kill
+    assert not ep_weak_scaling.died_by_signal("world 2: rank 0 exit timeout after 600 s\n")
+
+
 def test_baseline_equals_one_process_loop(tmp_path):
     """ep_baseline at world size 1 (gloo, in this process) against baselines.moe_loop with the same
     routing: the EP baseline is right independently of moeblaze."""
