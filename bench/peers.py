@@ -47,18 +47,22 @@ SONICMOE_ACTIVATIONS = {"swiglu": "SWIGLU", "geglu": "GEGLU", "reglu": "REGLU", 
 _cache = {}
 
 
+def _import_peer(name, modules):
+    """(module `name`, None) once it and `modules` import, else (None, reason); never raises."""
+    if name not in _cache:
+        try:
+            module = importlib.import_module(name)
+            for extra in modules:
+                importlib.import_module(extra)
+            _cache[name] = (module, None)
+        except Exception as error:  # noqa: BLE001 (reported as the row's skip reason)
+            _cache[name] = (None, f"{name} not importable: {type(error).__name__}: {error}")
+    return _cache[name]
+
+
 def sonicmoe():
     """(module, None) or (None, reason): never raises."""
-    if "sonicmoe" not in _cache:
-        try:
-            module = importlib.import_module("sonicmoe")
-            importlib.import_module("sonicmoe.functional")
-            importlib.import_module("sonicmoe.enums")
-            _cache["sonicmoe"] = (module, None)
-        except Exception as error:  # noqa: BLE001 (reported as the row's skip reason)
-            _cache["sonicmoe"] = (None, f"sonicmoe not importable: {type(error).__name__}: "
-                                        f"{error}")
-    return _cache["sonicmoe"]
+    return _import_peer("sonicmoe", ("sonicmoe.functional", "sonicmoe.enums"))
 
 
 def sonicmoe_unsupported(activation, dtype, device):
@@ -142,20 +146,10 @@ MEGABLOCKS_ACTIVATIONS = {"swiglu": ("glu", F.silu), "geglu": ("glu", F.gelu),
 
 
 def megablocks():
-    """(module, None) or (None, reason): never raises. The grouped path needs grouped_gemm."""
-    if "megablocks" not in _cache:
-        try:
-            module = importlib.import_module("megablocks")
-            for name in ("megablocks.layers.arguments", "megablocks.layers.dmoe",
-                         "megablocks.layers.moe"):
-                importlib.import_module(name)
-            # megablocks imports without grouped_gemm (a warning); its grouped path cannot run
-            importlib.import_module("grouped_gemm")
-            _cache["megablocks"] = (module, None)
-        except Exception as error:  # noqa: BLE001 (reported as the row's skip reason)
-            _cache["megablocks"] = (None, f"megablocks not importable: {type(error).__name__}: "
-                                          f"{error}")
-    return _cache["megablocks"]
+    """(module, None) or (None, reason): never raises. megablocks imports without grouped_gemm (a
+    warning), but its grouped path cannot run without it."""
+    return _import_peer("megablocks", ("megablocks.layers.arguments", "megablocks.layers.dmoe",
+                                       "megablocks.layers.moe", "grouped_gemm"))
 
 
 def megablocks_unsupported(activation, dtype, device):
