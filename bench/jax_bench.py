@@ -186,24 +186,46 @@ def loop_experts(x, g, w_gate, w_up, w_down, groups, activation):
     """One expert at a time on its own rows, in moeblaze's [E, out, in] weight layout: dense
     matmuls over [rows_e, d] and [rows_e, h] only, so the reference needs no [E, rows, cols]
     intermediate (ragged_dot's GPU lowering can ask for one: 64 GiB in float32 on conf3).
-    groups[e] = (tokens, slots) of expert e's routed rows, a token at most once per expert."""
-    import jax.numpy as jnp
+    groups[e] = (tokens, slots) of expert e's routed rows, a token at most once per expert.
 
-    y = jnp.zeros(x.shape, jnp.promote_types(x.dtype, jnp.float32))
-    for e, (tokens, slots) in enumerate(groups):
-        if tokens.size == 0:
-            continue
-        rows = x[tokens]
-        a = rows @ w_gate[e].T
-        b = rows @ w_up[e].T if w_up is not None else None
-        y2 = activation_fn(activation, a, b) @ w_down[e].T
-        y = y.at[tokens].add(g[tokens, slots][:, None] * y2)
+    The experts are the steps of one lax.scan over row groups padded to the largest: one compiled
+    body for every expert. A loop of eager per-expert matmuls compiles (and on a GPU autotunes)
+    every distinct row count anew, minutes per case. Padding rows read token 0 with weight 0, so
+    they add exact zeros to y and to every gradient."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    rows = max(8, max((len(t) for t, _ in groups), default=0))
+    rows = -(-rows // 8) * 8
+    tokens = np.zeros((len(groups), rows), np.int32)
+    slots = np.zeros((len(groups), rows), np.int32)
+    mask = np.zeros((len(groups), rows), np.float32)
+    for e, (tok, slot) in enumerate(groups):
+        tokens[e, :len(tok)] = np.asarray(tok)
+        slots[e, :len(tok)] = np.asarray(slot)
+        mask[e, :len(tok)] = 1
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+
+    def expert(y, step):
+        wg, wu, wd, tok, slot, live = step
+        xe = x[tok]
+        a = xe @ wg.T
+        b = xe @ wu.T if wu is not None else None
+        y2 = activation_fn(activation, a, b) @ wd.T
+        weight = g[tok, slot] * live.astype(g.dtype)
+        return y.at[tok].add((weight[:, None] * y2).astype(acc)), None
+
+    y, _ = jax.lax.scan(expert, jnp.zeros(x.shape, acc),
+                        (w_gate, w_up, w_down, jnp.asarray(tokens), jnp.asarray(slots),
+                         jnp.asarray(mask)))
     return y
 
 
 def reference_outputs(impl, step_args, activation):
     """y and every gradient of sum(y * dy) from the per-expert loop (loop_experts) in float32
-    (float64 for float64 inputs) on the upcast inputs of `impl`'s step, eagerly, with the routing taken from the concrete ids."""
+    (float64 for float64 inputs) on the upcast inputs of `impl`'s step, with the routing taken
+    from the concrete ids."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -215,12 +237,13 @@ def reference_outputs(impl, step_args, activation):
     order = np.argsort(flat, kind="stable")
     bounds = np.searchsorted(flat[order], np.arange(wg.shape[0] + 1))
     k = ids.shape[1]
-    groups = [(jnp.asarray(order[lo:hi] // k), jnp.asarray(order[lo:hi] % k))
+    groups = [(order[lo:hi] // k, order[lo:hi] % k)
               for lo, hi in zip(bounds[:-1], bounds[1:])]
     up = lambda a: None if a is None else a.astype(jnp.promote_types(a.dtype, jnp.float32))  # noqa: E731,E501
     gated = activation in GATED
     primals = (up(x), up(g), up(wg), up(wu), up(wd)) if gated else (up(x), up(g), up(wg), up(wd))
 
+    @jax.jit
     def forward(*args):
         if gated:
             xx, gg, w1, w3, w2 = args
@@ -342,8 +365,12 @@ def run_child(cfg, activation, impl, args):
     if not args.check:
         command.append("--no-check")
     start = time.time()
-    proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          timeout=args.case_timeout_s)
+    try:
+        proc = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              timeout=args.case_timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"config": cfg["name"], "activation": activation, "impl": impl, "ok": False,
+                "error": f"no result within --case-timeout-s {args.case_timeout_s:g}"}
     for line in proc.stdout.splitlines():
         if line.startswith("JAX_BENCH_ROW "):
             row = json.loads(line[len("JAX_BENCH_ROW "):])
@@ -420,6 +447,17 @@ def environment():
     return info
 
 
+def write_result(out, env, args_record, rows):
+    os.makedirs(out, exist_ok=True)
+    kind = rows[0].get("device", "unknown") if rows else "unknown"
+    name = f"{datetime.date.today().isoformat()}-{kind.lower().replace(' ', '-')}-jax.json"
+    path = os.path.join(out, name)
+    with open(path + ".tmp", "w") as f:
+        json.dump({"environment": env, "args": args_record, "rows": rows}, f, indent=1)
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(REPO, "build", "bench"),
@@ -461,26 +499,26 @@ def main(argv=None):
     configs = load_configs(args.configs_file, args.configs)
     env = environment()
     print(f"seed = {args.seed}; jax {env['jax']}; devices {env['devices']}", flush=True)
+    args_record = {k: v for k, v in vars(args).items() if not k.startswith("case") and k != "child"}
+    path = None
     rows = []
     for cfg in configs:
         for activation in args.acts.split(","):
             for impl in impls:
                 row = run_child(cfg, activation, impl, args)
                 rows.append(row)
-                state = (f"{row['ms']:.3f} ms, peak {mib(row.get('peak_bytes'))} MiB"
-                         if "ms" in row else f"FAILED: {row.get('error')}")
+                if "ms" in row:
+                    state = f"{row['ms']:.3f} ms, peak {mib(row.get('peak_bytes'))} MiB"
+                    if row.get("rel_err"):
+                        state += f", max rel err {max(row['rel_err'].values()):.2e}"
+                else:
+                    state = f"FAILED: {row.get('error')}"
+                if row.get("wall_s") is not None:
+                    state += f" ({row['wall_s']:.0f} s)"
                 print(f"{cfg['name']} {activation} {impl}: {state}", flush=True)
-
-    result = {"environment": env, "args": {k: v for k, v in vars(args).items()
-                                           if not k.startswith("case") and k != "child"},
-              "rows": rows}
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        kind = rows[0].get("device", "unknown") if rows else "unknown"
-        name = f"{datetime.date.today().isoformat()}-{kind.lower().replace(' ', '-')}-jax.json"
-        path = os.path.join(args.out, name)
-        with open(path, "w") as f:
-            json.dump(result, f, indent=1)
+                if args.out:  # after every case, so that an interrupted run keeps what it measured
+                    path = write_result(args.out, env, args_record, rows)
+    if path:
         print(f"wrote {path}")
     print()
     print(table(rows))

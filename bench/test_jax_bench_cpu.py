@@ -56,7 +56,7 @@ def test_loop_reference_matches_dense_reference_with_gradients(activation):
     print(f"seed = {seed}")
     p = jax_bench.make_problem(TINY, activation, "float64", seed, jax.devices("cpu")[0])
     rng = np.random.default_rng(seed)
-    # Expert 0 gets no rows (the loop skips it); each token's two experts are distinct.
+    # Expert 0 gets no rows (its scan step is all padding); each token's two experts are distinct.
     ids = jnp.asarray(np.stack([np.sort(rng.choice(np.arange(1, TINY["E"]), 2, replace=False))
                                 for _ in range(TINY["T"])]).astype(np.asarray(p["ids"]).dtype))
     gated = activation in jax_bench.GATED
