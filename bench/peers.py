@@ -99,6 +99,34 @@ def split_up_projection(dw1, gated):
     return dw1[:, 0::2], dw1[:, 1::2]
 
 
+_GATED = ("swiglu", "geglu", "reglu")
+_sonicmoe_dx_gated = {}  # "last": the glu-ness the cached dX kernel was compiled for
+
+
+def separate_sonicmoe_dx_kernels(activation):
+    """SonicMoE caches its compiled dX GEMM (``_up_projection_backward.compile_cache`` in
+    ``sonicmoe/functional/backward.py``) under ``("dx", E, H, I, is_glu, dtype)`` with ``is_glu``
+    the enums function, not the activation's glu-ness, so in one process a non-gated layer after a
+    gated one of the same shape (or the reverse) would run the other's kernel and tile
+    configuration. Whenever the glu-ness changes, drop the cached dX kernel and its tensor maps:
+    each activation then runs the kernel SonicMoE compiles for it."""
+    gated = activation in _GATED
+    if _sonicmoe_dx_gated.get("last") == gated:
+        return
+    _sonicmoe_dx_gated["last"] = gated
+    try:
+        backward = importlib.import_module("sonicmoe.functional.backward")
+    except Exception:  # noqa: BLE001 (no SonicMoE: nothing cached)
+        return
+    cache = getattr(getattr(backward, "_up_projection_backward", None), "compile_cache", None)
+    if not isinstance(cache, dict):
+        return
+    for key in list(cache):
+        if (isinstance(key, tuple) and key[:1] == ("dx",)) or (
+                isinstance(key, str) and key.startswith("dx-")):
+            del cache[key]
+
+
 def token_order_indices(num_tokens, top_k, device):
     """token_indices [T*k] int32 for routed pairs in (t, j) order: ascending, as SonicMoE asks."""
     return torch.arange(num_tokens, device=device, dtype=torch.int32).repeat_interleave(top_k)
@@ -107,6 +135,7 @@ def token_order_indices(num_tokens, top_k, device):
 def sonicmoe_experts(x, g, w1, w_down, ids, token_indices, activation):
     """y [T, d] = SonicMoE's experts layer with the routing given (g [T, k] fp32, ids [T, k])."""
     functional = importlib.import_module("sonicmoe.functional")
+    separate_sonicmoe_dx_kernels(activation)
     E = w_down.shape[0]
     stream = torch.cuda.current_stream().cuda_stream
     y, _ = functional.moe_general_routing_inputs(
@@ -118,6 +147,7 @@ def sonicmoe_experts(x, g, w1, w_down, ids, token_indices, activation):
 def sonicmoe_layer(d, h, E, k, activation, w_router, w_gate, w_up, w_down):
     """A sonicmoe.MoE holding the given weights (copied into its own layout once)."""
     module = importlib.import_module("sonicmoe")
+    separate_sonicmoe_dx_kernels(activation)
     layer = module.MoE(num_experts=E, num_experts_per_tok=k, hidden_size=d, intermediate_size=h,
                        activation_function=_activation_type(activation), add_bias=False,
                        std=0.02).to(device=w_gate.device, dtype=w_gate.dtype)

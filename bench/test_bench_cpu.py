@@ -437,6 +437,42 @@ def test_sonicmoe_weight_layout_round_trip():
     assert tok.tolist() == [0, 0, 1, 1, 2, 2] and tok.dtype == torch.int32
 
 
+def test_sonicmoe_dx_kernel_is_recompiled_when_the_glu_ness_changes(monkeypatch):
+    """SonicMoE keys its cached dX kernel without the activation's glu-ness; the adapter drops that
+    entry (and only it) whenever a gated and a non-gated layer follow each other."""
+    import types
+    import peers
+
+    def _up_projection_backward():
+        pass
+
+    _up_projection_backward.compile_cache = {}
+    fake = types.ModuleType("sonicmoe.functional.backward")
+    fake._up_projection_backward = _up_projection_backward
+    monkeypatch.setitem(sys.modules, "sonicmoe.functional.backward", fake)
+    monkeypatch.setattr(peers, "_sonicmoe_dx_gated", {})
+    cache = _up_projection_backward.compile_cache
+
+    def fill():
+        cache.update({("dx", 8, 64, 32, "is_glu", "bf16"): "dx kernel", "dx-tensormap": "maps",
+                      ("dw1", 8, 64, 32, True, "bf16"): "dw1 kernel", "dw1-tensormap": "maps"})
+
+    fill()
+    peers.separate_sonicmoe_dx_kernels("swiglu")  # the first layer: its own kernels compile next
+    assert set(cache) == {("dw1", 8, 64, 32, True, "bf16"), "dw1-tensormap"}
+    fill()
+    peers.separate_sonicmoe_dx_kernels("geglu")  # gated again: the cached dX kernel is right
+    assert ("dx", 8, 64, 32, "is_glu", "bf16") in cache and "dx-tensormap" in cache
+    peers.separate_sonicmoe_dx_kernels("silu")  # non-gated after gated: dropped
+    assert ("dx", 8, 64, 32, "is_glu", "bf16") not in cache and "dx-tensormap" not in cache
+    assert ("dw1", 8, 64, 32, True, "bf16") in cache and "dw1-tensormap" in cache
+    fill()
+    peers.separate_sonicmoe_dx_kernels("relu2")  # non-gated again: kept
+    assert ("dx", 8, 64, 32, "is_glu", "bf16") in cache
+    peers.separate_sonicmoe_dx_kernels("swiglu")  # and back
+    assert ("dx", 8, 64, 32, "is_glu", "bf16") not in cache
+
+
 def test_sonicmoe_rows_skip_with_a_reason_on_cpu():
     import peers
     reason = peers.sonicmoe_unsupported("swiglu", torch.bfloat16, "cpu")
