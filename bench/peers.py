@@ -100,20 +100,28 @@ def split_up_projection(dw1, gated):
 
 
 _GATED = ("swiglu", "geglu", "reglu")
-_sonicmoe_dx_gated = {}  # "last": the glu-ness the cached dX kernel was compiled for
+# The glu-ness SonicMoE's cached dX kernel is for ("last") and the other one's entries ("stash").
+_sonicmoe_dx = {"last": None, "stash": {True: {}, False: {}}}
+
+
+def _is_dx_entry(key):
+    return (isinstance(key, tuple) and key[:1] == ("dx",)) or (
+        isinstance(key, str) and key.startswith("dx-"))
 
 
 def separate_sonicmoe_dx_kernels(activation):
-    """SonicMoE caches its compiled dX GEMM (``_up_projection_backward.compile_cache`` in
-    ``sonicmoe/functional/backward.py``) under ``("dx", E, H, I, is_glu, dtype)`` with ``is_glu``
-    the enums function, not the activation's glu-ness, so in one process a non-gated layer after a
-    gated one of the same shape (or the reverse) would run the other's kernel and tile
-    configuration. Whenever the glu-ness changes, drop the cached dX kernel and its tensor maps:
-    each activation then runs the kernel SonicMoE compiles for it."""
+    """SonicMoE caches its compiled dX GEMM and tensor maps (``_up_projection_backward.
+    compile_cache`` in ``sonicmoe/functional/backward.py``) under keys without the activation's
+    glu-ness (``is_glu`` there is the enums function, not the bool), so in one process a non-gated
+    layer after a gated one of the same shape (or the reverse) would run the other's kernel and
+    tile configuration. Whenever the glu-ness changes, the entries of the other glu-ness are put
+    aside and this one's put back: each activation runs the kernel SonicMoE compiles for it, and
+    each compiles once a process (in the benchmark's warm-up)."""
     gated = activation in _GATED
-    if _sonicmoe_dx_gated.get("last") == gated:
+    last = _sonicmoe_dx["last"]
+    if last == gated:
         return
-    _sonicmoe_dx_gated["last"] = gated
+    _sonicmoe_dx["last"] = gated
     try:
         backward = importlib.import_module("sonicmoe.functional.backward")
     except Exception:  # noqa: BLE001 (no SonicMoE: nothing cached)
@@ -121,10 +129,11 @@ def separate_sonicmoe_dx_kernels(activation):
     cache = getattr(getattr(backward, "_up_projection_backward", None), "compile_cache", None)
     if not isinstance(cache, dict):
         return
-    for key in list(cache):
-        if (isinstance(key, tuple) and key[:1] == ("dx",)) or (
-                isinstance(key, str) and key.startswith("dx-")):
-            del cache[key]
+    current = {key: cache.pop(key) for key in list(cache) if _is_dx_entry(key)}
+    if last is not None:  # entries from before the first call: glu-ness unknown, dropped
+        _sonicmoe_dx["stash"][last] = current
+    cache.update(_sonicmoe_dx["stash"][gated])
+    _sonicmoe_dx["stash"][gated] = {}
 
 
 def token_order_indices(num_tokens, top_k, device):

@@ -437,40 +437,39 @@ def test_sonicmoe_weight_layout_round_trip():
     assert tok.tolist() == [0, 0, 1, 1, 2, 2] and tok.dtype == torch.int32
 
 
-def test_sonicmoe_dx_kernel_is_recompiled_when_the_glu_ness_changes(monkeypatch):
-    """SonicMoE keys its cached dX kernel without the activation's glu-ness; the adapter drops that
-    entry (and only it) whenever a gated and a non-gated layer follow each other."""
+def test_sonicmoe_dx_kernels_are_kept_apart_by_glu_ness(monkeypatch):
+    """SonicMoE keys its cached dX kernel without the activation's glu-ness; the adapter keeps a
+    gated and a non-gated layer's dX entries apart (and leaves every other entry alone)."""
     import types
     import peers
 
     def _up_projection_backward():
         pass
 
-    _up_projection_backward.compile_cache = {}
+    cache = _up_projection_backward.compile_cache = {}
     fake = types.ModuleType("sonicmoe.functional.backward")
     fake._up_projection_backward = _up_projection_backward
     monkeypatch.setitem(sys.modules, "sonicmoe.functional.backward", fake)
-    monkeypatch.setattr(peers, "_sonicmoe_dx_gated", {})
-    cache = _up_projection_backward.compile_cache
+    monkeypatch.setattr(peers, "_sonicmoe_dx", {"last": None, "stash": {True: {}, False: {}}})
+    dx_key, dw1_key = ("dx", 8, 64, 32, "is_glu", "bf16"), ("dw1", 8, 64, 32, True, "bf16")
 
-    def fill():
-        cache.update({("dx", 8, 64, 32, "is_glu", "bf16"): "dx kernel", "dx-tensormap": "maps",
-                      ("dw1", 8, 64, 32, True, "bf16"): "dw1 kernel", "dw1-tensormap": "maps"})
+    def compile_dx(kernel):  # what SonicMoE does on a miss
+        cache.setdefault(dx_key, kernel)
+        cache.setdefault("dx-tensormap", kernel + " maps")
+        return cache[dx_key]
 
-    fill()
-    peers.separate_sonicmoe_dx_kernels("swiglu")  # the first layer: its own kernels compile next
-    assert set(cache) == {("dw1", 8, 64, 32, True, "bf16"), "dw1-tensormap"}
-    fill()
-    peers.separate_sonicmoe_dx_kernels("geglu")  # gated again: the cached dX kernel is right
-    assert ("dx", 8, 64, 32, "is_glu", "bf16") in cache and "dx-tensormap" in cache
-    peers.separate_sonicmoe_dx_kernels("silu")  # non-gated after gated: dropped
-    assert ("dx", 8, 64, 32, "is_glu", "bf16") not in cache and "dx-tensormap" not in cache
-    assert ("dw1", 8, 64, 32, True, "bf16") in cache and "dw1-tensormap" in cache
-    fill()
-    peers.separate_sonicmoe_dx_kernels("relu2")  # non-gated again: kept
-    assert ("dx", 8, 64, 32, "is_glu", "bf16") in cache
-    peers.separate_sonicmoe_dx_kernels("swiglu")  # and back
-    assert ("dx", 8, 64, 32, "is_glu", "bf16") not in cache
+    cache.update({dx_key: "stale", "dx-tensormap": "stale maps", dw1_key: "dw1 kernel"})
+    peers.separate_sonicmoe_dx_kernels("swiglu")  # entries of unknown glu-ness: dropped
+    assert compile_dx("gated dx") == "gated dx"
+    peers.separate_sonicmoe_dx_kernels("geglu")  # gated again: the same kernel
+    assert compile_dx("never compiled") == "gated dx"
+    peers.separate_sonicmoe_dx_kernels("silu")  # non-gated: its own kernel
+    assert compile_dx("plain dx") == "plain dx" and cache["dx-tensormap"] == "plain dx maps"
+    peers.separate_sonicmoe_dx_kernels("swiglu")  # back: the gated one, not recompiled
+    assert compile_dx("never compiled") == "gated dx" and cache["dx-tensormap"] == "gated dx maps"
+    peers.separate_sonicmoe_dx_kernels("relu2")  # non-gated: the plain one, not recompiled
+    assert compile_dx("never compiled") == "plain dx"
+    assert cache[dw1_key] == "dw1 kernel"
 
 
 def test_sonicmoe_rows_skip_with_a_reason_on_cpu():
