@@ -40,6 +40,8 @@ import importlib
 import torch
 import torch.nn.functional as F
 
+from roofline import GATED
+
 # moeblaze activation name -> SonicMoE ActivationType member name
 SONICMOE_ACTIVATIONS = {"swiglu": "SWIGLU", "geglu": "GEGLU", "reglu": "REGLU", "silu": "SILU",
                         "gelu": "GELU", "relu": "RELU", "relu2": "RELU_SQ"}
@@ -99,7 +101,6 @@ def split_up_projection(dw1, gated):
     return dw1[:, 0::2], dw1[:, 1::2]
 
 
-_GATED = ("swiglu", "geglu", "reglu")
 # The glu-ness SonicMoE's cached dX kernel is for ("last") and the other one's entries ("stash").
 _sonicmoe_dx = {"last": None, "stash": {True: {}, False: {}}}
 
@@ -117,7 +118,7 @@ def separate_sonicmoe_dx_kernels(activation):
     tile configuration. Whenever the glu-ness changes, the entries of the other glu-ness are put
     aside and this one's put back: each activation runs the kernel SonicMoE compiles for it, and
     each compiles once a process (in the benchmark's warm-up)."""
-    gated = activation in _GATED
+    gated = activation in GATED
     last = _sonicmoe_dx["last"]
     if last == gated:
         return
