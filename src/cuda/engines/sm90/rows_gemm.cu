@@ -24,7 +24,7 @@
 // shuffles). B1 with 8-64 k-steps a tile (448 < d <= 4096) takes a form with epilogue warps instead
 // (B1Form, kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16
 // and warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on; with
-// 9-32 k-steps (the split form) the consumers keep the tile's first 64 columns and run their
+// 9-16 k-steps (the split form) the consumers keep the tile's first 64 columns and run their
 // epilogue themselves after the hand-off, with 8 (the two-group split) its first 128.
 #include "cuda/engines/sm90/rows_gemm.hpp"
 
