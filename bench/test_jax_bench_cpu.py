@@ -107,6 +107,15 @@ def test_a_result_beyond_the_tolerance_fails():
     assert not row["ok"]
 
 
+def test_an_unchecked_case_records_no_error():
+    # Without the reference there is no error to report: a recorded 0 would read as exact.
+    row = jax_bench.run_case(TINY, "swiglu", "moeblaze", case_args(check=False))
+    assert row["ok"] and "rel_err" not in row
+    assert row["finite"] == {name: True for name in ("y", "dx", "dg", "dw_gate", "dw_up",
+                                                     "dw_down")}
+    assert "| not checked | yes |" in jax_bench.table([row])
+
+
 def test_driver_end_to_end(tmp_path, capsys):
     configs = tmp_path / "configs.json"
     configs.write_text(json.dumps({"configs": [TINY]}))
