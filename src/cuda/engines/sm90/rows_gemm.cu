@@ -186,8 +186,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     uint32_t it = 0;
     uint32_t n = 0;  // epilogue-warp forms: this CTA's tiles so far, the hand-off's phase
+    const int tile_row = wg * 64 + warp_in_wg * 16;  // this warp's first row of a tile
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
       const TileCoord c = decode_tile(t, shm.tile_start, p);
+      // F2's row weights take two dependent loads (row_pair, then g): issued before the main loop,
+      // whose k-steps hide their latency, instead of after it, where the tensor cores would wait.
+      float w[2] = {1.f, 1.f};
+      int64_t out_row[2] = {0, 0};  // the rows' output rows (the consumers' store form)
+      if constexpr (KIND != kB1) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int row = tile_row + g + 8 * rr;
+          if (row < c.rows) {
+            const int64_t r = int64_t(c.row0) + row;
+            const int64_t pair = p.row_pair != nullptr ? int64_t(__ldg(p.row_pair + r)) : r;
+            if (p.out_w != nullptr) w[rr] = __ldg(p.out_w + pair);
+            out_row[rr] = p.out_by_pair ? pair : r;
+          }
+        }
+      }
       int prev_s = 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % kStages;
@@ -221,7 +238,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_accumulators(acc);
       if (lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
 
-      const int tile_row = wg * 64 + warp_in_wg * 16;
       uint32_t* stg = reinterpret_cast<uint32_t*>(staging + (warp - 4) * kB1StageWarpBytes);
       if constexpr (kEpiWarps) {
         // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
@@ -231,17 +247,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         // j >> 3 (sub-tile (j >> 3) - kConsumerGroups), chunk j & 7, word t4; a warp instruction
         // (fixed j, rr) writes 8 rows (row & 7 == g) at chunks (j & 7) ^ g: all 32 banks once.
         // F2 / B4 hand off their rows as stored: each element row_value(w, v) of its row's weight.
-        float w[2] = {1.f, 1.f};
-        if constexpr (KIND != kB1) {
-#pragma unroll
-          for (int rr = 0; rr < 2; ++rr) {
-            const int row = tile_row + g + 8 * rr;
-            if (p.out_w != nullptr && row < c.rows) {
-              const int64_t r = int64_t(c.row0) + row;
-              w[rr] = p.out_w[p.row_pair != nullptr ? int64_t(p.row_pair[r]) : r];
-            }
-          }
-        }
         mbar_wait(smem_u32(shm.handoff_empty), (n & 1) ^ 1);
         uint32_t* hb = reinterpret_cast<uint32_t*>(shm.epi);
 #pragma unroll
@@ -267,16 +272,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int rr = 0; rr < 2; ++rr) {
           const int row = tile_row + g + 8 * rr;
           if (row < c.rows) {
-            const int64_t r = int64_t(c.row0) + row;
-            const int64_t pair = p.row_pair != nullptr ? int64_t(p.row_pair[r]) : r;
-            const float w = p.out_w != nullptr ? p.out_w[pair] : 1.f;
-            T* orow =
-                static_cast<T*>(p.out) + (p.out_by_pair ? pair : r) * p.out_ld + c.n0 + 2 * t4;
+            T* orow = static_cast<T*>(p.out) + out_row[rr] * p.out_ld + c.n0 + 2 * t4;
 #pragma unroll
             for (int j = 0; j < 32; ++j) {
               if (c.n0 + 8 * j < p.n_out)
-                *reinterpret_cast<uint32_t*>(orow + 8 * j) = pack2<T>(
-                    row_value<T>(w, acc[4 * j + 2 * rr]), row_value<T>(w, acc[4 * j + 2 * rr + 1]));
+                *reinterpret_cast<uint32_t*>(orow + 8 * j) =
+                    pack2<T>(row_value<T>(w[rr], acc[4 * j + 2 * rr]),
+                             row_value<T>(w[rr], acc[4 * j + 2 * rr + 1]));
             }
           }
         }
