@@ -81,6 +81,39 @@ __device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, in
   }
 }
 
+// When a tile starts: the a, b (and, under SAVE_ALL, u) chunks that b1_epilogue will read after the
+// main loop for this warp's 16 rows and the tile's first GROUPS 64-column groups, prefetched into
+// L2 (no registers held). The epilogue then finds them in L2 instead of DRAM: its first loads would
+// otherwise stall both consumer warpgroups, and the tensor cores with them, for a DRAM latency.
+// Lanes 0-15 take a's rows (and u's), lanes 16-31 b's; each chunk (64 columns, 128 bytes) gets its
+// first and its last 16 bytes below n_out prefetched, which covers it wherever the row's stride
+// puts it, and touches no address the epilogue would not read.
+template <typename T, int GROUPS>
+__device__ __forceinline__ void b1_prefetch_epilogue_rows(const RowsParams& p, const TileCoord& c,
+                                                          int tile_row, int lane) {
+  const int row = lane & 15;
+  if (tile_row + row >= c.rows) return;
+  const int64_t r = int64_t(c.row0) + tile_row + row;
+  const T* ab = static_cast<const T*>(lane < 16 ? p.a : p.b);     // p.b is null when not gated
+  const T* u = lane < 16 ? static_cast<const T*>(p.u) : nullptr;  // SAVE_ALL only
+#pragma unroll
+  for (int group = 0; group < GROUPS; ++group) {
+    const int col0 = c.n0 + group * kStageCols;
+    if (col0 >= p.n_out) break;
+    const int last = min(col0 + kStageCols, p.n_out) - 8 - col0;  // n_out % 8 == 0
+    if (ab != nullptr) {
+      const T* chunk = ab + r * p.ab_ld + col0;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(chunk));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(chunk + last));
+    }
+    if (u != nullptr) {
+      const T* chunk = u + r * p.u_ld + col0;
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(chunk));
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(chunk + last));
+    }
+  }
+}
+
 // B1's epilogue for one warp's 16 rows of a tile (see the file comment), in 2 steps of 8 rows x 64
 // columns for each of the tile's first GROUPS 64-column groups (4: all of it, in the consumers'
 // form; 1 or 2: groups 0 or 0-1, in the split forms): a, b (u under SAVE_ALL) come in by

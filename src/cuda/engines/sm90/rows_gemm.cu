@@ -189,6 +189,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int tile_row = wg * 64 + warp_in_wg * 16;  // this warp's first row of a tile
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
       const TileCoord c = decode_tile(t, shm.tile_start, p);
+      // B1's forms whose consumers run epilogue groups: those groups' a, b into L2 now.
+      if constexpr (KIND == kB1 && kConsumerGroups > 0)
+        b1_prefetch_epilogue_rows<T, kConsumerGroups>(p, c, tile_row, lane);
       // F2's row weights take two dependent loads (row_pair, then g): issued before the main loop,
       // whose k-steps hide their latency, instead of after it, where the tensor cores would wait.
       float w[2] = {1.f, 1.f};
