@@ -188,26 +188,32 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t n = 0;  // epilogue-warp forms: this CTA's tiles so far, the hand-off's phase
     const int tile_row = wg * 64 + warp_in_wg * 16;  // this warp's first row of a tile
     for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
-      const TileCoord c = decode_tile(t, shm.tile_start, p);
-      // B1's forms whose consumers run epilogue groups: those groups' a, b into L2 now.
-      if constexpr (KIND == kB1 && kConsumerGroups > 0)
-        b1_prefetch_epilogue_rows<T, kConsumerGroups>(p, c, tile_row, lane);
-      // F2's row weights take two dependent loads (row_pair, then g): issued before the main loop,
-      // whose k-steps hide their latency, instead of after it, where the tensor cores would wait.
-      float w[2] = {1.f, 1.f};
+      // The tile's bookkeeping runs inside the main loop, once one or two k-steps are queued on the
+      // tensor cores (bookkeeping_kt): its loads' latency then costs nothing, while at the top of
+      // the tile the tensor cores waited for it. The main loop itself needs none of it.
+      TileCoord c = {};
+      float w[2] = {1.f, 1.f};      // F2's row weights
       int64_t out_row[2] = {0, 0};  // the rows' output rows (the consumers' store form)
-      if constexpr (KIND != kB1) {
+      const auto tile_bookkeeping = [&] {
+        c = decode_tile(t, shm.tile_start, p);
+        // B1's forms whose consumers run epilogue groups: those groups' a, b into L2.
+        if constexpr (KIND == kB1 && kConsumerGroups > 0)
+          b1_prefetch_epilogue_rows<T, kConsumerGroups>(p, c, tile_row, lane);
+        // F2's weights take two dependent loads (row_pair, then g).
+        if constexpr (KIND != kB1) {
 #pragma unroll
-        for (int rr = 0; rr < 2; ++rr) {
-          const int row = tile_row + g + 8 * rr;
-          if (row < c.rows) {
-            const int64_t r = int64_t(c.row0) + row;
-            const int64_t pair = p.row_pair != nullptr ? int64_t(__ldg(p.row_pair + r)) : r;
-            if (p.out_w != nullptr) w[rr] = __ldg(p.out_w + pair);
-            out_row[rr] = p.out_by_pair ? pair : r;
+          for (int rr = 0; rr < 2; ++rr) {
+            const int row = tile_row + g + 8 * rr;
+            if (row < c.rows) {
+              const int64_t r = int64_t(c.row0) + row;
+              const int64_t pair = p.row_pair != nullptr ? int64_t(__ldg(p.row_pair + r)) : r;
+              if (p.out_w != nullptr) w[rr] = __ldg(p.out_w + pair);
+              out_row[rr] = p.out_by_pair ? pair : r;
+            }
           }
         }
-      }
+      };
+      const int bookkeeping_kt = k_tiles > 1 ? 1 : 0;
       int prev_s = 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % kStages;
@@ -228,6 +234,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int refill = int((it + kGatherLead) % kStages);
           gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         }
+        if (kt == bookkeeping_kt) tile_bookkeeping();
         wgmma_wait<1>();
         fence_accumulators(acc);
         if (kt > 0 && lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
