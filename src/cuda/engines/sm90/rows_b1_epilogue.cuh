@@ -81,13 +81,14 @@ __device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, in
   }
 }
 
-// When a tile starts: the a, b (and, under SAVE_ALL, u) chunks that b1_epilogue will read after the
-// main loop for this warp's 16 rows and the tile's first GROUPS 64-column groups, prefetched into
-// L2 (no registers held). The epilogue then finds them in L2 instead of DRAM: its first loads would
-// otherwise stall both consumer warpgroups, and the tensor cores with them, for a DRAM latency.
-// Lanes 0-15 take a's rows (and u's), lanes 16-31 b's; each chunk (64 columns, 128 bytes) gets its
-// first and its last 16 bytes below n_out prefetched, which covers it wherever the row's stride
-// puts it, and touches no address the epilogue would not read.
+// Early in a tile's main loop (rows_gemm.cu's tile bookkeeping): the a, b (and, under SAVE_ALL, u)
+// chunks that b1_epilogue will read after the main loop for this warp's 16 rows and the tile's
+// first GROUPS 64-column groups, prefetched into L2 (no registers held). The epilogue then finds
+// them in L2 instead of DRAM: its first loads would otherwise stall both consumer warpgroups, and
+// the tensor cores with them, for a DRAM latency. Lanes 0-15 take a's rows (and u's), lanes 16-31
+// b's; each chunk (64 columns, 128 bytes) gets its first and its last 16 bytes below n_out
+// prefetched, which covers it wherever the row's stride puts it, and touches no address the
+// epilogue would not read.
 template <typename T, int GROUPS>
 __device__ __forceinline__ void b1_prefetch_epilogue_rows(const RowsParams& p, const TileCoord& c,
                                                           int tile_row, int lane) {
