@@ -2,8 +2,8 @@
 
 Usage: MOEBLAZE_LIBRARY=build/src/libmoeblaze.so python3 tests/cuda/profile_kernels.py \
            [--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act swiglu --policy save_preact]
-           [--impl moeblaze|grouped_mm|sonicmoe] [--routing random|blocked] [--host [--trace FILE]]
-           [--clocks SECONDS]
+           [--impl moeblaze|grouped_mm|sonicmoe] [--routing random|blocked] [--layer]
+           [--host [--trace FILE]] [--clocks SECONDS]
 Needs a GPU, PyTorch and the Python bindings (bindings/python, found relative to this file).
 --impl grouped_mm profiles the benchmark's sort -> torch._grouped_mm baseline (bench/baselines.py)
 on the same inputs instead, so that a shape where the two are close can be compared kernel by
@@ -53,6 +53,10 @@ def main():
                         "t's experts are (t * E // T + j) % E, so each expert's gathered rows are "
                         "runs of consecutive tokens and every expert gets k*T/E of them: the "
                         "gathered kernels with and without scattered rows")
+    p.add_argument("--layer", action="store_true",
+                   help="the whole layer, router included (bench/run_bench.py --mode layer): "
+                        "logits = x . w_router^T, top-k of the logits, softmax over the k chosen, "
+                        "the experts and the switch loss (weight 1), all differentiated")
     a = p.parse_args()
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
@@ -71,7 +75,9 @@ def main():
     dy = torch.randn(a.T, a.d, device=dev, dtype=dt)
 
     wanted = [t for t in (x, g, wg, wu, wd) if t is not None]
-    if a.impl == "sonicmoe":
+    if a.layer:
+        step = layer_step(a, x, wg, wu, wd, dy)
+    elif a.impl == "sonicmoe":
         reason = peers.sonicmoe_unsupported(a.act, dt, "cuda")
         if reason:
             raise SystemExit(reason)
@@ -79,7 +85,7 @@ def main():
         tokens = peers.token_order_indices(a.T, a.k, dev)
         wanted = [x, g, w1, wd]
 
-    def step():
+    def experts_step():
         # autograd.grad as the benchmark does: y.backward() would add every step's weight
         # gradients into .grad (a bf16 add kernel over all weights, ~2 ms a step on mixtral).
         if a.impl == "grouped_mm":
@@ -90,6 +96,8 @@ def main():
             y = mbt.moe_experts(x, ids, g, wg, wu, wd, activation=a.act, checkpoint=a.policy)
         torch.autograd.grad(y, wanted, dy)
 
+    if not a.layer:
+        step = experts_step
     for _ in range(3):
         step()
     torch.cuda.synchronize()
@@ -102,6 +110,7 @@ def main():
     ms = start.elapsed_time(end) / 5
     flops = (18 if gated else 12) * a.T * a.k * a.d * a.h
     what = a.policy if a.impl == "moeblaze" else a.impl
+    what += " layer" if a.layer else ""
     print(f"fwd+bwd {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s "
           f"(T={a.T} d={a.d} h={a.h} E={a.E} k={a.k} {a.act} {what} {a.routing})")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
@@ -125,6 +134,41 @@ def main():
         profile_host(step, ms, a)
     if a.clocks > 0:
         profile_clocks(step, a.clocks)
+
+
+def layer_step(a, x, wg, wu, wd, dy):
+    """One differentiated step of the whole layer (bench/run_bench.py make_layer_impl): y and the
+    switch loss, both with a gradient (dy, 1)."""
+    wr = (torch.randn(a.E, a.d, device=x.device) / a.d ** 0.5).to(x.dtype).requires_grad_(True)
+    if a.impl == "sonicmoe":
+        reason = peers.sonicmoe_unsupported(a.act, x.dtype, "cuda")
+        if reason:
+            raise SystemExit(reason)
+        layer = peers.sonicmoe_layer(a.d, a.h, a.E, a.k, a.act, wr, wg, wu, wd)
+        wanted = [x] + [w for w in layer.parameters() if w.requires_grad]
+
+        def forward():
+            return layer(x)
+    elif a.impl == "grouped_mm":
+        wanted = [w for w in (x, wr, wg, wu, wd) if w is not None]
+
+        def forward():
+            return baselines.moe_layer_grouped_mm(x, wr, wg, wu, wd, a.k, a.act)
+    else:
+        wanted = [w for w in (x, wr, wg, wu, wd) if w is not None]
+
+        def forward():
+            y, losses = mbt.moe_layer(x, wr, wg, wu, wd, top_k=a.k, activation=a.act,
+                                      checkpoint=a.policy, score_function="topk_softmax",
+                                      aux_loss_coeff=1.0)[:2]
+            return y, losses[0]
+
+    one = torch.ones((), device=x.device)
+
+    def step():
+        y, aux = forward()[:2]
+        torch.autograd.grad([y, aux], wanted, [dy, one.to(aux.dtype)])
+    return step
 
 
 def profile_host(step, gpu_step_ms, a):
