@@ -267,9 +267,26 @@ def clock_lines(doc):
         lines.append(f"Sustained dense {dense['dtype']} matmul ({dense['shape']}, back to back for "
                      f"{dense['seconds']} s before the rows): **{dense['tflops']:.0f} TFLOP/s**; "
                      f"{gpu_clocks.describe(dense.get('clocks'))}.")
-    if env.get("clocks_during_run"):
+    runs = doc.get("runs") or []
+    if len(runs) > 1:
+        for i, run in enumerate(runs, 1):
+            if run.get("clocks_during_run"):
+                lines.append(f"Clocks during the rows of command {i}: "
+                             f"{gpu_clocks.describe(run['clocks_during_run'])}.")
+    elif env.get("clocks_during_run"):
         lines.append(f"Clocks during the rows: {gpu_clocks.describe(env['clocks_during_run'])}.")
     return lines
+
+
+def command_lines(doc):
+    """The command, or for a merged result set (run_bench.py --merge) each run's."""
+    runs = doc.get("runs") or []
+    if len(runs) > 1:
+        return ["Runs, merged into this set with `run_bench.py --merge` (each configuration × "
+                "activation comes whole from one run, so its rows were timed side by side):", ""] + \
+               [f"{i}. `{scrub_text(run.get('command') or '')}` ({run.get('date_utc', '')})"
+                for i, run in enumerate(runs, 1)] + [""]
+    return [f"Command: `{scrub_text(doc.get('command') or '')}`"]
 
 
 def markdown(doc, plot_names=(), image_dir="", accuracy=True):
@@ -285,7 +302,7 @@ def markdown(doc, plot_names=(), image_dir="", accuracy=True):
         + {True: "; backward consumes its saved buffer (consume_saved=True, the default).",
            False: "; backward keeps its saved buffer (--keep-saved).",
            None: "."}[env.get("moeblaze_consume_saved")],
-        f"Command: `{scrub_text(doc.get('command') or '')}`",
+        *command_lines(doc),
         *clock_lines(doc),
         "",
         *target_lines(doc),

@@ -5,6 +5,7 @@
                                [--impls grouped_mm,loop,sonicmoe,megablocks,moeblaze]
                                [--mode experts|layer]
                                [--quick] [--report | --publish]
+    python3 bench/run_bench.py --merge RUN.json MORE.json [...] [--out DIR] [--report | --publish]
 
 --mode experts (the default) times the expert layer with the routing given (x, ids, g): moeblaze
 with each checkpoint policy, the per-expert loop, the sort -> torch._grouped_mm dataflow, and
@@ -30,6 +31,10 @@ bench/configs.json x activation x implementation it measures, on the same inputs
           low-precision logits, so a near-tie may pick another expert than the reference does:
           there rel_err is reported but not held to the tolerance.
 * bitwise_repeat  whether a second run gave bitwise identical outputs and gradients.
+
+--merge joins runs of one build on one device into one result set (a table too long for one
+session's time, measured in parts): each (configuration, activation) comes whole from the last run
+that measured it, so every ratio still compares rows timed side by side in one process.
 
 Results: DIR/<YYYY-MM-DD>-<device>.json (rows as described in docs/performance.md). A summary table
 is printed last. On CUDA every configuration runs in a child process (a crash or hang loses only
@@ -129,6 +134,10 @@ def parse_args(argv=None):
                    help="make this run the committed result set: bench/results/latest.json, its "
                         "report and plots, and the tables in docs/performance.md "
                         "(bench/make_report.py --publish)")
+    p.add_argument("--merge", nargs="+", metavar="RUN_JSON", default=None,
+                   help="join these results JSONs (one device, one library build) into "
+                        "DIR/<first's name>-merged.json instead of running: each (configuration, "
+                        "activation) from the last of them that measured any of its rows")
     p.add_argument("--quick", action="store_true", help="3 repetitions, for smoke runs")
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="wall-clock budget for the whole run; repetitions are planned to fit")
@@ -1402,6 +1411,60 @@ def _json_default(value):
     return str(value)
 
 
+def _measured(rows):
+    return any(r.get("ms") is not None for r in rows)
+
+
+def merge_results(paths, out_dir):
+    """Joins runs into one result set (--merge). They must come from one device and one library
+    build (their build info), in one dtype and mode; each (configuration, activation) group is
+    taken whole from the last run that measured any of its rows, so a ratio never compares rows
+    of two runs. The header is the first run's, with every run's command, date and clocks under
+    "runs". Returns the merged file's path."""
+    docs = []
+    for path in paths:
+        with open(path) as f:
+            docs.append(json.load(f))
+
+    def fact(doc, *keys):
+        value = doc
+        for key in keys:
+            value = (value or {}).get(key)
+        return value
+
+    for what in (("device",), ("environment", "moeblaze_build_info"), ("environment", "dtype"),
+                 ("method", "timing")):
+        values = {json.dumps(fact(doc, *what)) for doc in docs}
+        if len(values) > 1:
+            raise SystemExit(f"--merge: the runs differ in {'.'.join(what)}: "
+                             f"{', '.join(sorted(values))}")
+    modes = {"layer" if any("dw_router" in (r.get("rel_err") or {}) for r in doc["rows"])
+             else "experts" for doc in docs if _measured(doc["rows"])}
+    if len(modes) > 1:
+        raise SystemExit("--merge: the runs mix --mode experts and --mode layer")
+    groups, order = {}, []
+    for doc in docs:
+        by_group = {}
+        for r in doc["rows"]:
+            by_group.setdefault((r["config"], r["act"]), []).append(r)
+        for key, rows in by_group.items():
+            if key not in groups:
+                order.append(key)
+            if key not in groups or _measured(rows):
+                groups[key] = rows
+    merged = {k: v for k, v in docs[0].items() if k not in ("summary", "rows")}
+    merged["command"] = " ; ".join(doc.get("command", "?") for doc in docs)
+    merged["runs"] = [{"command": doc.get("command"), "date_utc": doc.get("date_utc"),
+                       "clocks_during_run": fact(doc, "environment", "clocks_during_run")}
+                      for doc in docs]
+    rows = [r for key in order for r in groups[key]]
+    stem = os.path.splitext(os.path.basename(paths[0]))[0]
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{stem}-merged.json")
+    write_results(path, merged, rows)
+    return path
+
+
 def summary_table(doc):
     """Compact: one line per configuration x activation."""
     rows = doc["rows"]
@@ -1488,7 +1551,12 @@ def clock_lines(doc):
                      f"{dense['tflops']:.0f} TFLOP/s ({gpu_clocks.describe(dense.get('clocks'))})")
         if shares:
             lines.append("moeblaze swiglu TFLOP/s as a share of it: " + ", ".join(shares))
-    if env.get("clocks_during_run"):
+    runs = doc.get("runs") or []
+    if len(runs) > 1:  # a merged result set: each run's clocks
+        lines += [f"clocks during the rows of command {i}: "
+                  f"{gpu_clocks.describe(run['clocks_during_run'])}"
+                  for i, run in enumerate(runs, 1) if run.get("clocks_during_run")]
+    elif env.get("clocks_during_run"):
         lines.append(f"clocks during the rows: {gpu_clocks.describe(env['clocks_during_run'])}")
     return lines
 
@@ -1508,6 +1576,13 @@ def parallel_warmup(args):
 def main(argv=None):
     args = parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
+    if args.merge:
+        path = merge_results(args.merge, args.out)
+        with open(path) as f:
+            doc = json.load(f)
+        log(f"wrote {path}")
+        print("\n" + summary_table(doc), flush=True)
+        return finish_report(path, args)
     configs = load_configs(args)
 
     if args.child_state:
@@ -1575,6 +1650,15 @@ def main(argv=None):
         header["environment"]["clocks_during_run"] = sampler.summary()
     doc = write_results(path, header, rows)
     log(f"wrote {path}")
+    finish_report(path, args)
+    log("")
+    log(summary_table(doc))
+    return 0
+
+
+def finish_report(path, args):
+    """--report / --publish of the results at path (make_report.py); the numbers are saved
+    whatever happens here."""
     if args.report or args.publish:
         try:
             import make_report
@@ -1584,8 +1668,6 @@ def main(argv=None):
                 make_report.report(path, out_dir=args.out, doc_path=None)
         except Exception as error:  # noqa: BLE001 (the numbers are already saved)
             log(f"report failed: {type(error).__name__}: {error}")
-    log("")
-    log(summary_table(doc))
     return 0
 
 

@@ -760,3 +760,54 @@ def test_megablocks_rows_in_summary_and_report():
     assert "| megablocks ms |" in speed[0] and "| × vs megablocks |" in speed[0]
     assert speed[0].count("|") == speed[2].count("|")
     assert "**2.50×** over megablocks" in make_report.target_lines(doc)[0]
+
+
+def _merge_doc(command, groups, build="moeblaze 0.1.0 (git abc)"):
+    """A results JSON of (config, act) groups: {(cfg, act): {impl: ms or None (skipped)}}."""
+    rows = []
+    for (cfg, act), impls in groups.items():
+        for impl, ms in impls.items():
+            policy = "save_preact" if impl == "moeblaze" else run_bench.policy_of(impl)
+            rows.append({"config": cfg, "act": act, "impl": impl, "policy": policy, "ms": ms,
+                         "saved_bytes": None, "peak_bytes": None,
+                         "error": None if ms else "skipped: time budget exhausted"})
+    return {"device": "NVIDIA H200", "commit": "abc", "command": command,
+            "date_utc": "2026-01-01T00:00:00+00:00",
+            "environment": {"dtype": "bf16", "moeblaze_build_info": build},
+            "method": {"timing": "median"}, "summary": {}, "rows": rows}
+
+
+def test_merge_takes_each_group_whole_from_the_last_run_that_measured_it(tmp_path):
+    first = _merge_doc("run one", {("a", "swiglu"): {"grouped_mm": 2.0, "moeblaze": 1.0},
+                                   ("a", "silu"): {"grouped_mm": None, "moeblaze": None},
+                                   ("b", "swiglu"): {"grouped_mm": 4.0, "moeblaze": 2.0}})
+    second = _merge_doc("run two", {("a", "silu"): {"grouped_mm": 3.0, "moeblaze": 1.5},
+                                    ("b", "swiglu"): {"grouped_mm": None, "moeblaze": None}})
+    paths = []
+    for name, doc in (("one.json", first), ("two.json", second)):
+        (tmp_path / name).write_text(json.dumps(doc))
+        paths.append(str(tmp_path / name))
+    merged = json.loads(open(run_bench.merge_results(paths, str(tmp_path / "out"))).read())
+    ms = {(r["config"], r["act"], r["impl"]): r["ms"] for r in merged["rows"]}
+    assert ms == {("a", "swiglu", "grouped_mm"): 2.0, ("a", "swiglu", "moeblaze"): 1.0,
+                  ("a", "silu", "grouped_mm"): 3.0, ("a", "silu", "moeblaze"): 1.5,
+                  # the second run skipped b/swiglu: the first run's measured group stays
+                  ("b", "swiglu", "grouped_mm"): 4.0, ("b", "swiglu", "moeblaze"): 2.0}
+    speedups = {(r["config"], r["act"]): r.get("speedup_vs_grouped_mm")
+                for r in merged["rows"] if r["impl"] == "moeblaze"}
+    assert speedups == {("a", "swiglu"): 2.0, ("a", "silu"): 2.0, ("b", "swiglu"): 2.0}
+    assert [run["command"] for run in merged["runs"]] == ["run one", "run two"]
+    import make_report
+    lines = make_report.command_lines(merged)
+    assert any("`run one`" in line for line in lines) and any("`run two`" in line
+                                                               for line in lines)
+
+
+def test_merge_refuses_runs_of_two_builds(tmp_path):
+    a = _merge_doc("one", {("a", "swiglu"): {"moeblaze": 1.0}}, build="moeblaze (git abc)")
+    b = _merge_doc("two", {("a", "silu"): {"moeblaze": 1.0}}, build="moeblaze (git def)")
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    with pytest.raises(SystemExit, match="moeblaze_build_info"):
+        run_bench.merge_results([str(tmp_path / "a.json"), str(tmp_path / "b.json")],
+                                str(tmp_path / "out"))
