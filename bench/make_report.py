@@ -282,10 +282,10 @@ def command_lines(doc):
     """The command, or for a merged result set (run_bench.py --merge) each run's."""
     runs = doc.get("runs") or []
     if len(runs) > 1:
-        return ["Runs, merged into this set with `run_bench.py --merge` (each configuration × "
-                "activation comes whole from one run, so its rows were timed side by side):", ""] + \
-               [f"{i}. `{scrub_text(run.get('command') or '')}` ({run.get('date_utc', '')})"
-                for i, run in enumerate(runs, 1)] + [""]
+        intro = ("Runs, merged into this set with `run_bench.py --merge` (each configuration × "
+                 "activation comes whole from one run, so its rows were timed side by side):")
+        return [intro, ""] + [f"{i}. `{scrub_text(run.get('command') or '')}` "
+                              f"({run.get('date_utc', '')})" for i, run in enumerate(runs, 1)] + [""]
     return [f"Command: `{scrub_text(doc.get('command') or '')}`"]
 
 
