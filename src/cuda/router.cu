@@ -30,12 +30,53 @@ struct TokenStats {
   float sum;  // sum of exp(l - max)
 };
 
+// A token's softmax statistics from its logits in global memory (the backward; a lane reads
+// experts lane, lane + 32, ...).
 __device__ __forceinline__ TokenStats softmax_stats(const float* row, int E, int lane) {
   float m = -INFINITY;
   for (int e = lane; e < E; e += 32) m = fmaxf(m, row[e]);
   m = warp_max(m);
   float s = 0.f;
   for (int e = lane; e < E; e += 32) s += expf(row[e] - m);
+  s = warp_sum(s);
+  return {m, s};
+}
+
+// A token's logits held by its warp: lane owns experts e = lane + 32 i, i < kPerLane (values past E
+// are never read). The reductions below visit them in ascending i, the order of a strided loop over
+// e, so every sum and maximum is the one such a loop gives.
+template <int kPerLane>
+struct TokenRow {
+  float v[kPerLane];
+};
+
+template <int kPerLane>
+__device__ __forceinline__ TokenRow<kPerLane> load_row(const float* row, int E, int lane) {
+  TokenRow<kPerLane> r;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + 32 * i;
+    r.v[i] = e < E ? __ldg(row + e) : 0.f;
+  }
+  return r;
+}
+
+template <int kPerLane>
+__device__ __forceinline__ float row_max(const TokenRow<kPerLane>& r, int E, int lane) {
+  float m = -INFINITY;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    if (lane + 32 * i < E) m = fmaxf(m, r.v[i]);
+  return warp_max(m);
+}
+
+template <int kPerLane>
+__device__ __forceinline__ TokenStats softmax_stats(const TokenRow<kPerLane>& r, int E, int lane) {
+  const float m = row_max(r, E, lane);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    if (lane + 32 * i < E) s += expf(r.v[i] - m);
   s = warp_sum(s);
   return {m, s};
 }
@@ -77,6 +118,10 @@ struct RouterParams {
   float* part_z;    // [blocks]
 };
 
+// kPerLane = ceil(E / 32) rounded up to a power of two (router_forward picks the instance): the
+// token's logits and rank scores live in registers, each read from global memory once, and the
+// warp loads its next token's logits before working on this one's.
+template <int kPerLane>
 __global__ void __launch_bounds__(kRouterWarps * 32) router_forward_kernel(RouterParams p) {
   extern __shared__ unsigned char smem_raw[];
   float* acc_p = reinterpret_cast<float*>(smem_raw);                        // [warps, E]
@@ -93,20 +138,25 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_forward_kernel(Route
   int32_t* my_c = acc_c + warp * E;
   float z_sum = 0.f;
   const int64_t first = int64_t(blockIdx.x) * kRouterTokensPerBlock + warp * kRouterTokensPerWarp;
+  const bool need_stats = p.fn != ScoreFunction::Sigmoid || p.want_z;
+  TokenRow<kPerLane> next = {};
+  if (first < p.T) next = load_row<kPerLane>(p.logits + first * E, E, lane);
   for (int i = 0; i < kRouterTokensPerWarp; ++i) {
     const int64_t t = first + i;
     if (t >= p.T) break;
     const float* row = p.logits + t * E;
-    const bool need_stats = p.fn != ScoreFunction::Sigmoid || p.want_z;
+    const TokenRow<kPerLane> cur = next;
+    if (i + 1 < kRouterTokensPerWarp && t + 1 < p.T) next = load_row<kPerLane>(row + E, E, lane);
     TokenStats st{0.f, 1.f};
     if (need_stats) {
-      st = softmax_stats(row, E, lane);
+      st = softmax_stats(cur, E, lane);
     } else {  // SIGMOID needs the largest logit only (sigmoid_score's scale)
-      float m = -INFINITY;
-      for (int e = lane; e < E; e += 32) m = fmaxf(m, row[e]);
-      st.max = warp_max(m);
+      st.max = row_max(cur, E, lane);
     }
-    // Lane-owned experts e = lane + 32*i; bit i of `taken` marks those already selected.
+    float score[kPerLane];
+#pragma unroll
+    for (int q = 0; q < kPerLane; ++q) score[q] = rank_score(p.fn, cur.v[q], st);
+    // Bit q of `taken` marks lane-owned expert lane + 32 q as already selected.
     uint32_t taken = 0;
     float g_mine = 0.f;  // lane j keeps the j-th pick's weight
     int id_mine = -1;
@@ -114,11 +164,12 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_forward_kernel(Route
     for (int j = 0; j < k; ++j) {
       float best = NAN;
       int best_id = INT_MAX;
-      for (int e = lane, bit = 0; e < E; e += 32, ++bit) {
-        if (taken & (1u << bit)) continue;
-        const float s = rank_score(p.fn, row[e], st);
-        if (ranks_before(s, e, best, best_id)) {
-          best = s;
+#pragma unroll
+      for (int q = 0; q < kPerLane; ++q) {
+        const int e = lane + 32 * q;
+        if (e >= E || (taken & (1u << q))) continue;
+        if (ranks_before(score[q], e, best, best_id)) {
+          best = score[q];
           best_id = e;
         }
       }
@@ -155,13 +206,19 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_forward_kernel(Route
       p.g[t * k + lane] = g_mine;
     }
     if (p.want_aux) {
-      if (p.fn == ScoreFunction::Sigmoid) {
+      if (p.fn == ScoreFunction::Sigmoid) {  // the rank scores are sigmoid_score's
         float s = 0.f;
-        for (int e = lane; e < E; e += 32) s += sigmoid_score(row[e], st.max);
+#pragma unroll
+        for (int q = 0; q < kPerLane; ++q)
+          if (lane + 32 * q < E) s += score[q];
         s = warp_sum(s);
-        for (int e = lane; e < E; e += 32) my_p[e] += sigmoid_score(row[e], st.max) / s;
+#pragma unroll
+        for (int q = 0; q < kPerLane; ++q)
+          if (lane + 32 * q < E) my_p[lane + 32 * q] += score[q] / s;
       } else {
-        for (int e = lane; e < E; e += 32) my_p[e] += expf(row[e] - st.max) / st.sum;
+#pragma unroll
+        for (int q = 0; q < kPerLane; ++q)
+          if (lane + 32 * q < E) my_p[lane + 32 * q] += expf(cur.v[q] - st.max) / st.sum;
       }
     }
     if (p.want_z) {
@@ -405,7 +462,22 @@ void router_forward(const LayerDesc& desc, int64_t T, const float* logits, int32
   p.part_z = part_z;
   if (blocks > 0) {
     const size_t smem = size_t(kRouterWarps) * E * (sizeof(float) + sizeof(int32_t));
-    router_forward_kernel<<<blocks, kRouterWarps * 32, smem, stream>>>(p);
+    const int per_lane = (E + 31) / 32;
+    const auto launch = [&](auto kernel) {
+      kernel<<<blocks, kRouterWarps * 32, smem, stream>>>(p);
+    };
+    if (per_lane <= 1)
+      launch(router_forward_kernel<1>);
+    else if (per_lane <= 2)
+      launch(router_forward_kernel<2>);
+    else if (per_lane <= 4)
+      launch(router_forward_kernel<4>);
+    else if (per_lane <= 8)
+      launch(router_forward_kernel<8>);
+    else if (per_lane <= 16)
+      launch(router_forward_kernel<16>);
+    else
+      launch(router_forward_kernel<32>);  // E <= MOEBLAZE_MAX_EXPERTS = 1024
     check_launch("router_forward_kernel");
   }
   if (expert_counts || losses) {

@@ -473,8 +473,15 @@ TEST_SUITE("cuda") {
     struct RouterCase {
       int64_t E, k, T;
     };
-    std::vector<RouterCase> cases = {{8, 2, 300}, {5, 5, 17}, {64, 6, 129}, {1, 1, 3}};
-    if (!quick()) cases.push_back({256, 8, 1000});
+    // E spans every register width of the forward kernel (ceil(E / 32) up to 1, 2, 4, 8, 16, 32
+    // logits a lane), partly filled ones included.
+    std::vector<RouterCase> cases = {
+        {8, 2, 300}, {5, 5, 17}, {64, 6, 129}, {1, 1, 3}, {100, 4, 33}};
+    if (!quick()) {
+      cases.push_back({256, 8, 1000});
+      cases.push_back({300, 4, 77});
+      cases.push_back({1000, 8, 100});
+    }
     for (const RouterCase& rcase : cases) {
       for (int32_t fn :
            {MOEBLAZE_SCORE_SOFTMAX_TOPK, MOEBLAZE_SCORE_TOPK_SOFTMAX, MOEBLAZE_SCORE_SIGMOID}) {
