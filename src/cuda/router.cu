@@ -271,6 +271,9 @@ __global__ void __launch_bounds__(kReduceThreads)
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     float s = 0.f;
     int32_t c = 0;
+    // One thread sums an expert's partials in block order; unrolled so that the loads of 16
+    // blocks are in flight together (a latency-bound loop otherwise), the additions in order.
+#pragma unroll 16
     for (int b = 0; b < blocks; ++b) {
       s += part_p[int64_t(b) * E + e];
       c += part_c[int64_t(b) * E + e];
@@ -312,6 +315,7 @@ __global__ void count_partial_kernel(int64_t T, int E, int k, const int32_t* ids
 __global__ void count_reduce_kernel(int E, int blocks, const int32_t* part_c, int32_t* counts) {
   for (int e = blockIdx.x * blockDim.x + threadIdx.x; e < E; e += gridDim.x * blockDim.x) {
     int32_t c = 0;
+#pragma unroll 16
     for (int b = 0; b < blocks; ++b) c += part_c[int64_t(b) * E + e];
     counts[e] = c;
   }
