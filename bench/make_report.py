@@ -278,6 +278,14 @@ def clock_lines(doc):
     return lines
 
 
+def peer_lines(doc):
+    """The peers' versions the run recorded (run_bench.py environment "peers"), when any."""
+    found = doc.get("environment", {}).get("peers") or {}
+    if not found:
+        return []
+    return ["Peers: " + "; ".join(f"{name} {version}" for name, version in found.items()) + "."]
+
+
 def command_lines(doc):
     """The command, or for a merged result set (run_bench.py --merge) each run's."""
     runs = doc.get("runs") or []
@@ -302,6 +310,7 @@ def markdown(doc, plot_names=(), image_dir="", accuracy=True):
         + {True: "; backward consumes its saved buffer (consume_saved=True, the default).",
            False: "; backward keeps its saved buffer (--keep-saved).",
            None: "."}[env.get("moeblaze_consume_saved")],
+        *peer_lines(doc),
         *command_lines(doc),
         *clock_lines(doc),
         "",

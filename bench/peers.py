@@ -36,6 +36,9 @@ of the ``grouped_gemm`` extension, bf16 only; its block-sparse ``"sparse"`` path
 """
 
 import importlib
+import importlib.metadata
+import importlib.util
+import os
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +63,37 @@ def _import_peer(name, modules):
         except Exception as error:  # noqa: BLE001 (reported as the row's skip reason)
             _cache[name] = (None, f"{name} not importable: {type(error).__name__}: {error}")
     return _cache[name]
+
+
+# Package distributions of the peers and what they import as; a peer run from a source tree has no
+# distribution metadata, so the environment variable below names its commit instead.
+PEER_DISTRIBUTIONS = {"sonic-moe": "sonicmoe", "quack-kernels": "quack",
+                      "nvidia-cutlass-dsl": "cutlass", "megablocks": "megablocks",
+                      "grouped_gemm": "grouped_gemm", "stanford-stk": "stk"}
+PEERS_NOTE_ENV = "MOEBLAZE_BENCH_PEERS"
+
+
+def peer_versions():
+    """What the results JSON records of the peers, without importing them (SonicMoE's import
+    compiles): each distribution's version, "source tree" for a package found without one, and
+    $MOEBLAZE_BENCH_PEERS (free text, e.g. the commits of source trees) as "described"."""
+    found = {}
+    for dist, module in PEER_DISTRIBUTIONS.items():
+        try:
+            found[dist] = importlib.metadata.version(dist)
+            continue
+        except importlib.metadata.PackageNotFoundError:
+            pass
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is not None:
+            found[dist] = "source tree (no package metadata)"
+    note = os.environ.get(PEERS_NOTE_ENV, "").strip()
+    if note:
+        found["described"] = note
+    return found
 
 
 def sonicmoe():

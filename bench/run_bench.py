@@ -277,7 +277,7 @@ def device_slug(name):
 def environment(args):
     env = {"torch": torch.__version__, "python": sys.version.split()[0], "dtype": args.dtype,
            "grouped_mm_available": baselines.grouped_mm_available(),
-           "moeblaze_consume_saved": not args.keep_saved}
+           "moeblaze_consume_saved": not args.keep_saved, "peers": peers.peer_versions()}
     if args.device == "cuda":
         prop = torch.cuda.get_device_properties(0)
         env.update({"cuda": torch.version.cuda, "sm_count": prop.multi_processor_count,

@@ -811,3 +811,17 @@ def test_merge_refuses_runs_of_two_builds(tmp_path):
     with pytest.raises(SystemExit, match="moeblaze_build_info"):
         run_bench.merge_results([str(tmp_path / "a.json"), str(tmp_path / "b.json")],
                                 str(tmp_path / "out"))
+
+
+def test_peer_versions_name_what_is_installed_and_the_described_commits(monkeypatch):
+    import peers
+    monkeypatch.setenv(peers.PEERS_NOTE_ENV, "sonic-moe 8565e84, quack 3d0ab3e")
+    found = peers.peer_versions()
+    assert found["described"] == "sonic-moe 8565e84, quack 3d0ab3e"
+    assert set(found) <= set(peers.PEER_DISTRIBUTIONS) | {"described"}
+    monkeypatch.delenv(peers.PEERS_NOTE_ENV)
+    assert "described" not in peers.peer_versions()
+    import make_report
+    doc = {"environment": {"peers": {"nvidia-cutlass-dsl": "4.2.1", "described": "x 1"}}}
+    assert make_report.peer_lines(doc) == ["Peers: nvidia-cutlass-dsl 4.2.1; described x 1."]
+    assert make_report.peer_lines({"environment": {}}) == []
