@@ -881,8 +881,10 @@ TEST_SUITE("cuda") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
     // MOEBLAZE_CUDA_ROWS_FORM: F2 and B4 store their rows from the consumers' registers, or hand
-    // them, rounded as stored, to the epilogue warps, which store whole rows: the same values at
-    // the same places, so every output must keep its bits. d = 296 (a last tile of 40 columns)
+    // them, rounded as stored, to the epilogue warps, which store whole rows; or (pingpong,
+    // pingpong128) each consumer warpgroup computes and stores its own tiles of 192 or 128
+    // columns, with the same k order: the same values at the same places, so every output must
+    // keep its bits. d = 296 (a last tile of 40 columns)
     // and 1000 (232); k = 2 (rows, then the per-token reduction) and k = 1 (direct rows: each row
     // stored at its token); F16 as well as BF16; row chunks of d too (MOEBLAZE_CUDA_ROW_CHUNKS).
     Rng rng(test_seed(9973));
@@ -902,8 +904,9 @@ TEST_SUITE("cuda") {
               CAPTURE(chunk_name);
               CAPTURE(describe(cfg));
               // "neither": any other value means the policy
-              check_switch_keeps_bits_skewed("MOEBLAZE_CUDA_ROWS_FORM",
-                                             {"consumers", "warps", "neither"}, cfg, 300, rng);
+              check_switch_keeps_bits_skewed(
+                  "MOEBLAZE_CUDA_ROWS_FORM",
+                  {"consumers", "warps", "pingpong", "pingpong128", "neither"}, cfg, 300, rng);
             }
           }
         }

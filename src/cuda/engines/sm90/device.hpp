@@ -42,9 +42,9 @@ int sm90_parse_band_mtiles(const char* value);  // nullptr or not an integer in 
 // A backend's choices between the Hopper kernels' equivalent forms (each keeps every bit): read
 // once when the backend is created (tuning.hpp) and passed to every launch.
 struct Sm90Forms {
-  int f1_form = -1;     // f1_gemm.hpp: -1 the policy, 0 consumers, 1 epilogue warps
-  int b1_form = -1;     // rows_gemm.hpp: -1 the policy, else a B1Form
-  int rows_form = -1;   // rows_gemm.hpp: F2 / B4 store, -1 the policy, 0 consumers, 1 warps
+  int f1_form = -1;    // f1_gemm.hpp: -1 the policy, 0 consumers, 1 epilogue warps
+  int b1_form = -1;    // rows_gemm.hpp: -1 the policy, else a B1Form
+  int rows_form = -1;  // rows_gemm.hpp: F2 / B4, -1 the policy, 0 consumers, 1 warps, 2-3 ping-pong
   int band_mtiles = 0;  // 0: the per-kernel defaults above, else 1..256 for every kernel
 };
 

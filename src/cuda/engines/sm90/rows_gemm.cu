@@ -357,59 +357,6 @@ int rows_store_form(int forced) {
   return forced == 0 ? kB1Consumers : kB1Warps;
 }
 
-// [count2, count1, count0] row-major with dim 0 contiguous; see make_map_3d.
-template <typename T>
-CUtensorMap map_for(const void* base, int64_t dim0, int64_t dim1, int64_t dim2, int64_t stride1,
-                    int64_t stride2, uint32_t box0, uint32_t box1, uint32_t box2,
-                    const char* what) {
-  return make_map_3d<T>(base, uint64_t(dim0), uint64_t(dim1), uint64_t(dim2), uint64_t(stride1),
-                        uint64_t(stride2), box0, box1, box2, what);
-}
-
-// Columns [col0, col0 + cols) of a weight operand [E, rows, ld] (ld contiguous; 16-bit elements):
-// MN-major boxes {64 cols, 64 rows} when the GEMM's n runs along the columns, K-major boxes
-// {64 cols, 128 rows} when k does. Columns past the range read as zeros.
-CUtensorMap weight_map_range(Dtype dtype, const void* w, int64_t E, int64_t rows, int64_t ld,
-                             int64_t col0, int64_t cols, bool mn_major, const char* what) {
-  const uint32_t box1 = mn_major ? uint32_t(kBK) : uint32_t(kBKBoxRows);
-  const void* base = static_cast<const uint16_t*>(w) + col0;
-  if (dtype == Dtype::BF16)
-    return map_for<__nv_bfloat16>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
-  return map_for<__half>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
-}
-
-// Rows [row0, row0 + rows) of a K-major weight operand [E, total_rows, ld] (ld contiguous, the
-// GEMM's k): boxes {64 k, 128 rows}; rows past the range read as zeros.
-CUtensorMap weight_rows_map(Dtype dtype, const void* w, int64_t E, int64_t total_rows, int64_t ld,
-                            int64_t row0, int64_t rows, const char* what) {
-  const void* base = static_cast<const uint16_t*>(w) + row0 * ld;
-  if (dtype == Dtype::BF16)
-    return map_for<__nv_bfloat16>(base, ld, rows, E, ld, total_rows * ld, 64, kBKBoxRows, 1, what);
-  return map_for<__half>(base, ld, rows, E, ld, total_rows * ld, 64, kBKBoxRows, 1, what);
-}
-
-// A row operand [N, halves * k_half] as {k_half, halves, N}, box {64 k, 1, 128 rows}.
-CUtensorMap rows_map(Dtype dtype, const void* a, int64_t N, int64_t k_half, int halves,
-                     const char* what) {
-  if (dtype == Dtype::BF16)
-    return map_for<__nv_bfloat16>(a, k_half, halves, N, k_half, halves * k_half, kBK, 1, kBM, what);
-  return map_for<__half>(a, k_half, halves, N, k_half, halves * k_half, kBK, 1, kBM, what);
-}
-
-RowsParams base_params(const LayerDesc& desc, const int32_t* offsets, int n_out, int64_t k_half,
-                       int halves, int64_t T) {
-  RowsParams p = {};
-  p.offsets = offsets;
-  p.n_out = n_out;
-  p.k_half = int(k_half);
-  p.halves = halves;
-  p.E = int(desc.E);
-  p.n_tiles = (n_out + kBN - 1) / kBN;
-  p.kt_half = int((k_half + kBK - 1) / kBK);
-  p.N = T * desc.k;
-  return p;
-}
-
 void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtensorMap& b0,
             const CUtensorMap& b1, const RowsParams& params, const Sm90Forms& forms,
             cudaStream_t stream, const char* what) {
@@ -435,7 +382,7 @@ void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtenso
 }  // namespace
 
 size_t sm90_rows_max_smem_bytes() {
-  return kMaxSmemBytes;
+  return std::max(kMaxSmemBytes, sm90_rows_pingpong_max_smem_bytes());
 }
 
 bool sm90_rows_prepare_kernels() {
@@ -450,13 +397,15 @@ bool sm90_rows_prepare_kernels() {
       }
     }
   }
-  return true;
+  return sm90_rows_pingpong_prepare_kernels();
 }
 
 int sm90_parse_rows_form(const char* value) {
   if (value == nullptr) return -1;
   if (std::strcmp(value, "consumers") == 0) return 0;
   if (std::strcmp(value, "warps") == 0) return 1;
+  if (std::strcmp(value, "pingpong") == 0) return kSm90RowsFormPingpong192;
+  if (std::strcmp(value, "pingpong128") == 0) return kSm90RowsFormPingpong128;
   return -1;
 }
 
@@ -484,16 +433,19 @@ bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
   return sm90_current_device().usable;
 }
 
-void set_rows_out(RowsParams& p, const RowsOut& out, const int32_t* row_pair) {
-  p.out = out.rows;
-  p.out_ld = out.ld != 0 ? out.ld : p.n_out;
-  p.row_pair = row_pair;
-  p.out_w = out.weights;
-  p.out_by_pair = out.by_pair;
+// The ping-pong kernel's tile width when `forms` selects it, else 0.
+int pingpong_tile_n(const Sm90Forms& forms) {
+  return forms.rows_form == kSm90RowsFormPingpong192   ? 192
+         : forms.rows_form == kSm90RowsFormPingpong128 ? 128
+                                                       : 0;
 }
 
 void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& forms,
                     cudaStream_t stream) {
+  if (const int tile_n = pingpong_tile_n(forms)) {
+    sm90_f2_pingpong_launch(desc, op, tile_n, forms, stream);
+    return;
+  }
   const int64_t T = op.rows.T, N = T * desc.k;
   if (N == 0) return;
   const int64_t cols = op.cols != 0 ? op.cols : desc.d;
@@ -502,13 +454,17 @@ void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& form
   const CUtensorMap a = rows_map(desc.dtype, op.u, N, desc.h, 1, "F2");
   // w_down [E, d, h]: the GEMM's n runs over d (rows: those of the range), k over h
   // (contiguous): K-major.
-  const CUtensorMap b =
-      weight_rows_map(desc.dtype, op.w_down, desc.E, desc.d, desc.h, op.col0, cols, "F2");
+  const CUtensorMap b = weight_rows_map(desc.dtype, op.w_down, desc.E, desc.d, desc.h, op.col0,
+                                        cols, kBKBoxRows, "F2");
   launch(desc, kF2, a, b, b, p, forms, stream, "sm90_rows_kernel (F2)");
 }
 
 void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& forms,
                     cudaStream_t stream) {
+  if (const int tile_n = pingpong_tile_n(forms)) {
+    sm90_b4_pingpong_launch(desc, op, tile_n, forms, stream);
+    return;
+  }
   const int64_t T = op.rows.T, N = T * desc.k;
   if (N == 0) return;
   const int halves = desc.gated() ? 2 : 1;

@@ -58,12 +58,25 @@ void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& form
 void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& forms,
                     cudaStream_t stream);
 
-// F2's and B4's store form (Sm90Forms::rows_form): -1 = the policy (the epilogue warps'), 0 the
+// F2's and B4's form (Sm90Forms::rows_form): -1 = the policy (the epilogue warps'), 0 the
 // consumers' (they store their rows after each main loop), 1 the epilogue warps' (the consumers
-// hand the rounded rows to warps 1-3 of the producer warpgroup and go on; 3 stages instead of 4).
-// Both give the same bits. Parses MOEBLAZE_CUDA_ROWS_FORM's value ("consumers", "warps"; nullptr or
-// anything else: -1).
+// hand the rounded rows to warps 1-3 of the producer warpgroup and go on; 3 stages instead of 4),
+// 2 and 3 the ping-pong kernel (rows_pingpong_gemm.cu: each consumer warpgroup a whole tile of 192
+// or 128 columns, one's store under the other's main loop; opt-in, not yet measured). Every form
+// should give the same bits (the CUDA suite checks it). Parses MOEBLAZE_CUDA_ROWS_FORM's value
+// ("consumers", "warps", "pingpong", "pingpong128"; nullptr or anything else: -1).
 int sm90_parse_rows_form(const char* value);
+constexpr int kSm90RowsFormPingpong192 = 2;
+constexpr int kSm90RowsFormPingpong128 = 3;
+
+// The ping-pong forms of F2 and B4 (rows_pingpong_gemm.cu); tile_n = 192 or 128. Precondition:
+// sm90_rows_supported over the op's tensors.
+void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n,
+                             const Sm90Forms& forms, cudaStream_t stream);
+void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n,
+                             const Sm90Forms& forms, cudaStream_t stream);
+size_t sm90_rows_pingpong_max_smem_bytes();
+bool sm90_rows_pingpong_prepare_kernels();
 
 // B1's epilogue form (Sm90Forms::b1_form; rows_gemm.cu, B1Form): -1 = the policy by k-steps a
 // tile; 0, 1, 2, 3 force the consumers', the epilogue warps', the split or the two-group split

@@ -1,6 +1,7 @@
 // The rows kernel's (rows_gemm.cu) tile geometry, epilogue forms, shared-memory budget, kernel
-// parameters and tile decoding. Private to rows_gemm.cu and its B1 epilogue (an anonymous
-// namespace: one translation unit includes it).
+// parameters, tile decoding and host-side tensor maps. Private to the rows kernels: rows_gemm.cu
+// with its B1 epilogue, and rows_pingpong_gemm.cu (an anonymous namespace: each of the two
+// translation units has its own copy).
 #pragma once
 
 #include <algorithm>
@@ -160,6 +161,71 @@ struct RowsParams {
 struct TileCoord {
   int e, row0, rows, n0;
 };
+
+// ---- host: the operands' tensor maps and the kernel parameters (rows_gemm.cu and
+// rows_pingpong_gemm.cu) ----
+
+// [count2, count1, count0] row-major with dim 0 contiguous; see make_map_3d.
+template <typename T>
+inline CUtensorMap map_for(const void* base, int64_t dim0, int64_t dim1, int64_t dim2,
+                           int64_t stride1, int64_t stride2, uint32_t box0, uint32_t box1,
+                           uint32_t box2, const char* what) {
+  return make_map_3d<T>(base, uint64_t(dim0), uint64_t(dim1), uint64_t(dim2), uint64_t(stride1),
+                        uint64_t(stride2), box0, box1, box2, what);
+}
+
+// Columns [col0, col0 + cols) of a weight operand [E, rows, ld] (ld contiguous; 16-bit elements):
+// MN-major boxes {64 cols, 64 rows} when the GEMM's n runs along the columns, K-major boxes
+// {64 cols, 128 rows} when k does. Columns past the range read as zeros.
+inline CUtensorMap weight_map_range(Dtype dtype, const void* w, int64_t E, int64_t rows, int64_t ld,
+                                    int64_t col0, int64_t cols, bool mn_major, const char* what) {
+  const uint32_t box1 = mn_major ? uint32_t(kBK) : uint32_t(kBKBoxRows);
+  const void* base = static_cast<const uint16_t*>(w) + col0;
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
+  return map_for<__half>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
+}
+
+// Rows [row0, row0 + rows) of a K-major weight operand [E, total_rows, ld] (ld contiguous, the
+// GEMM's k): boxes {64 k, box_rows}; rows past the range read as zeros.
+inline CUtensorMap weight_rows_map(Dtype dtype, const void* w, int64_t E, int64_t total_rows,
+                                   int64_t ld, int64_t row0, int64_t rows, uint32_t box_rows,
+                                   const char* what) {
+  const void* base = static_cast<const uint16_t*>(w) + row0 * ld;
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(base, ld, rows, E, ld, total_rows * ld, 64, box_rows, 1, what);
+  return map_for<__half>(base, ld, rows, E, ld, total_rows * ld, 64, box_rows, 1, what);
+}
+
+// A row operand [N, halves * k_half] as {k_half, halves, N}, box {64 k, 1, 128 rows}.
+inline CUtensorMap rows_map(Dtype dtype, const void* a, int64_t N, int64_t k_half, int halves,
+                            const char* what) {
+  if (dtype == Dtype::BF16)
+    return map_for<__nv_bfloat16>(a, k_half, halves, N, k_half, halves * k_half, kBK, 1, kBM, what);
+  return map_for<__half>(a, k_half, halves, N, k_half, halves * k_half, kBK, 1, kBM, what);
+}
+
+inline RowsParams base_params(const LayerDesc& desc, const int32_t* offsets, int n_out,
+                              int64_t k_half, int halves, int64_t T) {
+  RowsParams p = {};
+  p.offsets = offsets;
+  p.n_out = n_out;
+  p.k_half = int(k_half);
+  p.halves = halves;
+  p.E = int(desc.E);
+  p.n_tiles = (n_out + kBN - 1) / kBN;
+  p.kt_half = int((k_half + kBK - 1) / kBK);
+  p.N = T * desc.k;
+  return p;
+}
+
+inline void set_rows_out(RowsParams& p, const RowsOut& out, const int32_t* row_pair) {
+  p.out = out.rows;
+  p.out_ld = out.ld != 0 ? out.ld : p.n_out;
+  p.row_pair = row_pair;
+  p.out_w = out.weights;
+  p.out_by_pair = out.by_pair;
+}
 
 #if MB_SM90_DEVICE
 

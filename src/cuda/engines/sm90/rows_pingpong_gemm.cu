@@ -1,0 +1,300 @@
+// F2 and B4 on Hopper with ping-pong consumers (MOEBLAZE_CUDA_ROWS_FORM=pingpong or pingpong128;
+// see rows_gemm.hpp for what F2 and B4 compute).
+//
+// Why: where a tile's main loop is short (F2 at h = 768 runs 12 k-steps), rows_gemm.cu's
+// cooperative tile (both consumer warpgroups on one 128 x 256 tile) leaves the tensor cores idle
+// at every tile boundary while the accumulators drain and are handed off: on the H200, F2 reaches
+// 536 TFLOP/s on qwen3-30b-a3b against F1's 606 at 32 k-steps. Here each consumer warpgroup owns
+// a whole tile of 128 rows x TILE_N columns (TILE_N = 192 or 128, two m64nTILE_Nk16 wgmmas per 16
+// k, TILE_N accumulators a thread) and takes every other tile of its CTA: while one runs its
+// epilogue, the other's main loop keeps the tensor cores busy.
+//
+// Layout: warpgroup 0 produces (one thread issues the TMA loads; the other threads exit); 1 and 2
+// consume. Stages of A (128 rows x 64 k, 16 KB, TMA box {64 k, 1, 128 rows}) and B (TILE_N x 64,
+// boxes of 64: K-major {64 k, 64 rows} for F2, MN-major {64 n, 64 k} for B4), as many as fit
+// (5 of 40 KB, or 6 of 32 KB). The stages are used in the CTA's tile order, each by the one
+// warpgroup whose tile it holds: a stage's empty barrier takes that warpgroup's 4 warps. Each
+// warpgroup stores its rows from registers as the cooperative kernel's consumers' form does
+// (row_value of the row's weight, rounded once; 4-byte column pairs).
+// The k order of every element is the cooperative kernel's (16-k wgmmas in k order), so the two
+// should give the same bits; the CUDA suite checks it.
+#include <algorithm>
+
+#include "cuda/engines/sm90/rows_layout.cuh"
+
+namespace moeblaze {
+namespace cuda {
+namespace {
+
+using namespace sm90;
+
+constexpr int kPingThreads = 384;
+constexpr int kPingATileBytes = kBM * kBK * 2;         // 16 KB
+constexpr int kPingBoxCols = 64;                       // B box width along n
+constexpr int kPingBoxBytes = kPingBoxCols * kBK * 2;  // 8 KB
+
+template <int TILE_N>
+struct PingLayout {
+  static_assert(TILE_N == 192 || TILE_N == 128, "ping-pong tiles are 192 or 128 columns wide");
+  static constexpr int kStageBytes = kPingATileBytes + TILE_N * kBK * 2;
+  // As many stages as fit beside the barriers and the schedule of kMaxExperts (no hand-off).
+  static constexpr int kStages = TILE_N == 192 ? 5 : 6;
+  static constexpr int kAcc = TILE_N / 2;  // accumulators a thread per m64 half
+  static constexpr size_t smem_bytes(int E) {
+    return pipeline_smem_bytes(kStages, kStageBytes, 0, E);
+  }
+};
+static_assert(PingLayout<192>::smem_bytes(kMaxExperts) <= kSmemPerBlock, "227 KB per block");
+static_assert(PingLayout<128>::smem_bytes(kMaxExperts) <= kSmemPerBlock, "227 KB per block");
+
+// setmaxnreg: the producer thread needs few; each consumer holds 2 x kAcc accumulators.
+constexpr int kPingRegsProducer = 24, kPingRegsConsumer = 240;
+static_assert(register_split_fits(kPingRegsProducer, kPingRegsConsumer), "register split");
+
+#if MB_SM90_DEVICE
+
+template <int TILE_N>
+__device__ __forceinline__ TileCoord ping_decode(int t, const int* tile_start,
+                                                 const RowsParams& p) {
+  const GroupedTile g =
+      decode_grouped_tile<kBM>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
+  return {g.e, g.row0, g.rows, g.n_tile * TILE_N};
+}
+
+// One m64 half of a warpgroup's tile, from registers: register 4j + q of lane (g, t4) holds row
+// first_row + 8 (q >> 1), column 8j + 2 t4 + (q & 1) (first_row = the half's 64 m + 16 warp + g).
+// Each row weighted (F2's g; B4: 1), rounded once and stored as 4-byte column pairs.
+template <typename T, int TILE_N>
+__device__ __forceinline__ void ping_store_half(const RowsParams& p, const TileCoord& c,
+                                                int first_row, int t4,
+                                                const float (&acc)[TILE_N / 2]) {
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int row = first_row + 8 * rr;
+    if (row >= c.rows) continue;
+    const int64_t r = int64_t(c.row0) + row;
+    const int64_t pair = p.row_pair != nullptr ? int64_t(__ldg(p.row_pair + r)) : r;
+    const float w = p.out_w != nullptr ? __ldg(p.out_w + pair) : 1.f;
+    const int64_t out_row = p.out_by_pair ? pair : r;
+    T* orow = static_cast<T*>(p.out) + out_row * p.out_ld + c.n0 + 2 * t4;
+#pragma unroll
+    for (int j = 0; j < TILE_N / 8; ++j) {
+      if (c.n0 + 8 * j < p.n_out)  // n_out % 8 == 0: a column pair is all in or all out
+        *reinterpret_cast<uint32_t*>(orow + 8 * j) = pack2<T>(
+            row_value<T>(w, acc[4 * j + 2 * rr]), row_value<T>(w, acc[4 * j + 2 * rr + 1]));
+    }
+  }
+}
+
+#endif  // MB_SM90_DEVICE
+
+// KIND: kF2 or kB4 (rows_layout.cuh). TILE_N: 192 or 128.
+template <typename T, int KIND, int TILE_N>
+__global__ void __launch_bounds__(kPingThreads, 1)
+    sm90_rows_pingpong_kernel(const __grid_constant__ CUtensorMap tmap_a,
+                              const __grid_constant__ CUtensorMap tmap_b0,
+                              const __grid_constant__ CUtensorMap tmap_b1, const RowsParams p) {
+#if MB_SM90_DEVICE
+  static_assert(KIND == kF2 || KIND == kB4, "F2 and B4 only (B1 gathers A and has its epilogue)");
+  using L = PingLayout<TILE_N>;
+  constexpr int kStages = L::kStages;
+  constexpr bool kBMn = KIND == kB4;  // B4's B is MN-major, F2's K-major
+  extern __shared__ uint8_t smem_raw[];
+  const GatherPipelineSmem<kStages, L::kStageBytes> shm(smem_raw, 0);
+
+  const int tid = threadIdx.x;
+  const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
+  // Empty barriers: one arrival per warp of the one consumer warpgroup that used the stage.
+  if (tid == 0) shm.init_barriers(4, 1);
+  const int total_tiles = build_tile_prefix<kBM, kPingThreads>(shm.tile_start, p.offsets, p.E,
+                                                               p.n_tiles, tid, warp, lane);
+  const int k_tiles = p.halves * p.kt_half;
+
+  if (warp < 4) {
+    // ================= producer =================
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPingRegsProducer) : "memory");
+    if (tid != 0) return;
+    uint32_t it = 0;
+    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
+      const TileCoord c = ping_decode<TILE_N>(t, shm.tile_start, p);
+      // B boxes that start past n_out are neither issued nor expected (never stored).
+      const int b_boxes =
+          min(TILE_N / kPingBoxCols, (p.n_out - c.n0 + kPingBoxCols - 1) / kPingBoxCols);
+      const uint32_t tx = uint32_t(kPingATileBytes) + uint32_t(b_boxes) * kPingBoxBytes;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = int(it % kStages);
+        const int half = kt >= p.kt_half ? 1 : 0;
+        const int k0 = (kt - half * p.kt_half) * kBK;
+        mbar_wait(smem_u32(shm.empty_bar + s), ((it / kStages) & 1) ^ 1);
+        uint8_t* stage = shm.stage(s);
+        const uint32_t full = smem_u32(shm.full_bar + s);
+        mbar_arrive_expect_tx(full, tx);
+        tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
+        const CUtensorMap* mb = half ? &tmap_b1 : &tmap_b0;
+        for (int i = 0; i < b_boxes; ++i) {
+          const uint32_t dst = smem_u32(stage + kPingATileBytes + i * kPingBoxBytes);
+          const int n = c.n0 + kPingBoxCols * i;
+          if (kBMn)
+            tma_load_3d(dst, mb, full, n, k0, c.e);  // {n, k, e}
+          else
+            tma_load_3d(dst, mb, full, k0, n, c.e);  // {k, n, e}
+        }
+      }
+    }
+    return;
+  }
+  // ================= consumer warpgroups =================
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPingRegsConsumer) : "memory");
+  const int wg = (warp >> 2) - 1;   // this warpgroup takes the CTA's tiles n with n % 2 == wg
+  const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of each m64 half
+  const int g = lane >> 2, t4 = lane & 3;
+  float acc0[L::kAcc], acc1[L::kAcc];  // rows [0, 64) and [64, 128) of the tile
+#pragma unroll
+  for (int i = 0; i < L::kAcc; ++i) acc0[i] = acc1[i] = 0.f;
+  uint32_t it = 0;
+  uint32_t n = 0;  // the CTA's tiles so far
+  for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
+    if (int(n & 1) != wg) {  // the other warpgroup's tile: its stages are not ours
+      it += uint32_t(k_tiles);
+      continue;
+    }
+    int prev_s = 0;
+    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+      const int s = int(it % kStages);
+      mbar_wait(smem_u32(shm.full_bar + s), (it / kStages) & 1);
+      const uint32_t stage = smem_u32(shm.stage(s));
+      const uint64_t desc_a0 = smem_desc_kmajor_sw128(stage);
+      const uint64_t desc_a1 = smem_desc_kmajor_sw128(stage + kPingATileBytes / 2);
+      const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kPingATileBytes)
+                                   : smem_desc_kmajor_sw128(stage + kPingATileBytes);
+      // Inside a 128-byte swizzle row a K-major operand advances 32 bytes per 16 k (+2 in the
+      // descriptor), an MN-major one 16 rows of 128 bytes (+128): wgmma_kstep's steps.
+      constexpr uint64_t kStepA = 2, kStepB = kBMn ? 128 : 2;
+      fence_accumulators(acc0);
+      fence_accumulators(acc1);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBK / 16; ++kk) {
+        const int scale = (kt > 0 || kk > 0) ? 1 : 0;
+        wgmma_m64nk16<T, TILE_N, 0, kBMn ? 1 : 0>(acc0, desc_a0 + kStepA * kk, desc_b + kStepB * kk,
+                                                  scale);
+        wgmma_m64nk16<T, TILE_N, 0, kBMn ? 1 : 0>(acc1, desc_a1 + kStepA * kk, desc_b + kStepB * kk,
+                                                  scale);
+      }
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_accumulators(acc0);
+      fence_accumulators(acc1);
+      if (kt > 0 && lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
+      prev_s = s;
+    }
+    wgmma_wait<0>();
+    fence_accumulators(acc0);
+    fence_accumulators(acc1);
+    if (lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
+
+    // Epilogue, while the other warpgroup's main loop runs.
+    const TileCoord c = ping_decode<TILE_N>(t, shm.tile_start, p);
+    ping_store_half<T, TILE_N>(p, c, 16 * warp_in_wg + g, t4, acc0);
+    ping_store_half<T, TILE_N>(p, c, 64 + 16 * warp_in_wg + g, t4, acc1);
+  }
+#else
+  __trap();  // no sm_90a image: sm90_rows_supported never lets this run
+#endif  // MB_SM90_DEVICE
+}
+
+using PingKernelFn = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap,
+                              const RowsParams);
+
+template <typename T>
+PingKernelFn ping_kernel_for_type(int kind, int tile_n) {
+  if (kind == kF2)
+    return tile_n == 192 ? sm90_rows_pingpong_kernel<T, kF2, 192>
+                         : sm90_rows_pingpong_kernel<T, kF2, 128>;
+  return tile_n == 192 ? sm90_rows_pingpong_kernel<T, kB4, 192>
+                       : sm90_rows_pingpong_kernel<T, kB4, 128>;
+}
+
+PingKernelFn ping_kernel_for(Dtype dtype, int kind, int tile_n) {
+  if (dtype == Dtype::BF16) return ping_kernel_for_type<__nv_bfloat16>(kind, tile_n);
+  if (dtype == Dtype::F16) return ping_kernel_for_type<__half>(kind, tile_n);
+  return nullptr;
+}
+
+size_t ping_smem_bytes(int tile_n, int E) {
+  return tile_n == 192 ? PingLayout<192>::smem_bytes(E) : PingLayout<128>::smem_bytes(E);
+}
+
+void ping_launch(const LayerDesc& desc, int kind, int tile_n, const CUtensorMap& a,
+                 const CUtensorMap& b0, const CUtensorMap& b1, const RowsParams& params,
+                 const Sm90Forms& forms, cudaStream_t stream, const char* what) {
+  RowsParams p = params;
+  p.n_tiles = (p.n_out + tile_n - 1) / tile_n;
+  p.band_mtiles =
+      sm90_band_mtiles(kind == kF2 ? Sm90Gemm::F2 : Sm90Gemm::B4, p.n_tiles, forms.band_mtiles);
+  const Sm90Device& info = sm90_current_device();
+  MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
+  // Persistent, one CTA per SM (fewer when there are fewer tiles; an upper bound of the count).
+  const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
+  MB_REQUIRE(max_tiles <= 0x7fffffff, MOEBLAZE_ERR_NOT_SUPPORTED,
+             "sm90 %s: %lld tiles of %d columns exceed the kernel's int tile ids; unset "
+             "MOEBLAZE_CUDA_ROWS_FORM",
+             what, static_cast<long long>(max_tiles), tile_n);
+  const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
+  const PingKernelFn kernel = ping_kernel_for(desc.dtype, kind, tile_n);
+  MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
+  kernel<<<grid, kPingThreads, ping_smem_bytes(tile_n, p.E), stream>>>(a, b0, b1, p);
+  check_launch(what);
+}
+
+}  // namespace
+
+size_t sm90_rows_pingpong_max_smem_bytes() {
+  return std::max(PingLayout<192>::smem_bytes(kMaxExperts),
+                  PingLayout<128>::smem_bytes(kMaxExperts));
+}
+
+bool sm90_rows_pingpong_prepare_kernels() {
+  for (Dtype dtype : {Dtype::BF16, Dtype::F16})
+    for (int kind : {kF2, kB4})
+      for (int tile_n : {192, 128})
+        if (!prepare_kernel(ping_kernel_for(dtype, kind, tile_n),
+                            ping_smem_bytes(tile_n, kMaxExperts)))
+          return false;
+  return true;
+}
+
+void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n,
+                             const Sm90Forms& forms, cudaStream_t stream) {
+  const int64_t T = op.rows.T, N = T * desc.k;
+  if (N == 0) return;
+  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
+  RowsParams p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, 1, T);
+  set_rows_out(p, op.out, op.rows.row_pair);
+  const CUtensorMap a = rows_map(desc.dtype, op.u, N, desc.h, 1, "F2");
+  // w_down [E, d, h] K-major in boxes of 64 rows of n (the range's rows of d).
+  const CUtensorMap b = weight_rows_map(desc.dtype, op.w_down, desc.E, desc.d, desc.h, op.col0,
+                                        cols, kPingBoxCols, "F2");
+  ping_launch(desc, kF2, tile_n, a, b, b, p, forms, stream, "sm90_rows_pingpong_kernel (F2)");
+}
+
+void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n,
+                             const Sm90Forms& forms, cudaStream_t stream) {
+  const int64_t T = op.rows.T, N = T * desc.k;
+  if (N == 0) return;
+  const int halves = desc.gated() ? 2 : 1;
+  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
+  RowsParams p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, halves, T);
+  set_rows_out(p, op.out, op.rows.row_pair);
+  const CUtensorMap a = rows_map(desc.dtype, op.dadb, N, desc.h, halves, "B4");
+  // w_gate / w_up [E, h, d] MN-major in boxes of {64 n, 64 k}, as the cooperative kernel's.
+  const CUtensorMap b0 =
+      weight_map_range(desc.dtype, op.w_gate, desc.E, desc.h, desc.d, op.col0, cols, true, "B4");
+  const CUtensorMap b1 = desc.gated() ? weight_map_range(desc.dtype, op.w_up, desc.E, desc.h,
+                                                         desc.d, op.col0, cols, true, "B4")
+                                      : b0;
+  ping_launch(desc, kB4, tile_n, a, b0, b1, p, forms, stream, "sm90_rows_pingpong_kernel (B4)");
+}
+
+}  // namespace cuda
+}  // namespace moeblaze
