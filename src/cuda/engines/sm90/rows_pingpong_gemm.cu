@@ -13,11 +13,12 @@
 // consume. Stages of A (128 rows x 64 k, 16 KB, TMA box {64 k, 1, 128 rows}) and B (TILE_N x 64,
 // boxes of 64: K-major {64 k, 64 rows} for F2, MN-major {64 n, 64 k} for B4), as many as fit
 // (5 of 40 KB, or 6 of 32 KB). The stages are used in the CTA's tile order, each by the one
-// warpgroup whose tile it holds: a stage's empty barrier takes that warpgroup's 4 warps. Each
-// warpgroup stores its rows from registers as the cooperative kernel's consumers' form does
-// (row_value of the row's weight, rounded once; 4-byte column pairs).
-// The k order of every element is the cooperative kernel's (16-k wgmmas in k order), so the two
-// should give the same bits; the CUDA suite checks it.
+// warpgroup whose tile it holds: a stage's empty barrier takes that warpgroup's 4 warps. The two
+// main loops take turns (a turn barrier each; tools/models/rows_pingpong_protocol_model.py checks
+// the protocol, and that it fails without the turns). Each warpgroup stores its rows from registers
+// as the cooperative kernel's consumers' form does (row_value of the row's weight, rounded once;
+// 4-byte column pairs). The k order of every element is the cooperative kernel's (16-k wgmmas in k
+// order), so the two should give the same bits; the CUDA suite checks it.
 #include <algorithm>
 
 #include "cuda/engines/sm90/rows_layout.cuh"
@@ -104,8 +105,9 @@ __global__ void __launch_bounds__(kPingThreads, 1)
 
   const int tid = threadIdx.x;
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
-  // Empty barriers: one arrival per warp of the one consumer warpgroup that used the stage.
-  if (tid == 0) shm.init_barriers(4, 1);
+  // Empty barriers: one arrival per warp of the one consumer warpgroup that used the stage. The
+  // hand-off's two barriers (no hand-off here) serve as the turn barriers below: 128 arrivals.
+  if (tid == 0) shm.init_barriers(4, 4);
   const int total_tiles = build_tile_prefix<kBM, kPingThreads>(shm.tile_start, p.offsets, p.E,
                                                                p.n_tiles, tid, warp, lane);
   const int k_tiles = p.halves * p.kt_half;
@@ -151,6 +153,14 @@ __global__ void __launch_bounds__(kPingThreads, 1)
   float acc0[L::kAcc], acc1[L::kAcc];  // rows [0, 64) and [64, 128) of the tile
 #pragma unroll
   for (int i = 0; i < L::kAcc; ++i) acc0[i] = acc1[i] = 0.f;
+  // Turns: the main loop of tile n >= 1 waits until the other warpgroup's main loop of tile n - 1
+  // is past its full waits (its 128 threads arrive on our turn barrier). Our k-step counter jumps
+  // over the other's tiles, so without it we could wait on a full barrier two phases behind, whose
+  // parity already reads "passed" (tools/models/rows_pingpong_protocol_model.py); it also makes
+  // the two main loops alternate, one's epilogue under the other's main loop.
+  const uint32_t my_turn = smem_u32(wg == 0 ? shm.handoff_full : shm.handoff_empty);
+  const uint32_t other_turn = smem_u32(wg == 0 ? shm.handoff_empty : shm.handoff_full);
+  uint32_t turns = 0;  // our waits on my_turn so far
   uint32_t it = 0;
   uint32_t n = 0;  // the CTA's tiles so far
   for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
@@ -158,6 +168,7 @@ __global__ void __launch_bounds__(kPingThreads, 1)
       it += uint32_t(k_tiles);
       continue;
     }
+    if (n >= 1) mbar_wait(my_turn, turns++ & 1);
     int prev_s = 0;
     for (int kt = 0; kt < k_tiles; ++kt, ++it) {
       const int s = int(it % kStages);
@@ -188,6 +199,7 @@ __global__ void __launch_bounds__(kPingThreads, 1)
       if (kt > 0 && lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
       prev_s = s;
     }
+    mbar_arrive(other_turn);  // every thread: its full waits of this tile are behind it
     wgmma_wait<0>();
     fence_accumulators(acc0);
     fence_accumulators(acc1);
