@@ -39,38 +39,9 @@
 import random
 import sys
 
+from mbarrier_model import Bar, Fail, interleave, main
+
 CP_GROUPS = 4
-
-
-class Bar:
-    def __init__(self, count, name):
-        self.count, self.pending, self.tx, self.phase, self.name = count, count, 0, 0, name
-
-    def _maybe(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def arrive(self, n=1):
-        self.pending -= n
-        assert self.pending >= 0, ("too many arrivals", self.name)
-        self._maybe()
-
-    def expect_tx(self, b):
-        self.tx += b
-        self.arrive()
-
-    def complete_tx(self, b):
-        self.tx -= b
-        assert self.tx >= 0 or self.pending > 0, ("bytes before expect_tx completed", self.name)
-        self._maybe()
-
-    def passed(self, parity):  # try_wait.parity
-        return (self.phase & 1) != parity
-
-
-class Fail(Exception):
-    pass
 
 
 def run(seed, S, handoff, mut, share=False, early=False):
@@ -224,24 +195,7 @@ def run(seed, S, handoff, mut, share=False, early=False):
     agents = [producer(), consumer(0), consumer(1)]
     if handoff:
         agents += [epilogue(0), epilogue(1)]
-    live = list(agents)
-    stuck = 0
-    while live or events:
-        if events and (not live or rnd.random() < 0.4):
-            events.pop(rnd.randrange(len(events)))()
-            stuck = 0
-            continue
-        a = rnd.choice(live)
-        try:
-            next(a)
-        except StopIteration:
-            live.remove(a)
-            stuck = 0
-            continue
-        stuck += 1
-        if stuck > 20000:
-            raise Fail(("deadlock", "tiles", tiles))
-    check(not events, "events pending at the end")
+    interleave(rnd, agents, events, ("tiles", tiles))
 
 
 MUTATIONS = ("lag_S", "no_a_wait", "no_handoff_wait", "handoff_empty_1", "share_no_empty_wait",
@@ -270,31 +224,6 @@ def check_all(trials, mut, quiet=False):
     return True
 
 
-def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    trials = int(args[0]) if args else 2000
-    flags = [a[2:].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")]
-    if "self_test" in flags:
-        ok = check_all(trials, {})
-        print("protocol (%d trials x 3/4 stages x hand-off off/on x producer share off/on x "
-              "gather before/after wait_group 1): %s" %
-              (trials, "PASS" if ok else "FAIL"))
-        for m in MUTATIONS:
-            caught = not check_all(trials, {m: True}, quiet=True)
-            print("mutation %-20s %s" % (m, "caught (FAIL), as it must" if caught else "NOT CAUGHT"))
-            ok = ok and caught
-        return 0 if ok else 1
-    mut = {m: True for m in flags}
-    unknown = set(mut) - set(MUTATIONS)
-    if unknown:
-        print("unknown option(s): %s" % ", ".join(sorted(unknown)))
-        return 2
-    if not check_all(trials, mut):
-        return 1
-    print("PASS: %d trials x (3, 4 stages) x (hand-off off, on) x (producer share off, on)%s" %
-          (trials, (" with mutations " + ",".join(mut)) if mut else ""))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(check_all, MUTATIONS, "3/4 stages x hand-off off/on x producer share off/on x "
+                  "gather before/after wait_group 1"))

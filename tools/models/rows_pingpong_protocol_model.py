@@ -31,36 +31,7 @@
 import random
 import sys
 
-
-class Bar:
-    def __init__(self, count, name):
-        self.count, self.pending, self.tx, self.phase, self.name = count, count, 0, 0, name
-
-    def _maybe(self):
-        if self.pending == 0 and self.tx == 0:
-            self.phase += 1
-            self.pending = self.count
-
-    def arrive(self):
-        self.pending -= 1
-        if self.pending < 0:
-            raise Fail(("too many arrivals", self.name))
-        self._maybe()
-
-    def expect_tx(self, b):
-        self.tx += b
-        self.arrive()
-
-    def complete_tx(self, b):
-        self.tx -= b
-        self._maybe()
-
-    def passed(self, parity):  # try_wait.parity
-        return (self.phase & 1) != parity
-
-
-class Fail(Exception):
-    pass
+from mbarrier_model import Bar, Fail, interleave, main
 
 
 def run(seed, S, mut):
@@ -141,24 +112,8 @@ def run(seed, S, mut):
             stored[n] = w
             yield  # the epilogue, from registers
 
-    live = [producer(), consumer(0), consumer(1)]
-    stuck = 0
-    while live or events:
-        if events and (not live or rnd.random() < 0.4):
-            events.pop(rnd.randrange(len(events)))()
-            stuck = 0
-            continue
-        agent = rnd.choice(live)
-        try:
-            next(agent)
-        except StopIteration:
-            live.remove(agent)
-            stuck = 0
-            continue
-        stuck += 1
-        if stuck > 20000:
-            raise Fail(("deadlock", "tiles", tiles, "k_tiles", k_tiles))
-    check(not events, "events pending at the end")
+    interleave(rnd, [producer(), consumer(0), consumer(1)], events,
+               ("tiles", tiles, "k_tiles", k_tiles))
     check(sorted(stored) == list(range(tiles)), "tiles not stored", sorted(stored), tiles)
     check(all(stored[n] == n % 2 for n in stored), "a tile stored by the other warpgroup")
 
@@ -178,29 +133,5 @@ def check_all(trials, mut, quiet=False):
     return True
 
 
-def main():
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    trials = int(args[0]) if args else 2000
-    flags = [a[2:].replace("-", "_") for a in sys.argv[1:] if a.startswith("--")]
-    if "self_test" in flags:
-        ok = check_all(trials, {})
-        print("protocol (%d trials x 5/6 stages): %s" % (trials, "PASS" if ok else "FAIL"))
-        for m in MUTATIONS:
-            caught = not check_all(trials, {m: True}, quiet=True)
-            print("mutation %-14s %s" % (m, "caught (FAIL), as it must" if caught else "NOT CAUGHT"))
-            ok = ok and caught
-        return 0 if ok else 1
-    mut = {m: True for m in flags}
-    unknown = set(mut) - set(MUTATIONS)
-    if unknown:
-        print("unknown option(s): %s" % ", ".join(sorted(unknown)))
-        return 2
-    if not check_all(trials, mut):
-        return 1
-    print("PASS: %d trials x (5, 6 stages)%s" %
-          (trials, (" with mutations " + ",".join(mut)) if mut else ""))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(check_all, MUTATIONS, "5/6 stages"))

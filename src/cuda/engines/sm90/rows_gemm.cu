@@ -446,17 +446,9 @@ void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& form
     sm90_f2_pingpong_launch(desc, op, tile_n, forms, stream);
     return;
   }
-  const int64_t T = op.rows.T, N = T * desc.k;
-  if (N == 0) return;
-  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
-  RowsParams p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, 1, T);
-  set_rows_out(p, op.out, op.rows.row_pair);
-  const CUtensorMap a = rows_map(desc.dtype, op.u, N, desc.h, 1, "F2");
-  // w_down [E, d, h]: the GEMM's n runs over d (rows: those of the range), k over h
-  // (contiguous): K-major.
-  const CUtensorMap b = weight_rows_map(desc.dtype, op.w_down, desc.E, desc.d, desc.h, op.col0,
-                                        cols, kBKBoxRows, "F2");
-  launch(desc, kF2, a, b, b, p, forms, stream, "sm90_rows_kernel (F2)");
+  if (op.rows.T * desc.k == 0) return;
+  const RowsOperands o = f2_operands(desc, op, kBKBoxRows);
+  launch(desc, kF2, o.a, o.b0, o.b1, o.p, forms, stream, "sm90_rows_kernel (F2)");
 }
 
 void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& forms,
@@ -465,20 +457,9 @@ void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& form
     sm90_b4_pingpong_launch(desc, op, tile_n, forms, stream);
     return;
   }
-  const int64_t T = op.rows.T, N = T * desc.k;
-  if (N == 0) return;
-  const int halves = desc.gated() ? 2 : 1;
-  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
-  RowsParams p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, halves, T);
-  set_rows_out(p, op.out, op.rows.row_pair);
-  const CUtensorMap a = rows_map(desc.dtype, op.dadb, N, desc.h, halves, "B4");
-  // w_gate / w_up [E, h, d]: k runs over h (rows), n over the range's columns of d: MN-major.
-  const CUtensorMap b0 =
-      weight_map_range(desc.dtype, op.w_gate, desc.E, desc.h, desc.d, op.col0, cols, true, "B4");
-  const CUtensorMap b1 = desc.gated() ? weight_map_range(desc.dtype, op.w_up, desc.E, desc.h,
-                                                         desc.d, op.col0, cols, true, "B4")
-                                      : b0;
-  launch(desc, kB4, a, b0, b1, p, forms, stream, "sm90_rows_kernel (B4)");
+  if (op.rows.T * desc.k == 0) return;
+  const RowsOperands o = b4_operands(desc, op);
+  launch(desc, kB4, o.a, o.b0, o.b1, o.p, forms, stream, "sm90_rows_kernel (B4)");
 }
 
 void sm90_b1_launch(const LayerDesc& desc, const B1Op& op, const Sm90Forms& forms,

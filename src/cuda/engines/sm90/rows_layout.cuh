@@ -227,6 +227,43 @@ inline void set_rows_out(RowsParams& p, const RowsOut& out, const int32_t* row_p
   p.out_by_pair = out.by_pair;
 }
 
+// A launch's operands: the kernel parameters and the A, B (B4: w_gate, w_up) tensor maps.
+struct RowsOperands {
+  RowsParams p;
+  CUtensorMap a, b0, b1;
+};
+
+// F2 over the op's column range: A = u [N, h]; B = w_down [E, d, h] (n over the range's rows of d,
+// k over h: K-major, in boxes of b_box_rows rows of n).
+inline RowsOperands f2_operands(const LayerDesc& desc, const F2Op& op, uint32_t b_box_rows) {
+  const int64_t T = op.rows.T, N = T * desc.k;
+  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
+  RowsOperands o;
+  o.p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, 1, T);
+  set_rows_out(o.p, op.out, op.rows.row_pair);
+  o.a = rows_map(desc.dtype, op.u, N, desc.h, 1, "F2");
+  o.b0 = o.b1 = weight_rows_map(desc.dtype, op.w_down, desc.E, desc.d, desc.h, op.col0, cols,
+                                b_box_rows, "F2");
+  return o;
+}
+
+// B4 over the op's column range: A = da|db [N, halves * h]; B = w_gate, w_up [E, h, d] (k over h,
+// n over the range's columns of d: MN-major).
+inline RowsOperands b4_operands(const LayerDesc& desc, const B4Op& op) {
+  const int64_t T = op.rows.T, N = T * desc.k;
+  const int halves = desc.gated() ? 2 : 1;
+  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
+  RowsOperands o;
+  o.p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, halves, T);
+  set_rows_out(o.p, op.out, op.rows.row_pair);
+  o.a = rows_map(desc.dtype, op.dadb, N, desc.h, halves, "B4");
+  o.b0 = weight_map_range(desc.dtype, op.w_gate, desc.E, desc.h, desc.d, op.col0, cols, true, "B4");
+  o.b1 = desc.gated() ? weight_map_range(desc.dtype, op.w_up, desc.E, desc.h, desc.d, op.col0, cols,
+                                         true, "B4")
+                      : o.b0;
+  return o;
+}
+
 #if MB_SM90_DEVICE
 
 __device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,

@@ -278,34 +278,18 @@ bool sm90_rows_pingpong_prepare_kernels() {
 
 void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n,
                              const Sm90Forms& forms, cudaStream_t stream) {
-  const int64_t T = op.rows.T, N = T * desc.k;
-  if (N == 0) return;
-  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
-  RowsParams p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, 1, T);
-  set_rows_out(p, op.out, op.rows.row_pair);
-  const CUtensorMap a = rows_map(desc.dtype, op.u, N, desc.h, 1, "F2");
-  // w_down [E, d, h] K-major in boxes of 64 rows of n (the range's rows of d).
-  const CUtensorMap b = weight_rows_map(desc.dtype, op.w_down, desc.E, desc.d, desc.h, op.col0,
-                                        cols, kPingBoxCols, "F2");
-  ping_launch(desc, kF2, tile_n, a, b, b, p, forms, stream, "sm90_rows_pingpong_kernel (F2)");
+  if (op.rows.T * desc.k == 0) return;
+  const RowsOperands o = f2_operands(desc, op, kPingBoxCols);  // w_down boxes of 64 rows of n
+  ping_launch(desc, kF2, tile_n, o.a, o.b0, o.b1, o.p, forms, stream,
+              "sm90_rows_pingpong_kernel (F2)");
 }
 
 void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n,
                              const Sm90Forms& forms, cudaStream_t stream) {
-  const int64_t T = op.rows.T, N = T * desc.k;
-  if (N == 0) return;
-  const int halves = desc.gated() ? 2 : 1;
-  const int64_t cols = op.cols != 0 ? op.cols : desc.d;
-  RowsParams p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, halves, T);
-  set_rows_out(p, op.out, op.rows.row_pair);
-  const CUtensorMap a = rows_map(desc.dtype, op.dadb, N, desc.h, halves, "B4");
-  // w_gate / w_up [E, h, d] MN-major in boxes of {64 n, 64 k}, as the cooperative kernel's.
-  const CUtensorMap b0 =
-      weight_map_range(desc.dtype, op.w_gate, desc.E, desc.h, desc.d, op.col0, cols, true, "B4");
-  const CUtensorMap b1 = desc.gated() ? weight_map_range(desc.dtype, op.w_up, desc.E, desc.h,
-                                                         desc.d, op.col0, cols, true, "B4")
-                                      : b0;
-  ping_launch(desc, kB4, tile_n, a, b0, b1, p, forms, stream, "sm90_rows_pingpong_kernel (B4)");
+  if (op.rows.T * desc.k == 0) return;
+  const RowsOperands o = b4_operands(desc, op);
+  ping_launch(desc, kB4, tile_n, o.a, o.b0, o.b1, o.p, forms, stream,
+              "sm90_rows_pingpong_kernel (B4)");
 }
 
 }  // namespace cuda
