@@ -38,6 +38,7 @@ Sm90Device query_device(int device) {
     if (switch_device) ok = cudaSetDevice(device) == cudaSuccess;
     ok = ok && sm90_f1_prepare_kernels() && sm90_rows_prepare_kernels() &&
          sm90_wgrad_prepare_kernels();
+    info.rows_pingpong = ok && sm90_rows_pingpong_prepare_kernels();
     if (switch_device) cudaSetDevice(previous);
   }
   (void)cudaGetLastError();  // a refused query leaves no sticky error behind

@@ -10,6 +10,9 @@ struct Sm90Device {
   // Compute capability 9.0, the library's sm_90a image of every sm90 kernel picked by the runtime,
   // the shared-memory opt-in granted, and the driver's tensor-map encoder found.
   bool usable = false;
+  // The opt-in ping-pong F2/B4 kernels are prepared too (MOEBLAZE_CUDA_ROWS_FORM=pingpong); where
+  // they are not, that form falls back to the policy's, and nothing else depends on them.
+  bool rows_pingpong = false;
 };
 
 // The current device's facts (cached per device; the first query per device sets the kernels'

@@ -382,7 +382,7 @@ void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtenso
 }  // namespace
 
 size_t sm90_rows_max_smem_bytes() {
-  return std::max(kMaxSmemBytes, sm90_rows_pingpong_max_smem_bytes());
+  return kMaxSmemBytes;  // the ping-pong kernels', optional, are checked by their own preparation
 }
 
 bool sm90_rows_prepare_kernels() {
@@ -397,7 +397,7 @@ bool sm90_rows_prepare_kernels() {
       }
     }
   }
-  return sm90_rows_pingpong_prepare_kernels();
+  return true;
 }
 
 int sm90_parse_rows_form(const char* value) {
@@ -433,8 +433,10 @@ bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
   return sm90_current_device().usable;
 }
 
-// The ping-pong kernel's tile width when `forms` selects it, else 0.
+// The ping-pong kernel's tile width when `forms` selects it and the device has it prepared, else
+// 0 (the other forms).
 int pingpong_tile_n(const Sm90Forms& forms) {
+  if (!sm90_current_device().rows_pingpong) return 0;
   return forms.rows_form == kSm90RowsFormPingpong192   ? 192
          : forms.rows_form == kSm90RowsFormPingpong128 ? 128
                                                        : 0;

@@ -75,7 +75,7 @@ void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n,
                              const Sm90Forms& forms, cudaStream_t stream);
 void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n,
                              const Sm90Forms& forms, cudaStream_t stream);
-size_t sm90_rows_pingpong_max_smem_bytes();
+// As sm90_rows_prepare_kernels, for the ping-pong kernels alone (Sm90Device::rows_pingpong).
 bool sm90_rows_pingpong_prepare_kernels();
 
 // B1's epilogue form (Sm90Forms::b1_form; rows_gemm.cu, B1Form): -1 = the policy by k-steps a

@@ -261,11 +261,6 @@ void ping_launch(const LayerDesc& desc, int kind, int tile_n, const CUtensorMap&
 
 }  // namespace
 
-size_t sm90_rows_pingpong_max_smem_bytes() {
-  return std::max(PingLayout<192>::smem_bytes(kMaxExperts),
-                  PingLayout<128>::smem_bytes(kMaxExperts));
-}
-
 bool sm90_rows_pingpong_prepare_kernels() {
   for (Dtype dtype : {Dtype::BF16, Dtype::F16})
     for (int kind : {kF2, kB4})
