@@ -436,10 +436,11 @@ bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
 // The ping-pong kernel's tile width when `forms` selects it and the device has it prepared, else
 // 0 (the other forms).
 int pingpong_tile_n(const Sm90Forms& forms) {
-  if (!sm90_current_device().rows_pingpong) return 0;
-  return forms.rows_form == kSm90RowsFormPingpong192   ? 192
-         : forms.rows_form == kSm90RowsFormPingpong128 ? 128
-                                                       : 0;
+  const int tile_n = forms.rows_form == kSm90RowsFormPingpong192   ? 192
+                     : forms.rows_form == kSm90RowsFormPingpong128 ? 128
+                                                                   : 0;
+  // The device lookup (a lock) only when the opt-in form is asked for, not on every launch.
+  return tile_n != 0 && sm90_current_device().rows_pingpong ? tile_n : 0;
 }
 
 void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& forms,
