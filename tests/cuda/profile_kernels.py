@@ -58,6 +58,9 @@ def main():
                         "logits = x . w_router^T, top-k of the logits, softmax over the k chosen, "
                         "the experts and the switch loss (weight 1), all differentiated")
     a = p.parse_args()
+    # SonicMoE's CUTLASS DSL parses the process's command line whenever it compiles a kernel, and
+    # reads this script's --h as an abbreviation of its --help: it would print help and exit.
+    del sys.argv[1:]
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     gated = a.act in ("swiglu", "geglu", "reglu")
