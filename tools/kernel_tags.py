@@ -10,8 +10,11 @@ KERNEL_TAGS = (
     ("B1", "sm90_rows_kernel<__nv_bfloat16, 2"),
     ("B2", "sm90_wgrad_kernel<__nv_bfloat16, false"),
     ("B3", "sm90_wgrad_kernel<__nv_bfloat16, true"),
+    # the opt-in ping-pong form of F2 and B4 (MOEBLAZE_CUDA_ROWS_FORM=pingpong, pingpong128)
+    ("F2", "sm90_rows_pingpong_kernel<__nv_bfloat16, 0"),
+    ("B4", "sm90_rows_pingpong_kernel<__nv_bfloat16, 1"),
 )
-TAG_ORDER = tuple(tag for tag, _ in KERNEL_TAGS)
+TAG_ORDER = tuple(dict.fromkeys(tag for tag, _ in KERNEL_TAGS))
 
 
 def kernel_tag(name):
@@ -34,7 +37,7 @@ def kernel_tag(name):
 # permutation work of the PyTorch dataflows, then elementwise kernels.
 KERNEL_CLASSES = (
     ("gemm", ("gemm", "xmma", "cutlass", "nvjet", "wgmma", "cublas", "sm90_f1_kernel",
-              "sm90_rows_kernel", "sm90_wgrad_kernel")),
+              "sm90_rows_kernel", "sm90_rows_pingpong_kernel", "sm90_wgrad_kernel")),
     ("sort/index/scatter", ("sort", "radix", "scan", "cumsum", "index", "gather", "scatter",
                             "histogram", "bincount")),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "fill")),
@@ -61,6 +64,27 @@ def split_by_class(kernels):
     return out
 
 
+def kernels_over_steps(steps):
+    """Per kernel name over several profiled steps, each a list of (name, microseconds): rows
+    (name, calls a step, median, min, max microseconds a step), the largest median first. One
+    step's times vary by several per cent between steps, so a comparison of two kernel forms needs
+    the median of a few. A kernel missing from a step counts 0 there."""
+    names = list(dict.fromkeys(name for step in steps for name, _ in step))
+    rows = []
+    for name in names:
+        per_step, calls = [], 0
+        for step in steps:
+            times = [us for n, us in step if n == name]
+            per_step.append(sum(times))
+            calls = max(calls, len(times))
+        ordered = sorted(per_step)
+        middle = len(ordered) // 2
+        median = ordered[middle] if len(ordered) % 2 else 0.5 * (ordered[middle - 1] +
+                                                                   ordered[middle])
+        rows.append((name, calls, median, ordered[0], ordered[-1]))
+    return sorted(rows, key=lambda row: -row[2])
+
+
 def self_test():
     names = {
         "void moeblaze::cuda::(anonymous namespace)::sm90_f1_kernel<__nv_bfloat16, 0, true>(x)": "F1",
@@ -68,6 +92,9 @@ def self_test():
             "B3",
         "sm90_wgrad_kernel<__nv_bfloat16, 0>(CUtensorMap_st, Params)": "B2",
         "sm90_rows_kernel<__nv_bfloat16, 2, 0, 2>(Params)": "B1",
+        "void moeblaze::cuda::(anonymous namespace)::sm90_rows_pingpong_kernel<__nv_bfloat16, 0, "
+        "192>(CUtensorMap_st)": "F2",
+        "sm90_rows_pingpong_kernel<__nv_bfloat16, (int)1, (int)128>(CUtensorMap_st)": "B4",
         "void at::native::vectorized_elementwise_kernel<4, ...>": None,
     }
     for name, tag in names.items():
@@ -75,6 +102,7 @@ def self_test():
     classes = {
         "sm90_rows_kernel<__nv_bfloat16, 0, 0, 0>(Params)": "gemm",
         "sm90_wgrad_kernel<__half, true>(CUtensorMap_st, Params)": "gemm",  # no tag: F16
+        "sm90_rows_pingpong_kernel<__half, 1, 192>(CUtensorMap_st)": "gemm",
         "void cutlass::device_kernel<at::cuda::detail::enable_3x_kernel_for_sm9x<cutlass::gemm::"
         "kernel::GemmUniversal<...>>>": "gemm",
         "nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN": "gemm",
@@ -91,6 +119,12 @@ def self_test():
     split = split_by_class([("nvjet_x", 3.0), ("sm90_f1_kernel<__nv_bfloat16, 0, true>", 2.0),
                             ("radix_sort", 1.5), ("reduce_kernel", 0.25)])
     assert split == {"gemm": 5.0, "sort/index/scatter": 1.5, "elementwise": 0.0, "other": 0.25}, split
+    assert TAG_ORDER == ("F1", "F2", "B4", "B1", "B2", "B3"), TAG_ORDER
+    rows = kernels_over_steps([[("a", 1.0), ("b", 5.0), ("a", 2.0)], [("a", 4.0)],
+                               [("a", 3.5), ("b", 1.0)]])
+    assert rows == [("a", 2, 3.5, 3.0, 4.0), ("b", 1, 1.0, 0.0, 5.0)], rows
+    rows = kernels_over_steps([[("a", 1.0)], [("a", 3.0)]])
+    assert rows == [("a", 1, 2.0, 1.0, 3.0)], rows
     print("kernel_tags self-test: ok")
     return 0
 

@@ -5,16 +5,17 @@
 #   MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so bash tools/ncu_kernels.sh \
 #       [tests/cuda/profile_kernels.py arguments, e.g. $(python3 tools/shape_args.py mixtral)]
 # (about 1-2 minutes per configuration). profile_kernels.py runs 3 warm-up steps (18 sm90 kernel
-# launches), then the steps ncu profiles: the next 6 sm90 launches, one of each kernel. The table of
-# the metrics below is printed last; the report, its details page and the raw metrics are in
-# ${OUT:-./ncu_kernels_out}/ncu_kernels.tgz.
+# launches, 24 where F2 and B4 run in two column chunks), then the steps ncu profiles: the next 8
+# sm90 launches, which hold each of the six kernels at least once whichever the step's launch
+# count. The table of the metrics below is printed last; the report, its details page and the raw
+# metrics are in ${OUT:-./ncu_kernels_out}/ncu_kernels.tgz.
 set -u -o pipefail
 out="${OUT:-./ncu_kernels_out}"
 mkdir -p "$out"
 : "${MOEBLAZE_LIBRARY:?set MOEBLAZE_LIBRARY to the built libmoeblaze.so}"
 timeout "${NCU_TIMEOUT:-400}" ncu --clock-control none -k regex:sm90_ --launch-skip 18 \
-  --launch-count 6 --set full --export "$out/kernels" --force-overwrite \
-  python3 tests/cuda/profile_kernels.py --rows 1 "$@" >"$out/ncu.log" 2>&1
+  --launch-count 8 --set full --export "$out/kernels" --force-overwrite \
+  python3 tests/cuda/profile_kernels.py --rows 1 --steps 1 "$@" >"$out/ncu.log" 2>&1
 echo "ncu rc=$? ($(grep -c '==PROF==' "$out/ncu.log") profiler lines; the run's own output:" \
   "$(grep -E '^fwd\+bwd' "$out/ncu.log"))"
 ncu --import "$out/kernels.ncu-rep" --page raw --csv >"$out/metrics.csv" 2>/dev/null

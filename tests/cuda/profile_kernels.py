@@ -3,7 +3,7 @@
 Usage: MOEBLAZE_LIBRARY=build/src/libmoeblaze.so python3 tests/cuda/profile_kernels.py \
            [--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act swiglu --policy save_preact]
            [--impl moeblaze|grouped_mm|sonicmoe] [--routing random|blocked] [--layer]
-           [--host [--trace FILE]] [--clocks SECONDS]
+           [--steps 5] [--host [--trace FILE]] [--clocks SECONDS]
 Needs a GPU, PyTorch and the Python bindings (bindings/python, found relative to this file).
 --impl grouped_mm profiles the benchmark's sort -> torch._grouped_mm baseline (bench/baselines.py)
 on the same inputs instead, so that a shape where the two are close can be compared kernel by
@@ -24,7 +24,7 @@ import baselines  # noqa: E402
 import gpu_clocks  # noqa: E402
 import peers  # noqa: E402
 import moeblaze.torch as mbt  # noqa: E402
-from kernel_tags import kernel_class, split_by_class  # noqa: E402
+from kernel_tags import kernel_class, kernel_tag, kernels_over_steps, split_by_class  # noqa: E402
 
 
 def main():
@@ -36,7 +36,10 @@ def main():
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--act", default="swiglu")
     p.add_argument("--policy", default="save_preact")
-    p.add_argument("--rows", type=int, default=25)
+    p.add_argument("--rows", type=int, default=25, help="kernels listed (the largest first)")
+    p.add_argument("--steps", type=int, default=5,
+                   help="profiled steps: each kernel's time is the median over them (one step's "
+                        "times vary by several per cent), with the smallest and largest")
     p.add_argument("--impl", choices=("moeblaze", "grouped_mm", "sonicmoe"), default="moeblaze",
                    help="moeblaze (the library, --policy applies), the benchmark's grouped_mm "
                         "baseline or SonicMoE on the same inputs (--policy ignored)")
@@ -116,23 +119,24 @@ def main():
     what += " layer" if a.layer else ""
     print(f"fwd+bwd {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s "
           f"(T={a.T} d={a.d} h={a.h} E={a.E} k={a.k} {a.act} {what} {a.routing})")
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.rows, max_name_column_width=90))
-    kernels = [(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-    split = split_by_class(kernels)
+    steps = []
+    for _ in range(max(1, a.steps)):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        steps.append([(e.name, e.time_range.end - e.time_range.start) for e in prof.events()
+                      if e.device_type == torch.autograd.DeviceType.CUDA])
+    rows = kernels_over_steps(steps)
+    split = split_by_class([(name, median) for name, _, median, _, _ in rows])
     total = sum(split.values())
-    print(f"kernel classes ({a.impl}, one step, {len(kernels)} kernels, {total / 1e3:.3f} ms): " +
+    print(f"kernel classes ({a.impl}, median of {len(steps)} steps, {len(rows)} kernels, "
+          f"{total / 1e3:.3f} ms): " +
           ", ".join(f"{cls} {us / 1e3:.3f} ms ({100 * us / max(total, 1e-9):.1f} %)"
                     for cls, us in split.items()))
-    by_name = {}
-    for name, us in kernels:
-        calls, total_us = by_name.get(name, (0, 0.0))
-        by_name[name] = (calls + 1, total_us + us)
-    for name, (calls, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:a.rows]:
-        print(f"kernel {us / 1e3:8.3f} ms  x{calls:<3d} {kernel_class(name):18s} {name[:110]}")
+    print(f"kernel  median ms (min-max over {len(steps)} steps)  calls a step  tag  class  name")
+    for name, calls, median, low, high in rows[:a.rows]:
+        print(f"kernel {median / 1e3:8.3f} ms ({low / 1e3:.3f}-{high / 1e3:.3f})  x{calls:<3d} "
+              f"{kernel_tag(name) or '-':3s} {kernel_class(name):18s} {name[:100]}")
     if a.host:
         profile_host(step, ms, a)
     if a.clocks > 0:
