@@ -62,8 +62,8 @@ void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& form
 // consumers' (they store their rows after each main loop), 1 the epilogue warps' (the consumers
 // hand the rounded rows to warps 1-3 of the producer warpgroup and go on; 3 stages instead of 4),
 // 2 and 3 the ping-pong kernel (rows_pingpong_gemm.cu: each consumer warpgroup a whole tile of 192
-// or 128 columns, one's store under the other's main loop; opt-in, not faster on the H200). Every form
-// should give the same bits (the CUDA suite checks it). Parses MOEBLAZE_CUDA_ROWS_FORM's value
+// or 128 columns, one's store under the other's main loop; opt-in, not faster on the H200). Every
+// form should give the same bits (the CUDA suite checks it). Parses MOEBLAZE_CUDA_ROWS_FORM's value
 // ("consumers", "warps", "pingpong", "pingpong128"; nullptr or anything else: -1).
 int sm90_parse_rows_form(const char* value);
 constexpr int kSm90RowsFormPingpong192 = 2;
