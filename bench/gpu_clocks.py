@@ -102,6 +102,21 @@ class ClockSampler:
         return out
 
 
+def row_clocks(summary, ms):
+    """A timed row's clock fields from its sampler's summary(): the median SM clock and board power
+    while its repetitions ran, and the energy of one repetition estimated as median power x median
+    time (joules). Under the power limit two implementations draw the same watts, so the one that
+    needs fewer joules a step runs its SMs faster: this is the figure that decides speed there.
+    None where nothing was sampled (no GPU, no nvidia-smi, or a row shorter than the interval)."""
+    def median(key):
+        return (summary.get(key) or {}).get("median")
+
+    count = (summary or {}).get("samples", 0)
+    mhz, watts = (median("sm_mhz"), median("power_w")) if count else (None, None)
+    joules = watts * ms / 1e3 if watts is not None and ms is not None else None
+    return {"clock_samples": count, "sm_mhz": mhz, "power_w": watts, "joules": joules}
+
+
 def parse_sample(line):
     """One nvidia-smi CSV line -> dict, or None for a malformed line ('[N/A]' fields: None)."""
     parts = [p.strip() for p in line.split(",")]

@@ -86,6 +86,8 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
 # rel_err above this flags a row (err_ok = false); bf16/fp16 operands land at 1e-3..1e-2.
 ERR_TOLERANCE = {"bf16": 3e-2, "fp16": 1e-2, "fp32": 1e-4, "fp64": 1e-10}
 L2_FLUSH_BYTES = 256 << 20
+# nvidia-smi's sampling interval while a row's repetitions run (about 1 s: some 20 samples)
+ROW_CLOCK_INTERVAL_MS = 50
 STICKY_CUDA_ERRORS = ("illegal memory access", "device-side assert", "unspecified launch failure",
                       "misaligned address", "illegal instruction", "an illegal",
                       "CUDA error: uncorrectable", "cudaErrorLaunchFailure")
@@ -879,13 +881,17 @@ def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s):
 
         if est_ms < 250:
             step()  # one more warm-up right before timing (slow rows are warm enough by now)
-        times = sorted(time_reps(step, reps, args))
+        sampling = args.device == "cuda" and not args.no_clock_samples
+        with (gpu_clocks.ClockSampler(interval_ms=ROW_CLOCK_INTERVAL_MS) if sampling
+              else contextlib.nullcontext()) as sampler:
+            times = sorted(time_reps(step, reps, args))
         row["reps"] = reps
         row["ms"] = statistics.median(times)
         row["ms_min"] = times[0]
         row["ms_p20"] = percentile(times, 0.2)
         row["ms_p80"] = percentile(times, 0.8)
         row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
+        row.update(gpu_clocks.row_clocks(sampler.summary() if sampler else None, row["ms"]))
     except Exception as error:  # noqa: BLE001 (recorded, the run goes on)
         row["error"] = " ".join(f"{stage}: {type(error).__name__}: {error}".split())
         row["error_trace"] = traceback.format_exc(limit=6)[-2000:]
@@ -1068,7 +1074,9 @@ def row_line(row):
             f"{fmt(row['tflops']):>6} TFLOP/s  saved {fmt(row['saved_bytes'], mib):>8} MiB  "
             f"peak {fmt(row['peak_bytes'], mib):>8} MiB  max_rel_err "
             f"{'-' if errs is None else format(errs, '.2e')}  bitwise_repeat "
-            f"{row.get('bitwise_repeat')}  reps {row.get('reps')}")
+            f"{row.get('bitwise_repeat')}  reps {row.get('reps')}  SM "
+            f"{fmt(row.get('sm_mhz'), spec='.0f')} MHz  {fmt(row.get('power_w'), spec='.0f')} W  "
+            f"{fmt(row.get('joules'), spec='.2f')} J")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -212,6 +212,7 @@ def test_harness_smoke(tmp_path):
         assert r["error"] is None, r
         assert r["ms"] > 0 and r["tflops"] > 0
         assert r["saved_bytes"] > 0 and r["peak_bytes"] is None  # no peak on CPU
+        assert r["clock_samples"] == 0 and r["sm_mhz"] is None and r["joules"] is None
         errs = r["rel_err"]
         assert (errs["dw_up"] is None) == (r["act"] == "silu")
         assert all(v < 3e-2 for v in errs.values() if v is not None), r
@@ -337,6 +338,21 @@ def test_clock_samples_parse_and_summarise():
     assert gpu_clocks.reason_names(0x1000) == "0x1000"
     assert "no clock samples (nvidia-smi not found)" == gpu_clocks.describe(
         {"samples": 0, "error": "nvidia-smi not found"})
+
+
+def test_row_clocks_give_the_energy_of_a_step():
+    import gpu_clocks
+    sampler = gpu_clocks.ClockSampler()
+    sampler.samples = [gpu_clocks.parse_sample(line) for line in
+                       ("1500, 3201, 690.0, 700.00, 59, 0x4", "1560, 3201, 700.0, 700.00, 60, 0x4",
+                        "1485, 3201, 692.0, 700.00, 60, 0x4")]
+    fields = gpu_clocks.row_clocks(sampler.summary(), 14.5)
+    assert fields["clock_samples"] == 3
+    assert fields["sm_mhz"] == 1500.0 and fields["power_w"] == 692.0
+    assert abs(fields["joules"] - 692.0 * 14.5e-3) < 1e-12
+    for nothing in (None, {"samples": 0, "error": "nvidia-smi not found"}):
+        assert gpu_clocks.row_clocks(nothing, 14.5) == {
+            "clock_samples": 0, "sm_mhz": None, "power_w": None, "joules": None}
 
 
 def test_clock_sampler_follows_cuda_visible_devices(monkeypatch):

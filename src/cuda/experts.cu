@@ -15,6 +15,7 @@
 #include "common/saved_layout.hpp"
 #include "cuda/cuda_util.cuh"
 #include "cuda/engines/engine_set.hpp"
+#include "cuda/engines/sm90/rows_gemm.hpp"
 #include "cuda/kernels.hpp"
 
 namespace moeblaze {
@@ -156,8 +157,10 @@ void zero_dropped(int64_t T_, const LayerDesc& desc, const int32_t* tim, void* o
   check_launch("zero_dropped_kernel");
 }
 
-// Column chunks start at multiples of kGemmColumnAlign (gemm_ops.hpp), so each chunk's tiles are
-// the unchunked launch's (the same bits) and B1's dg partials keep their absolute index.
+// Column chunks of h start at multiples of kGemmColumnAlign (gemm_ops.hpp), so B1's dg partials
+// keep their absolute index. Chunks of d start at multiples of the F2 / B4 kernel's tile width, so
+// no chunk adds a partial tile; an element's bits never depend on the chunking (its k order does
+// not change).
 constexpr int64_t kMaxGuChunks = 4;
 constexpr int64_t kMaxRowChunks = 2;
 
@@ -173,16 +176,21 @@ int64_t chunk_width(int64_t total, int64_t chunks, int64_t align) {
 // each further chunk re-reads the GEMM's A operand (u or da|db) once. So d is cut in two where
 // the rows would exceed the layer's [N, h]-sized activations (a|b, and B4's A operand da|db), and
 // not further: two chunks already put the rows below them.
-int64_t row_chunk_cols(const LayerDesc& desc, int64_t N, bool direct, int forced_chunks) {
+int64_t row_chunk_cols(const LayerDesc& desc, int64_t N, bool direct, const CudaTuning& tuning) {
   const int64_t d = desc.d, es = int64_t(desc.elem_size());
   if (direct || N == 0) return d;
-  int64_t chunks = forced_chunks;
+  // The opt-in 192-column ping-pong tiles (engines/sm90/rows_gemm.hpp); every other tile width
+  // divides kGemmColumnAlign.
+  const int64_t align = tuning.sm90 && tuning.sm90_forms.rows_form == kSm90RowsFormPingpong192
+                            ? 192
+                            : kGemmColumnAlign;
+  int64_t chunks = tuning.row_chunks;
   if (chunks <= 0) {
     const int64_t rows = es * N * d;
     const int64_t activations = es * N * desc.h * (desc.gated() ? 2 : 1);
     chunks = rows > activations ? kMaxRowChunks : 1;
   }
-  return chunk_width(d, chunks, kGemmColumnAlign);
+  return chunk_width(d, chunks, align);
 }
 
 // Width of B1/B2's column chunks of h (h itself: one chunk). g*u ([N, h], storage dtype) is the
@@ -235,7 +243,7 @@ void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carv
   int32_t* tile_scratch = ws.carve<int32_t>(sizeof(int32_t) * EngineSet::tile_scratch_ints(N, E));
   void* ws_u = ws.carve(save_all ? 0 : es * size_t(N) * size_t(h));
   const bool direct = direct_rows(desc, tuning);
-  const int64_t row_cols = row_chunk_cols(desc, N, direct, tuning.row_chunks);
+  const int64_t row_cols = row_chunk_cols(desc, N, direct, tuning);
   void* y2 = ws.carve(direct ? 0 : es * size_t(N) * size_t(row_cols));
   cudaStream_t stream = as_stream(call.stream);
   int32_t* offsets = saved ? call.saved.expert_offsets : ws_offsets;
@@ -304,7 +312,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   int32_t* tile_scratch = ws.carve<int32_t>(sizeof(int32_t) * EngineSet::tile_scratch_ints(N, E));
   // g*u for one column chunk of h at a time (gu_chunk_cols; all of h when that is one chunk).
   const bool direct = direct_rows(desc, tuning);  // B4 writes dx itself: no rows
-  const int64_t row_cols = row_chunk_cols(desc, N, direct, tuning.row_chunks);
+  const int64_t row_cols = row_chunk_cols(desc, N, direct, tuning);
   const int64_t gu_cols = gu_chunk_cols(desc, T, N, row_cols, direct, tuning.gu_chunks);
   const size_t gu_bytes = es * size_t(N) * size_t(gu_cols);
   const size_t dxr_bytes = direct ? 0 : es * size_t(N) * size_t(row_cols);

@@ -3,12 +3,14 @@
 Usage: MOEBLAZE_LIBRARY=build/src/libmoeblaze.so python3 tests/cuda/profile_kernels.py \
            [--T 65536 --d 1024 --h 4096 --E 16 --k 4 --act swiglu --policy save_preact]
            [--impl moeblaze|grouped_mm|sonicmoe] [--routing random|blocked] [--layer]
-           [--steps 5] [--host [--trace FILE]] [--clocks SECONDS]
+           [--steps 5] [--host [--trace FILE]] [--clocks SECONDS] [--profiler-range]
 Needs a GPU, PyTorch and the Python bindings (bindings/python, found relative to this file).
 --impl grouped_mm profiles the benchmark's sort -> torch._grouped_mm baseline (bench/baselines.py)
 on the same inputs instead, so that a shape where the two are close can be compared kernel by
 kernel; --impl sonicmoe does the same for SonicMoE when it is importable (bench/peers.py). The
 step's GPU time split by kernel class (tools/kernel_tags.py) is printed for each.
+--profiler-range runs one step between cudaProfilerStart and cudaProfilerStop after the warm-up and
+exits: tools/ncu_step_times.sh times its kernels with the clocks locked.
 """
 import argparse
 import os
@@ -60,6 +62,9 @@ def main():
                    help="the whole layer, router included (bench/run_bench.py --mode layer): "
                         "logits = x . w_router^T, top-k of the logits, softmax over the k chosen, "
                         "the experts and the switch loss (weight 1), all differentiated")
+    p.add_argument("--profiler-range", action="store_true",
+                   help="after the warm-up, one step between cudaProfilerStart/Stop, then exit "
+                        "(for a profiler started with --profile-from-start off)")
     a = p.parse_args()
     # SonicMoE's CUTLASS DSL parses the process's command line whenever it compiles a kernel, and
     # reads this script's --h as an abbreviation of its --help: it would print help and exit.
@@ -107,6 +112,13 @@ def main():
     for _ in range(3):
         step()
     torch.cuda.synchronize()
+    if a.profiler_range:
+        torch.cuda.cudart().cudaProfilerStart()
+        step()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
+        print(f"one step profiled ({a.impl})")
+        return
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(5):

@@ -7,10 +7,11 @@
 // "[rows, cols]" is row-major with the stated leading dimension (elements between rows).
 //
 // Column ranges: F2 and B4 compute columns [col0, col0 + cols) of d, B1 and B2 columns
-// [col0, col0 + cols) of h (cols = 0: all of them). col0 is a multiple of kGemmColumnAlign, so
-// every engine's tiles of a range are tiles of the whole launch and give the same bits. Unless a
-// field says otherwise, a pointer is the start of its whole buffer and the engine applies the
-// range.
+// [col0, col0 + cols) of h (cols = 0: all of them). B1's and B2's col0 is a multiple of
+// kGemmColumnAlign (B1's dg partials are indexed by 256-column tile); F2's and B4's a multiple of
+// their kernel's tile width (at least of 64). An element's bits do not depend on the range: its
+// k order is the same in every tiling. Unless a field says otherwise, a pointer is the start of
+// its whole buffer and the engine applies the range.
 #pragma once
 
 #include <cstdint>
