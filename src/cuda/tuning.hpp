@@ -1,8 +1,9 @@
 // A CUDA backend's tuning: choices between equivalent ways of running the same computation, read
 // once when the backend (a moeblaze context) is created and passed to every launch, so two
 // contexts in one process can differ and nothing is written while execute calls run. Every field
-// but `sm90` keeps the results bit for bit (the CUDA suite checks each); `sm90` picks the engine
-// (the portable engine accumulates in another order: last-bit differences).
+// but `sm90` and B1's form keeps the results bit for bit (the CUDA suite checks each); B1's forms
+// sum dg's column groups in other orders (dg's last bits), and `sm90` picks the engine (the
+// portable engine accumulates in another order: last-bit differences).
 #pragma once
 
 #include "cuda/engines/sm90/device.hpp"

@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Times moeblaze tuning variants against each other, interleaved in one process, as the benchmark
+times a row: an L2 flush before each repetition, forward + backward with dy, and no wait between
+repetitions. Each variant is a set of MOEBLAZE_CUDA_* settings (src/cuda/tuning.hpp), read when
+its context is created, so variants of one process differ only in those settings; their rounds
+run in a shuffled order, which spreads the card's clock drift over all of them. The identical
+configurations of one run differ by up to ~2 % (medians of 40 repetitions on an H200), so a
+difference below that needs more rounds.
+
+Usage (a GPU machine, from the repository root):
+  MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so python3 tools/ab_tuning.py \\
+      --configs qwen3-30b-a3b,sonicmoe-readme --acts swiglu,silu \\
+      --variant pingpong=MOEBLAZE_CUDA_ROWS_FORM=pingpong \\
+      --variant one_chunk=MOEBLAZE_CUDA_ROW_CHUNKS=1 [--rounds R --reps N] [--sonic]
+
+Prints, per configuration and activation, each variant's median step time (with p20 and p80),
+its speed against the default (the environment as given), whether every output and gradient has
+the default's bits, and its peak memory over one step; --sonic adds SonicMoE (bench/peers.py) as a
+reference row. A table of every row comes last.
+"""
+import argparse
+import os
+import random
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def parse_variant(spec):
+    """'name=VAR=VALUE[;VAR=VALUE...]' -> (name, {VAR: VALUE}); raises ValueError otherwise."""
+    name, sep, rest = spec.partition("=")
+    if not sep or not name or not rest:
+        raise ValueError(f"variant {spec!r}: expected name=VAR=VALUE[;VAR=VALUE...]")
+    settings = {}
+    for item in rest.split(";"):
+        var, sep, value = item.partition("=")
+        if not sep or not var.startswith("MOEBLAZE_"):
+            raise ValueError(f"variant {spec!r}: {item!r} is not MOEBLAZE_...=VALUE")
+        settings[var] = value
+    return name, settings
+
+
+def self_test():
+    assert parse_variant("pp=MOEBLAZE_CUDA_ROWS_FORM=pingpong") == (
+        "pp", {"MOEBLAZE_CUDA_ROWS_FORM": "pingpong"})
+    assert parse_variant("x=MOEBLAZE_CUDA_ROW_CHUNKS=1;MOEBLAZE_CUDA_BAND_MTILES=4") == (
+        "x", {"MOEBLAZE_CUDA_ROW_CHUNKS": "1", "MOEBLAZE_CUDA_BAND_MTILES": "4"})
+    for bad in ("pp", "pp=", "=MOEBLAZE_CUDA_SM90=0", "pp=ROWS_FORM=pingpong", "pp=MOEBLAZE_X"):
+        try:
+            parse_variant(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")
+    print("ab_tuning self-test: ok")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="qwen3-30b-a3b", help="names from bench/configs.json")
+    p.add_argument("--acts", default="swiglu")
+    p.add_argument("--variant", action="append", default=[], metavar="NAME=VAR=VALUE[;...]")
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--reps", type=int, default=5, help="repetitions of a variant in a round")
+    p.add_argument("--sonic", action="store_true", help="SonicMoE as a reference row")
+    p.add_argument("--self-test", action="store_true")
+    a = p.parse_args()
+    if a.self_test:
+        self_test()
+        return
+    variants = [("default", {})] + [parse_variant(spec) for spec in a.variant]
+    # SonicMoE's CUTLASS DSL parses the command line whenever it compiles a kernel.
+    del sys.argv[1:]
+    sys.path.insert(0, os.path.join(REPO, "bench"))
+    sys.path.insert(0, os.path.join(REPO, "bindings", "python"))
+    import torch
+    import run_bench
+    import moeblaze.torch as mbt
+
+    args = run_bench.parse_args(["--device", "cuda"])
+    args.device = "cuda"
+    known = {c["name"]: c for c in run_bench.load_configs(run_bench.parse_args(["--configs",
+                                                                                "all"]))}
+    flush = torch.empty(run_bench.L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def time_reps(step, reps):
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for i in range(reps):
+            flush.zero_()
+            starts[i].record()
+            step()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in zip(starts, ends)]
+
+    table = []
+    for config in a.configs.split(","):
+        cfg = known[config]
+        for act in a.acts.split(","):
+            inputs = run_bench.make_inputs(cfg, act, args)
+            print(f"== {config} {act} (seed {inputs['seed']})", flush=True)
+            runs, outputs, peaks = {}, {}, {}
+            for name, settings in variants:
+                before = {var: os.environ.get(var) for var in settings}
+                os.environ.update(settings)
+                mbt.clear_caches()  # the variant's own context, made with its settings
+                impl = run_bench.make_impl("moeblaze", "save_preact", act, args, cfg)
+                native = impl.prepare(inputs)
+
+                def step(impl=impl, native=native):
+                    return run_bench.fwd_bwd(impl.fn, native, impl.leaves(native))
+
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                y, grads = step()
+                torch.cuda.synchronize()
+                peaks[name] = (torch.cuda.max_memory_allocated() - base) / 2**20
+                outputs[name] = [y] + grads
+                runs[name] = (step, dict(mbt._contexts), dict(mbt._layers))
+                for var, value in before.items():
+                    if value is None:
+                        os.environ.pop(var, None)
+                    else:
+                        os.environ[var] = value
+            if a.sonic:
+                impl = run_bench.make_impl("sonicmoe", "save_preact", act, args, cfg)
+                if impl.skip:
+                    print(f"sonicmoe skipped: {impl.skip}")
+                else:
+                    native = impl.prepare(inputs)
+
+                    def sonic_step(impl=impl, native=native):
+                        return run_bench.fwd_bwd(impl.fn, native, impl.leaves(native))
+
+                    sonic_step()  # compiles SonicMoE's kernels for this shape (minutes)
+                    runs["sonicmoe"] = (sonic_step, None, None)
+            reference = outputs["default"]
+            same = {name: all((o is None and r is None) or torch.equal(o, r)
+                              for o, r in zip(outs, reference))
+                    for name, outs in outputs.items()}
+            del outputs, reference
+            times = {name: [] for name in runs}
+            order = list(runs)
+            for _ in range(a.rounds):
+                random.shuffle(order)
+                for name in order:
+                    step, contexts, layers = runs[name]
+                    if contexts is not None:  # this variant's context and plans
+                        mbt._contexts.clear()
+                        mbt._contexts.update(contexts)
+                        mbt._layers.clear()
+                        mbt._layers.update(layers)
+                    times[name] += time_reps(step, a.reps)
+            default_ms = statistics.median(times["default"])
+            for name in runs:
+                ts = sorted(times[name])
+                ms = statistics.median(ts)
+                row = (config, act, name, ms, ts[len(ts) // 5], ts[4 * len(ts) // 5],
+                       default_ms / ms, same.get(name, "-"), peaks.get(name))
+                table.append(row)
+                print("%-9s %8.3f ms (p20 %.3f, p80 %.3f)  x%.4f  same bits: %s  peak %s MiB"
+                      % (name, ms, row[4], row[5], row[6], row[7],
+                         "-" if row[8] is None else "%.0f" % row[8]), flush=True)
+            del runs
+            torch.cuda.empty_cache()
+    print("\n| config | act | variant | ms | x default | same bits | peak MiB |")
+    print("|---|---|---|---:|---:|---|---:|")
+    for config, act, name, ms, _, _, speed, bits, peak in table:
+        print(f"| {config} | {act} | {name} | {ms:.3f} | {speed:.4f} | {bits} | "
+              f"{'-' if peak is None else format(peak, '.0f')} |")
+
+
+if __name__ == "__main__":
+    main()
