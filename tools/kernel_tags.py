@@ -10,7 +10,8 @@ KERNEL_TAGS = (
     ("B1", "sm90_rows_kernel<__nv_bfloat16, 2"),
     ("B2", "sm90_wgrad_kernel<__nv_bfloat16, false"),
     ("B3", "sm90_wgrad_kernel<__nv_bfloat16, true"),
-    # the opt-in ping-pong form of F2 and B4 (MOEBLAZE_CUDA_ROWS_FORM=pingpong, pingpong128)
+    # the opt-in ping-pong forms of F2 and B4 (MOEBLAZE_CUDA_ROWS_FORM=pingpong, pingpong128,
+    # pingpong2cta)
     ("F2", "sm90_rows_pingpong_kernel<__nv_bfloat16, 0"),
     ("B4", "sm90_rows_pingpong_kernel<__nv_bfloat16, 1"),
 )

@@ -181,9 +181,11 @@ int64_t row_chunk_cols(const LayerDesc& desc, int64_t N, bool direct, const Cuda
   if (direct || N == 0) return d;
   // The opt-in 192-column ping-pong tiles (engines/sm90/rows_gemm.hpp); every other tile width
   // divides kGemmColumnAlign.
-  const int64_t align = tuning.sm90 && tuning.sm90_forms.rows_form == kSm90RowsFormPingpong192
-                            ? 192
-                            : kGemmColumnAlign;
+  const int form = tuning.sm90_forms.rows_form;
+  const int64_t align =
+      tuning.sm90 && (form == kSm90RowsFormPingpong192 || form == kSm90RowsFormPingpong2Cta)
+          ? 192
+          : kGemmColumnAlign;
   int64_t chunks = tuning.row_chunks;
   if (chunks <= 0) {
     const int64_t rows = es * N * d;

@@ -27,7 +27,9 @@ CudaTuning CudaTuning::from_environment() {
   }
   t.direct_rows = !is_zero(std::getenv("MOEBLAZE_CUDA_DIRECT_ROWS"));
   t.sm90_forms.f1_form = sm90_parse_f1_form(std::getenv("MOEBLAZE_CUDA_F1_FORM"));
+  t.sm90_forms.f1_cluster = sm90_parse_f1_cluster(std::getenv("MOEBLAZE_CUDA_F1_CLUSTER"));
   t.sm90_forms.b1_form = sm90_parse_b1_form(std::getenv("MOEBLAZE_CUDA_B1_FORM"));
+  t.sm90_forms.rows_cluster = sm90_parse_rows_cluster(std::getenv("MOEBLAZE_CUDA_ROWS_CLUSTER"));
   t.sm90_forms.rows_form = sm90_parse_rows_form(std::getenv("MOEBLAZE_CUDA_ROWS_FORM"));
   t.sm90_forms.band_mtiles = sm90_parse_band_mtiles(std::getenv("MOEBLAZE_CUDA_BAND_MTILES"));
   return t;

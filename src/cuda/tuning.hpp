@@ -26,9 +26,9 @@ struct CudaTuning {
   // MOEBLAZE_CUDA_DIRECT_ROWS=0: with k = 1, y and dx through the rows and the per-token reduction
   // instead of straight from F2 / B4's epilogue.
   bool direct_rows = true;
-  // MOEBLAZE_CUDA_F1_FORM, MOEBLAZE_CUDA_B1_FORM, MOEBLAZE_CUDA_ROWS_FORM,
-  // MOEBLAZE_CUDA_BAND_MTILES: the Hopper kernels' epilogue forms and tile rasterisation
-  // (engines/sm90/device.hpp).
+  // MOEBLAZE_CUDA_F1_FORM, MOEBLAZE_CUDA_F1_CLUSTER, MOEBLAZE_CUDA_B1_FORM,
+  // MOEBLAZE_CUDA_ROWS_FORM, MOEBLAZE_CUDA_ROWS_CLUSTER, MOEBLAZE_CUDA_BAND_MTILES: the Hopper
+  // kernels' epilogue forms, 2-CTA clusters and tile rasterisation (engines/sm90/device.hpp).
   Sm90Forms sm90_forms;
 
   // The defaults above, overridden by the MOEBLAZE_CUDA_* variables that are set (values that do

@@ -877,16 +877,52 @@ TEST_SUITE("cuda") {
 #endif
   }
 
+  TEST_CASE("cuda: 2-CTA clusters give one CTA's bits") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    // MOEBLAZE_CUDA_F1_CLUSTER=2 (F1's epilogue-warp form) and MOEBLAZE_CUDA_ROWS_CLUSTER=2 (the
+    // epilogue-warp forms of F2, B4 and B1) run those kernels in clusters of two CTAs on adjacent
+    // m-tiles of one expert, each loading part of a stage's B for both: the same tiles'
+    // arithmetic, so every output must keep its bits. Skewed routing gives experts an odd number
+    // of m-tiles (a cluster's second CTA without rows); non-gated h = 296 ends in an F1 tile whose
+    // second box lies past h (loaded by neither CTA); d = 2112 puts B1 in its warps form (33
+    // k-steps); k = 1 stores F2's and B4's rows at their tokens.
+    Rng rng(test_seed(9959));
+    for (const char* knob : {"MOEBLAZE_CUDA_F1_CLUSTER", "MOEBLAZE_CUDA_ROWS_CLUSTER"}) {
+      for (int64_t d : {int64_t(64), int64_t(2112)}) {
+        for (int64_t k : {int64_t(2), int64_t(1)}) {
+          for (int32_t act : {MOEBLAZE_ACTIVATION_SWIGLU, MOEBLAZE_ACTIVATION_SILU}) {
+            for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_PREACT, MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
+              if (quick() && (d != 2112 || k != 2 || ckpt != MOEBLAZE_CHECKPOINT_SAVE_PREACT))
+                continue;
+              moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_BF16, d, 296, 5, k);
+              cfg.activation = act;
+              cfg.checkpoint = ckpt;
+              const std::string knob_name = knob;
+              CAPTURE(knob_name);
+              CAPTURE(describe(cfg));
+              // "neither": any other value means the policy
+              check_switch_keeps_bits_skewed(knob, {"1", "2", "neither"}, cfg, 300, rng);
+            }
+          }
+        }
+      }
+    }
+#endif
+  }
+
   TEST_CASE("cuda: F2's and B4's two store forms match the CPU and each other bit for bit") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
     // MOEBLAZE_CUDA_ROWS_FORM: F2 and B4 store their rows from the consumers' registers, or hand
     // them, rounded as stored, to the epilogue warps, which store whole rows; or (pingpong,
-    // pingpong128) each consumer warpgroup computes and stores its own tiles of 192 or 128
-    // columns, with the same k order: the same values at the same places, so every output must
-    // keep its bits. d = 296 (a last tile of 40 columns)
-    // and 1000 (232); k = 2 (rows, then the per-token reduction) and k = 1 (direct rows: each row
-    // stored at its token); F16 as well as BF16; row chunks of d too (MOEBLAZE_CUDA_ROW_CHUNKS).
+    // pingpong128, pingpong2cta) each consumer warpgroup computes and stores its own tiles of 192
+    // or 128 columns (pingpong2cta: two CTAs whose tiles share B, each loading half of it for
+    // both; skewed routing leaves one of them without rows at some experts' ends), with the same
+    // k order: the same values at the same places, so every output must keep its bits. d = 296 (a
+    // last tile of 40 columns) and 1000 (232); k = 2 (rows, then the per-token reduction) and k = 1
+    // (direct rows: each row stored at its token); F16 as well as BF16; row chunks of d too
+    // (MOEBLAZE_CUDA_ROW_CHUNKS).
     Rng rng(test_seed(9973));
     const ScopedSwitch chunk_switch("MOEBLAZE_CUDA_ROW_CHUNKS");
     for (const char* chunks : {"1", "2"}) {
@@ -906,7 +942,8 @@ TEST_SUITE("cuda") {
               // "neither": any other value means the policy
               check_switch_keeps_bits_skewed(
                   "MOEBLAZE_CUDA_ROWS_FORM",
-                  {"consumers", "warps", "pingpong", "pingpong128", "neither"}, cfg, 300, rng);
+                  {"consumers", "warps", "pingpong", "pingpong128", "pingpong2cta", "neither"}, cfg,
+                  300, rng);
             }
           }
         }

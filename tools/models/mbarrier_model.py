@@ -1,6 +1,6 @@
 # The pieces the randomised mbarrier protocol models share (consumer_gather_protocol_model.py,
-# rows_pingpong_protocol_model.py): an mbarrier, the failure a check raises, the interleaving
-# scheduler and the self-test driver.
+# rows_pingpong_protocol_model.py, cluster_multicast_protocol_model.py): an mbarrier, the failure
+# a check raises, the interleaving scheduler and the self-test driver.
 import sys
 
 

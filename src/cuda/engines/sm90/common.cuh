@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <initializer_list>
 
 #include <cstring>
 
@@ -109,6 +110,46 @@ constexpr size_t two_form_max_smem_bytes(size_t stage_bytes, size_t staging_byte
 // consumer's .inc waits forever.
 constexpr bool register_split_fits(int producer, int consumer) {
   return producer + 2 * consumer <= 3 * 168;
+}
+
+// The launch of a persistent kernel of `threads` threads: `units` CTAs, or with cluster = 2 that
+// many clusters of two CTAs (a cluster-dimension attribute only then: one CTA launches plainly).
+struct PersistentLaunch {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attribute[1] = {};
+  PersistentLaunch(int units, int cluster, int threads, size_t smem_bytes, cudaStream_t stream) {
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = unsigned(cluster);
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.gridDim = dim3(unsigned(units * cluster));
+    config.blockDim = dim3(unsigned(threads));
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    config.attrs = attribute;
+    config.numAttrs = cluster > 1 ? 1 : 0;
+  }
+  PersistentLaunch(const PersistentLaunch&) = delete;  // config points at attribute
+  PersistentLaunch& operator=(const PersistentLaunch&) = delete;
+};
+
+// The 2-CTA clusters of each kernel that can be resident at once, the fewest over `kernels` (0
+// where a query fails): their persistent grid. Called once per device, outside any capture.
+template <typename Kernel>
+int max_resident_2cta_clusters(std::initializer_list<Kernel> kernels, int threads,
+                               size_t smem_bytes) {
+  const PersistentLaunch launch(1, 2, threads, smem_bytes, nullptr);
+  int fewest = 0x7fffffff;
+  for (Kernel kernel : kernels) {
+    int clusters = 0;
+    if (kernel == nullptr ||
+        cudaOccupancyMaxActiveClusters(&clusters, kernel, &launch.config) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    fewest = std::min(fewest, clusters);
+  }
+  return fewest;
 }
 
 inline bool aligned16(const void* p) {

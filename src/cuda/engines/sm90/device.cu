@@ -36,9 +36,9 @@ Sm90Device query_device(int device) {
     ok = cudaGetDevice(&previous) == cudaSuccess;
     const bool switch_device = ok && previous != device;
     if (switch_device) ok = cudaSetDevice(device) == cudaSuccess;
-    ok = ok && sm90_f1_prepare_kernels() && sm90_rows_prepare_kernels() &&
-         sm90_wgrad_prepare_kernels();
-    info.rows_pingpong = ok && sm90_rows_pingpong_prepare_kernels();
+    ok = ok && sm90_f1_prepare_kernels(&info.f1_clusters) &&
+         sm90_rows_prepare_kernels(&info.rows_clusters) && sm90_wgrad_prepare_kernels();
+    info.rows_pingpong = ok && sm90_rows_pingpong_prepare_kernels(&info.rows_pingpong_clusters);
     if (switch_device) cudaSetDevice(previous);
   }
   (void)cudaGetLastError();  // a refused query leaves no sticky error behind

@@ -13,6 +13,12 @@ struct Sm90Device {
   // The opt-in ping-pong F2/B4 kernels are prepared too (MOEBLAZE_CUDA_ROWS_FORM=pingpong); where
   // they are not, that form falls back to the policy's, and nothing else depends on them.
   bool rows_pingpong = false;
+  // 2-CTA clusters of the ping-pong kernel resident at once (its grid); 0: that form falls back.
+  int rows_pingpong_clusters = 0;
+  // 2-CTA clusters of F1's epilogue-warp kernels resident at once (its grid); 0: F1 runs one CTA.
+  int f1_clusters = 0;
+  // The same for the rows kernels' epilogue-warp forms (F2, B4, B1).
+  int rows_clusters = 0;
 };
 
 // The current device's facts (cached per device; the first query per device sets the kernels'
@@ -46,9 +52,11 @@ int sm90_parse_band_mtiles(const char* value);  // nullptr or not an integer in 
 // once when the backend is created (tuning.hpp) and passed to every launch.
 struct Sm90Forms {
   int f1_form = -1;    // f1_gemm.hpp: -1 the policy, 0 consumers, 1 epilogue warps
+  int f1_cluster = 0;  // f1_gemm.hpp: 0 the policy, 1 one CTA, 2 two-CTA clusters
   int b1_form = -1;    // rows_gemm.hpp: -1 the policy, else a B1Form
-  int rows_form = -1;  // rows_gemm.hpp: F2 / B4, -1 the policy, 0 consumers, 1 warps, 2-3 ping-pong
-  int band_mtiles = 0;  // 0: the per-kernel defaults above, else 1..256 for every kernel
+  int rows_form = -1;  // rows_gemm.hpp: F2 / B4, -1 the policy, 0 consumers, 1 warps, 2-4 ping-pong
+  int rows_cluster = 0;  // rows_gemm.hpp: F2 / B4 / B1 warps forms, 0 the policy, 1 or 2 CTAs
+  int band_mtiles = 0;   // 0: the per-kernel defaults above, else 1..256 for every kernel
 };
 
 }  // namespace cuda

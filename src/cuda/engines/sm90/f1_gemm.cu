@@ -109,10 +109,16 @@ struct TileCoord {
 
 #if MB_SM90_DEVICE
 
-__device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start, const F1Params& p) {
+// Tile t of the schedule as CTA `rank` of a CLUSTER-CTA cluster runs it: a cluster's tiles are
+// CLUSTER * 128 rows (each expert's m-tiles in groups of CLUSTER) and CTA rank takes the rank-th
+// 128, which can be empty (rows 0) at the end of an expert.
+template <int CLUSTER>
+__device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start, const F1Params& p,
+                                                 int rank) {
   const GroupedTile g =
-      decode_grouped_tile<kBM>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
-  return {g.e, g.row0, g.rows, g.n_tile};
+      decode_grouped_tile<kBM * CLUSTER>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
+  const int rows = min(kBM, g.rows - kBM * rank);
+  return {g.e, g.row0 + kBM * rank, rows > 0 ? rows : 0, g.n_tile};
 }
 
 #endif  // MB_SM90_DEVICE
@@ -137,8 +143,11 @@ __device__ __forceinline__ uint4 act_chunk(const uint4& a, const uint4& b) {
 
 // ACT: the activation (Activation cast to int); gated ones read w_gate and w_up, non-gated ones
 // read 256 rows of w_gate (tmap_second is then the w_gate map, second box at n0 + 128).
-// EPI_WARPS: the short-K form (epilogue warps, 3 stages; see the top of the file).
-template <typename T, int ACT, bool EPI_WARPS>
+// EPI_WARPS: the short-K form (epilogue warps, 3 stages; see the top of the file). CLUSTER: 1, or
+// 2 for clusters of two CTAs on adjacent m-tiles of one expert that share B: each CTA's producer
+// loads one of the stage's two B boxes into both CTAs (TMA multicast), so B crosses L2 once for
+// the pair; a stage is refilled once both CTAs' consumers have released it.
+template <typename T, int ACT, bool EPI_WARPS, int CLUSTER>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_f1_kernel(const __grid_constant__ CUtensorMap tmap_gate,
                    const __grid_constant__ CUtensorMap tmap_second, const F1Params p) {
@@ -161,9 +170,20 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
 
   // ---- prologue: barriers and the tile prefix (from the device-side offsets; no host sync)
-  if (tid == 0) shm.init_barriers(kConsumerWarps, kEpiWarps);
-  const int total_tiles =
-      build_tile_prefix<kBM, kThreads>(shm.tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
+  if (tid == 0) {
+    shm.init_barriers(kConsumerWarps, kEpiWarps);
+    if (CLUSTER > 1) {  // a stage's empty barrier counts the consumer warps of every CTA
+      for (int s = 0; s < kStages; ++s)
+        mbar_init(smem_u32(shm.empty_bar + s), kConsumerWarps * CLUSTER);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+  }
+  const int total_tiles = build_tile_prefix<kBM * CLUSTER, kThreads>(shm.tile_start, p.offsets, p.E,
+                                                                     p.n_tiles, tid, warp, lane);
+  // The peer's barriers are initialised before our first multicast or remote arrival on them.
+  if (CLUSTER > 1) cluster_sync();
+  const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;
+  const int first_tile = int(blockIdx.x) / CLUSTER, tile_step = int(gridDim.x) / CLUSTER;
 
   if (warp < 4) {
     // ================= producer warpgroup =================
@@ -183,8 +203,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         T* out_b = static_cast<T*>(p.out_b);
         T* out_u = static_cast<T*>(p.out_u);
         uint32_t n = 0;  // this CTA's tiles so far: hand-off phase n
-        for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
-          const TileCoord c = decode_tile(t, shm.tile_start, p);
+        for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
+          const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
           const int n0 = c.n_tile * kTileCols;
           mbar_wait(smem_u32(shm.handoff_full), n & 1);
 #pragma unroll 1
@@ -212,27 +232,38 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           mbar_arrive(smem_u32(shm.handoff_empty));  // every lane, after its own reads
         }
-        return;
       }
     }
-    if (tid != 0) return;  // one thread issues the B boxes; the consumers gather A
-    uint32_t it = 0;
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-      const TileCoord c = decode_tile(t, shm.tile_start, p);
-      const int n0 = c.n_tile * kTileCols;
-      // Non-gated tiles at the end of h may have no row of their second box inside h: it is not
-      // loaded, and the accumulator columns it feeds (past h) are never stored.
-      const bool second_box = n0 + kSecondRowOffset < p.h;
-      for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
-        const int s = it % kStages;
-        mbar_wait(smem_u32(shm.empty_bar + s), ((it / kStages) & 1) ^ 1);
-        uint8_t* stage = shm.stage(s);
-        const uint32_t full = smem_u32(shm.full_bar + s);
-        mbar_arrive_expect_tx(full, second_box ? 2 * kBBoxBytes : kBBoxBytes);
-        tma_load_3d(smem_u32(stage + kATileBytes), &tmap_gate, full, kt * kBK, n0, c.e);
-        if (second_box)
-          tma_load_3d(smem_u32(stage + kATileBytes + kBBoxBytes), &tmap_second, full, kt * kBK,
-                      n0 + kSecondRowOffset, c.e);
+    // One thread issues the B boxes; the consumers gather A.
+    if (tid == 0) {
+      uint32_t it = 0;
+      for (int t = first_tile; t < total_tiles; t += tile_step) {
+        const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
+        const int n0 = c.n_tile * kTileCols;
+        // Non-gated tiles at the end of h may have no row of their second box inside h: it is not
+        // loaded, and the accumulator columns it feeds (past h) are never stored.
+        const bool second_box = n0 + kSecondRowOffset < p.h;
+        for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
+          const int s = it % kStages;
+          mbar_wait(smem_u32(shm.empty_bar + s), ((it / kStages) & 1) ^ 1);
+          uint8_t* stage = shm.stage(s);
+          const uint32_t full = smem_u32(shm.full_bar + s);
+          mbar_arrive_expect_tx(full, second_box ? 2 * kBBoxBytes : kBBoxBytes);
+          if (CLUSTER > 1) {  // CTA rank loads box rank (if any) into both CTAs
+            constexpr uint16_t kBoth = (1u << CLUSTER) - 1;
+            if (rank == 0)
+              tma_load_3d_multicast(smem_u32(stage + kATileBytes), &tmap_gate, full, kt * kBK, n0,
+                                    c.e, kBoth);
+            else if (second_box)
+              tma_load_3d_multicast(smem_u32(stage + kATileBytes + kBBoxBytes), &tmap_second, full,
+                                    kt * kBK, n0 + kSecondRowOffset, c.e, kBoth);
+            continue;
+          }
+          tma_load_3d(smem_u32(stage + kATileBytes), &tmap_gate, full, kt * kBK, n0, c.e);
+          if (second_box)
+            tma_load_3d(smem_u32(stage + kATileBytes + kBBoxBytes), &tmap_second, full, kt * kBK,
+                        n0 + kSecondRowOffset, c.e);
+        }
       }
     }
   } else {
@@ -249,12 +280,22 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     const auto row_range = [&](int t) {
-      const TileCoord c = decode_tile(t, shm.tile_start, p);
+      const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
       return make_int2(c.row0, c.rows);
     };
     uint64_t* my_a_full = shm.a_full_bar + wg * kStages;
     HalfTileGather<T> gather(static_cast<const T*>(p.x), p.d, p.d, p.k_tiles, p.token_index,
-                             total_tiles, wg);
+                             total_tiles, wg, first_tile, tile_step);
+    // A stage is free again once every CTA of the cluster is done with it.
+    const auto release = [&](int s) {
+      const uint32_t bar = smem_u32(shm.empty_bar + s);
+      if (CLUSTER == 1) {
+        mbar_arrive(bar);
+      } else {
+#pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar, uint32_t(r));
+      }
+    };
     // The long-K form (4 stages) issues the gather of k-step it + 2 between k-step it's commit
     // and its wait<1>, into the slot of k-step it - 2, so the gather runs while the tensor pipe
     // works; the 3-stage short-K form keeps a lead of 2 by issuing after the wait, into the slot
@@ -266,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       gather.issue(smem_u32(shm.stage(s)), smem_u32(my_a_full + s), row_range);
     uint32_t it = 0;
     uint32_t n = 0;  // EPI_WARPS: this CTA's tiles so far, the hand-off's phase
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
+    for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
       int prev_s = 0;
       for (int kt = 0; kt < p.k_tiles; ++kt, ++it) {
         const int s = it % kStages;
@@ -285,14 +326,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         wgmma_wait<1>();
         fence_accumulators(acc);
-        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
+        if (kt > 0 && lane == 0) release(prev_s);
         if constexpr (!kGatherBeforeWait)  // the slot of k-step it - 1, released just now
           gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         prev_s = s;
       }
       wgmma_wait<0>();
       fence_accumulators(acc);
-      if (lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
+      if (lane == 0) release(prev_s);
 
       if constexpr (EPI_WARPS) {
         // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
@@ -316,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive(smem_u32(shm.handoff_full));  // every lane, after its own writes
         continue;
       }
-      const TileCoord c = decode_tile(t, shm.tile_start, p);
+      const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
       const int n0 = c.n_tile * kTileCols;
 
       // ---- epilogue. Accumulator layout (wgmma m64n256, f32): register 4j + q of lane (g, t4)
@@ -372,6 +413,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  // The peer may still arrive on our empty barriers (and we on its) until both are done.
+  if (CLUSTER > 1) cluster_sync();
 #else
   __trap();  // no sm_90a image: sm90_f1_supported never lets this run
 #endif  // MB_SM90_DEVICE
@@ -389,25 +432,36 @@ CUtensorMap make_weight_map(const void* w, int64_t E, int64_t h, int64_t d) {
 
 using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const F1Params);
 
-template <typename T, bool EPI_WARPS>
+template <typename T, bool EPI_WARPS, int CLUSTER>
 KernelFn kernel_for_act(Activation act) {
   switch (act) {
     // clang-format off
 #define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
-    case Activation::Name: return sm90_f1_kernel<T, int(Activation::Name), EPI_WARPS>;
+    case Activation::Name: return sm90_f1_kernel<T, int(Activation::Name), EPI_WARPS, CLUSTER>;
 #include "common/activations.def"
     // clang-format on
   }
   return nullptr;
 }
 
-KernelFn kernel_for(Dtype dtype, Activation act, bool epi_warps) {
-  if (dtype == Dtype::BF16)
-    return epi_warps ? kernel_for_act<__nv_bfloat16, true>(act)
-                     : kernel_for_act<__nv_bfloat16, false>(act);
-  if (dtype == Dtype::F16)
-    return epi_warps ? kernel_for_act<__half, true>(act) : kernel_for_act<__half, false>(act);
+// cluster 2 exists for the epilogue-warp form only (every shape with d <= 4096).
+template <typename T>
+KernelFn kernel_for_type(Activation act, bool epi_warps, int cluster) {
+  if (!epi_warps) return cluster == 1 ? kernel_for_act<T, false, 1>(act) : nullptr;
+  return cluster == 1 ? kernel_for_act<T, true, 1>(act) : kernel_for_act<T, true, 2>(act);
+}
+
+KernelFn kernel_for(Dtype dtype, Activation act, bool epi_warps, int cluster = 1) {
+  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(act, epi_warps, cluster);
+  if (dtype == Dtype::F16) return kernel_for_type<__half>(act, epi_warps, cluster);
   return nullptr;
+}
+
+// 2-CTA clusters of the epilogue-warp kernels that can be resident at once (0: none).
+int max_clusters() {
+  return max_resident_2cta_clusters({kernel_for(Dtype::BF16, Activation::SwiGLU, true, 2),
+                                     kernel_for(Dtype::F16, Activation::SwiGLU, true, 2)},
+                                    kThreads, kMaxSmemBytes);
 }
 
 }  // namespace
@@ -416,13 +470,19 @@ size_t sm90_f1_max_smem_bytes() {
   return kMaxSmemBytes;
 }
 
-bool sm90_f1_prepare_kernels() {
+bool sm90_f1_prepare_kernels(int* max_2cta_clusters) {
+  *max_2cta_clusters = 0;
+  bool clusters_ok = true;
   for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
     for (Activation act : kActivations) {
       for (bool epi_warps : {false, true})
         if (!prepare_kernel(kernel_for(dtype, act, epi_warps), kMaxSmemBytes)) return false;
+      // The opt-in cluster form: where it cannot be prepared, F1 runs one CTA.
+      clusters_ok = clusters_ok && prepare_kernel(kernel_for(dtype, act, true, 2), kMaxSmemBytes);
     }
   }
+  if (clusters_ok) *max_2cta_clusters = max_clusters();
+  (void)cudaGetLastError();
   return true;
 }
 
@@ -431,6 +491,13 @@ int sm90_parse_f1_form(const char* value) {
   if (std::strcmp(value, "consumers") == 0) return 0;
   if (std::strcmp(value, "warps") == 0) return 1;
   return -1;
+}
+
+int sm90_parse_f1_cluster(const char* value) {
+  if (value == nullptr) return 0;
+  if (std::strcmp(value, "1") == 0) return 1;
+  if (std::strcmp(value, "2") == 0) return 2;
+  return 0;
 }
 
 bool sm90_f1_supported(const LayerDesc& desc, const F1Op& op) {
@@ -469,7 +536,8 @@ void sm90_f1_launch(const LayerDesc& desc, const F1Op& op, const Sm90Forms& form
   const int64_t k_tiles = (desc.d + kBK - 1) / kBK;
   const bool epi_warps =
       forms.f1_form == 0 || forms.f1_form == 1 ? forms.f1_form == 1 : k_tiles <= kEpiWarpsMaxKTiles;
-  const KernelFn kernel = kernel_for(desc.dtype, desc.activation, epi_warps);
+  const int cluster = epi_warps && forms.f1_cluster == 2 && info.f1_clusters > 0 ? 2 : 1;
+  const KernelFn kernel = kernel_for(desc.dtype, desc.activation, epi_warps, cluster);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 F1: unsupported dtype or activation");
 
   F1Params p;
@@ -497,11 +565,13 @@ void sm90_f1_launch(const LayerDesc& desc, const F1Op& op, const Sm90Forms& form
     map_second = gated ? make_weight_map<__half>(op.w_up, desc.E, desc.h, desc.d) : map_gate;
   }
   // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
-  // tiles than SMs (an upper bound from N: sum_e ceil(count_e / 128) <= N / 128 + E).
-  const int64_t max_tiles = (N / kBM + desc.E) * p.n_tiles;
-  const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
-  kernel<<<grid, kThreads, smem_bytes(p.E, epi_warps), stream>>>(map_gate, map_second, p);
-  check_launch("sm90_f1_kernel");
+  // tiles than SMs (an upper bound from N: sum_e ceil(count_e / 128) <= N / 128 + E); clusters:
+  // as many as can be resident at once.
+  const int64_t max_tiles = (N / (kBM * cluster) + desc.E) * p.n_tiles;
+  const int64_t slots = cluster > 1 ? info.f1_clusters : info.sms;
+  const int units = int(max_tiles < slots ? max_tiles : slots);
+  const PersistentLaunch launch(units, cluster, kThreads, smem_bytes(p.E, epi_warps), stream);
+  check(cudaLaunchKernelEx(&launch.config, kernel, map_gate, map_second, p), "sm90_f1_kernel");
 }
 
 }  // namespace cuda

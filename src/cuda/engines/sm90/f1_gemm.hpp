@@ -33,8 +33,9 @@ namespace cuda {
 size_t sm90_f1_max_smem_bytes();
 
 // With the current device set to a compute capability 9.0 device: true when every F1 kernel's
-// image is the sm_90a one, after setting their shared-memory opt-in (sm90_prepare_device calls it).
-bool sm90_f1_prepare_kernels();
+// image is the sm_90a one, after setting their shared-memory opt-in (sm90_prepare_device calls it);
+// sets *max_2cta_clusters to the 2-CTA clusters of the epilogue-warp form resident at once.
+bool sm90_f1_prepare_kernels(int* max_2cta_clusters);
 
 // True when sm90_f1_launch can compute this F1: the sm90 kernels are usable on the current device
 // (device.hpp), dtype BF16 or F16, any of the 7 activations, d % 8 == 0, h % 8 == 0,
@@ -48,6 +49,12 @@ bool sm90_f1_supported(const LayerDesc& desc, const F1Op& op);
 // Both forms give the same bits. Parses MOEBLAZE_CUDA_F1_FORM's value ("consumers", "warps";
 // nullptr or anything else: -1).
 int sm90_parse_f1_form(const char* value);
+
+// F1 in 2-CTA clusters (Sm90Forms::f1_cluster = 2; the epilogue-warp form only): two CTAs on
+// adjacent m-tiles of one expert each load one of a stage's two B boxes into both, halving B's
+// L2 traffic. The same bits as one CTA. Parses MOEBLAZE_CUDA_F1_CLUSTER's value ("1", "2";
+// anything else: 0, the policy).
+int sm90_parse_f1_cluster(const char* value);
 
 // Enqueues F1 (gemm_ops.hpp) on `stream`. Precondition: sm90_f1_supported(desc, op).
 // Throws moeblaze::Error (MOEBLAZE_ERR_CUDA) if the tensor-map encoder or the launch fails.

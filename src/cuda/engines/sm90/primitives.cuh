@@ -131,6 +131,42 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// ---- 2-CTA clusters (a stage's shared operand loaded once for both CTAs, by TMA multicast)
+
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// Arrives on the mbarrier at `bar`'s offset in CTA `rank` of the cluster (our own included).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "r"(rank)
+      : "memory");
+}
+
+// Every thread of the cluster: our earlier shared-memory and barrier operations (remote ones
+// included) are done before any thread of the cluster passes.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+// The box at (c0, c1, c2) written to the same shared-memory offset of every CTA in cta_mask, each
+// CTA's barrier at `bar`'s offset credited with the bytes it received.
+__device__ __forceinline__ void tma_load_3d_multicast(uint32_t dst, const CUtensorMap* map,
+                                                      uint32_t bar, int c0, int c1, int c2,
+                                                      uint16_t cta_mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%2, %3, %4}], [%5], %6;\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar), "h"(cta_mask)
+      : "memory");
+}
+
 __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }
@@ -480,8 +516,8 @@ struct GatherPipelineSmem {
 // with the producer's 4 warps gathering, 7.28 ms with the consumers' 8 and 6.24 ms with contiguous
 // rows by TMA. Thread w of the warpgroup loads chunk w & 7 of rows (w >> 3) + 16
 // i, i < 4, of its half. The cursor walks the same (tile, k-step) sequence as the consumer's main
-// loop (tiles blockIdx.x,
-// + gridDim.x, ...), and fetches the token ids of the following tile one tile ahead.
+// loop (tiles first_tile, + tile_step, ...: blockIdx.x, + gridDim.x for one CTA, the cluster's
+// index and count for clusters), and fetches the token ids of the following tile one tile ahead.
 // RowRange: tile id -> int2 {first routed row, valid rows}.
 template <typename T>
 class HalfTileGather {
@@ -490,19 +526,22 @@ class HalfTileGather {
   // k_tiles: k-steps per tile; wg: 0 or 1, the consumer warpgroup (rows [64 wg, 64 wg + 64)).
   // ld < 2^31 (the kernels' int-range checks).
   __device__ __forceinline__ HalfTileGather(const T* src, int64_t ld, int k_len, int k_tiles,
-                                            const int32_t* token_index, int total_tiles, int wg)
+                                            const int32_t* token_index, int total_tiles, int wg,
+                                            int first_tile, int tile_step)
       : src_(src),
         row_bytes_(uint32_t(ld) * uint32_t(sizeof(T))),
         k_len_(k_len),
         k_tiles_(k_tiles),
         token_index_(token_index),
         total_tiles_(total_tiles),
-        wg_(wg) {}
+        wg_(wg),
+        first_tile_(first_tile),
+        tile_step_(tile_step) {}
 
   // Positions the cursor on the CTA's first tile, k-step 0; issues nothing.
   template <class RowRange>
   __device__ __forceinline__ void start(RowRange&& row_range) {
-    tile_ = int(blockIdx.x);
+    tile_ = first_tile_;
     kt_ = 0;
     const int w = int(threadIdx.x) & 127;
     const int chunk = w & 7, row = w >> 3;
@@ -511,7 +550,7 @@ class HalfTileGather {
         uint32_t(wg_) * (64u * 128u) + uint32_t(row) * 128u + uint32_t((chunk ^ (row & 7)) << 4);
     col_ = chunk * 8;
     fetch_ids(ids_, tile_, row_range);
-    fetch_ids(next_ids_, tile_ + int(gridDim.x), row_range);
+    fetch_ids(next_ids_, tile_ + tile_step_, row_range);
   }
 
   // Issues the cursor's k-step into this warpgroup's half of the A tile at shared address a_tile
@@ -534,10 +573,10 @@ class HalfTileGather {
     cp_async_mbar_arrive_noinc(bar);
     if (++kt_ == k_tiles_) {
       kt_ = 0;
-      tile_ += int(gridDim.x);
+      tile_ += tile_step_;
 #pragma unroll
       for (int i = 0; i < 4; ++i) ids_[i] = next_ids_[i];
-      fetch_ids(next_ids_, tile_ + int(gridDim.x), row_range);
+      fetch_ids(next_ids_, tile_ + tile_step_, row_range);
     }
   }
 
@@ -560,6 +599,7 @@ class HalfTileGather {
   int k_len_, k_tiles_;
   const int32_t* token_index_;
   int total_tiles_, wg_;
+  int first_tile_, tile_step_;
   int tile_ = 0, kt_ = 0;
   uint32_t smem_off_ = 0;  // the thread's chunk of row 0 in the warpgroup's half
   int col_ = 0;            // the thread's first column within a k-step

@@ -72,7 +72,11 @@ __device__ __forceinline__ void rows_store_warps(const RowsParams& p, const Tile
 // ACT: the activation (Activation cast to int) for B1's epilogue; 0 for F2 and B4.
 // FORM: B1's epilogue form (B1Form); F2 and B4: kB1Consumers (the consumers store their rows) or
 // kB1Warps (the epilogue warps store them from the hand-off while the consumers go on).
-template <typename T, int KIND, int ACT, int FORM>
+// CLUSTER: 1, or 2 (FORM kB1Warps) for clusters of two CTAs on adjacent m-tiles of one expert
+// that share B: each CTA's producer loads every other B box of a stage into both CTAs (TMA
+// multicast), so B crosses L2 once for the pair; a stage is refilled once both CTAs' consumers
+// have released it.
+template <typename T, int KIND, int ACT, int FORM, int CLUSTER>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_rows_kernel(const __grid_constant__ CUtensorMap tmap_a,
                      const __grid_constant__ CUtensorMap tmap_b0,
@@ -101,9 +105,21 @@ __global__ void __launch_bounds__(kThreads, 1)
   // registers for the barrier and descriptor addresses derived from it).
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
 
-  if (tid == 0) shm.init_barriers(kConsumerWarps, kB1EpiWarps);
-  const int total_tiles =
-      build_tile_prefix<kBM, kThreads>(shm.tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && FORM == kB1Warps), "clusters: the warps form");
+  if (tid == 0) {
+    shm.init_barriers(kConsumerWarps, kB1EpiWarps);
+    if (CLUSTER > 1) {  // a stage's empty barrier counts the consumer warps of every CTA
+      for (int s = 0; s < kStages; ++s)
+        mbar_init(smem_u32(shm.empty_bar + s), kConsumerWarps * CLUSTER);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+  }
+  const int total_tiles = build_tile_prefix<kBM * CLUSTER, kThreads>(shm.tile_start, p.offsets, p.E,
+                                                                     p.n_tiles, tid, warp, lane);
+  // The peer's barriers are initialised before our first multicast or remote arrival on them.
+  if (CLUSTER > 1) cluster_sync();
+  const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;
+  const int first_tile = int(blockIdx.x) / CLUSTER, tile_step = int(gridDim.x) / CLUSTER;
   const int k_tiles = p.halves * p.kt_half;
 
   if (warp < 4) {
@@ -118,8 +134,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t* hb = reinterpret_cast<const uint32_t*>(shm.epi);
         const bool have_u = p.u != nullptr;  // SAVE_ALL; uniform over the grid
         uint32_t n = 0;                      // this CTA's tiles so far: hand-off phase n
-        for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
-          const TileCoord c = decode_tile(t, shm.tile_start, p);
+        for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
+          const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
           mbar_wait(smem_u32(shm.handoff_full), n & 1);
           if constexpr (KIND != kB1)
             rows_store_warps<T>(p, c, warp - 1, lane, hb);
@@ -129,13 +145,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             b1_epilogue_warps<T, ACT, kConsumerGroups, false>(p, c, warp - 1, lane, hb);
           mbar_arrive(smem_u32(shm.handoff_empty));  // every lane, after its own reads
         }
-        return;
       }
     }
-    if (tid != 0) return;  // one thread issues every TMA (B1: the consumers gather A)
+    // One thread issues every TMA (B1: the consumers gather A).
     uint32_t it = 0;
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-      const TileCoord c = decode_tile(t, shm.tile_start, p);
+    for (int t = first_tile; tid == 0 && t < total_tiles; t += tile_step) {
+      const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
       // B boxes (MN-major: 64 columns each; K-major: 128 rows each) that start past n_out are not
       // issued nor expected: their accumulator columns are never stored.
       constexpr int kBoxCols = kBMn ? 64 : kBKBoxRows;
@@ -149,14 +164,20 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(smem_u32(shm.empty_bar + s), ((it / kStages) & 1) ^ 1);
         uint8_t* stage = shm.stage(s);
         const uint32_t full = smem_u32(shm.full_bar + s);
-        mbar_arrive_expect_tx(full, b_bytes + (kGather ? 0u : uint32_t(kATileBytes)));
-        if (!kGather) tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
+        // A cluster's CTA without rows (past its expert's end) loads no A.
+        const bool load_a = !kGather && (CLUSTER == 1 || c.rows > 0);
+        mbar_arrive_expect_tx(full, b_bytes + (load_a ? uint32_t(kATileBytes) : 0u));
+        if (load_a) tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
         const CUtensorMap* mb = half ? &tmap_b1 : &tmap_b0;
-        for (int i = 0; i < b_boxes; ++i) {
+        // Clusters: CTA rank issues boxes rank, rank + CLUSTER, ... into every CTA.
+        for (int i = CLUSTER > 1 ? rank : 0; i < b_boxes; i += CLUSTER) {
           const uint32_t dst = smem_u32(stage + kATileBytes + i * kBoxBytes);
           const int cb0 = kBMn ? c.n0 + 64 * i : k0;          // MN: {n, k, e}
           const int cb1 = kBMn ? k0 : c.n0 + kBKBoxRows * i;  // K:  {k, n, e}
-          tma_load_3d(dst, mb, full, cb0, cb1, c.e);
+          if (CLUSTER > 1)
+            tma_load_3d_multicast(dst, mb, full, cb0, cb1, c.e, uint16_t((1u << CLUSTER) - 1));
+          else
+            tma_load_3d(dst, mb, full, cb0, cb1, c.e);
         }
       }
     }
@@ -172,13 +193,23 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int i = 0; i < 128; ++i) acc[i] = 0.f;
     const auto row_range = [&](int t) {
-      const TileCoord c = decode_tile(t, shm.tile_start, p);
+      const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
       return make_int2(c.row0, c.rows);
     };
     uint64_t* my_a_full = shm.a_full_bar + wg * kStages;
+    // A stage is free again once every CTA of the cluster is done with it.
+    const auto release = [&](int s) {
+      const uint32_t bar = smem_u32(shm.empty_bar + s);
+      if (CLUSTER == 1) {
+        mbar_arrive(bar);
+      } else {
+#pragma unroll
+        for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar, uint32_t(r));
+      }
+    };
     // B1 only (halves == 1): k runs over dy's d columns.
     HalfTileGather<T> gather(static_cast<const T*>(p.a_src), p.lda, p.k_half, k_tiles,
-                             p.token_index, total_tiles, wg);
+                             p.token_index, total_tiles, wg, first_tile, tile_step);
     if constexpr (kGather) {
       gather.start(row_range);
       for (int s = 0; s < kGatherLead; ++s)
@@ -187,7 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint32_t it = 0;
     uint32_t n = 0;  // epilogue-warp forms: this CTA's tiles so far, the hand-off's phase
     const int tile_row = wg * 64 + warp_in_wg * 16;  // this warp's first row of a tile
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
+    for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
       // The tile's bookkeeping runs inside the main loop, once one or two k-steps are queued on the
       // tensor cores (bookkeeping_kt): its loads' latency then costs nothing, while at the top of
       // the tile the tensor cores waited for it. The main loop itself needs none of it.
@@ -195,7 +226,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float w[2] = {1.f, 1.f};      // F2's row weights
       int64_t out_row[2] = {0, 0};  // the rows' output rows (the consumers' store form)
       const auto tile_bookkeeping = [&] {
-        c = decode_tile(t, shm.tile_start, p);
+        c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
         // B1's forms whose consumers run epilogue groups: those groups' a, b into L2.
         if constexpr (KIND == kB1 && kConsumerGroups > 0)
           b1_prefetch_epilogue_rows<T, kConsumerGroups>(p, c, tile_row, lane);
@@ -237,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (kt == bookkeeping_kt) tile_bookkeeping();
         wgmma_wait<1>();
         fence_accumulators(acc);
-        if (kt > 0 && lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
+        if (kt > 0 && lane == 0) release(prev_s);
         if constexpr (kGather && !kGatherBeforeWait) {  // the slot of k-step it - 1, released now
           const int refill = int((it + kGatherLead) % kStages);
           gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
@@ -246,7 +277,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_wait<0>();
       fence_accumulators(acc);
-      if (lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
+      if (lane == 0) release(prev_s);
 
       uint32_t* stg = reinterpret_cast<uint32_t*>(staging + (warp - 4) * kB1StageWarpBytes);
       if constexpr (kEpiWarps) {
@@ -295,6 +326,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
   }
+  // The peer may still arrive on our empty barriers (and we on its) until both are done.
+  if (CLUSTER > 1) cluster_sync();
 #else
   __trap();  // no sm_90a image: sm90_rows_supported never lets this run
 #endif  // MB_SM90_DEVICE
@@ -305,12 +338,12 @@ __global__ void __launch_bounds__(kThreads, 1)
 using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap,
                           const RowsParams);
 
-template <typename T, int FORM>
+template <typename T, int FORM, int CLUSTER = 1>
 KernelFn b1_kernel_for(Activation act) {
   switch (act) {
     // clang-format off
 #define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
-    case Activation::Name: return sm90_rows_kernel<T, kB1, int(Activation::Name), FORM>;
+    case Activation::Name: return sm90_rows_kernel<T, kB1, int(Activation::Name), FORM, CLUSTER>;
 #include "common/activations.def"
     // clang-format on
   }
@@ -318,13 +351,19 @@ KernelFn b1_kernel_for(Activation act) {
 }
 
 template <typename T>
-KernelFn kernel_for_type(int kind, Activation act, int form) {
+KernelFn kernel_for_type(int kind, Activation act, int form, int cluster) {
+  if (cluster == 2) {  // the epilogue-warp forms only
+    if (form != kB1Warps) return nullptr;
+    if (kind == kF2) return sm90_rows_kernel<T, kF2, 0, kB1Warps, 2>;
+    if (kind == kB4) return sm90_rows_kernel<T, kB4, 0, kB1Warps, 2>;
+    return b1_kernel_for<T, kB1Warps, 2>(act);
+  }
   if (kind == kF2)
-    return form == kB1Warps ? sm90_rows_kernel<T, kF2, 0, kB1Warps>
-                            : sm90_rows_kernel<T, kF2, 0, kB1Consumers>;
+    return form == kB1Warps ? sm90_rows_kernel<T, kF2, 0, kB1Warps, 1>
+                            : sm90_rows_kernel<T, kF2, 0, kB1Consumers, 1>;
   if (kind == kB4)
-    return form == kB1Warps ? sm90_rows_kernel<T, kB4, 0, kB1Warps>
-                            : sm90_rows_kernel<T, kB4, 0, kB1Consumers>;
+    return form == kB1Warps ? sm90_rows_kernel<T, kB4, 0, kB1Warps, 1>
+                            : sm90_rows_kernel<T, kB4, 0, kB1Consumers, 1>;
   if (form == kB1Warps) return b1_kernel_for<T, kB1Warps>(act);
   if (form == kB1Split) return b1_kernel_for<T, kB1Split>(act);
   if (form == kB1Split2) return b1_kernel_for<T, kB1Split2>(act);
@@ -332,10 +371,20 @@ KernelFn kernel_for_type(int kind, Activation act, int form) {
 }
 
 // form: B1's epilogue form (B1Form); F2 / B4: kB1Consumers or kB1Warps (their store form).
-KernelFn kernel_for(Dtype dtype, int kind, Activation act, int form) {
-  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(kind, act, form);
-  if (dtype == Dtype::F16) return kernel_for_type<__half>(kind, act, form);
+// cluster: 1, or 2 for the kB1Warps forms (nullptr otherwise).
+KernelFn kernel_for(Dtype dtype, int kind, Activation act, int form, int cluster = 1) {
+  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(kind, act, form, cluster);
+  if (dtype == Dtype::F16) return kernel_for_type<__half>(kind, act, form, cluster);
   return nullptr;
+}
+
+// 2-CTA clusters of the rows kernels' epilogue-warp forms that can be resident at once (0: none).
+int max_clusters() {
+  const Activation act = Activation::SwiGLU;
+  return max_resident_2cta_clusters({kernel_for(Dtype::BF16, kF2, act, kB1Warps, 2),
+                                     kernel_for(Dtype::BF16, kB4, act, kB1Warps, 2),
+                                     kernel_for(Dtype::BF16, kB1, act, kB1Warps, 2)},
+                                    kThreads, kMaxSmemBytes);
 }
 
 // B1's form for tiles of k_tiles k-steps (see B1Form and the measurements at
@@ -367,16 +416,19 @@ void launch(const LayerDesc& desc, int kind, const CUtensorMap& a, const CUtenso
                                    p.n_tiles, forms.band_mtiles);
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
-  // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
-  // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E).
-  const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
-  const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
   const int form = kind == kB1 ? b1_form_for(p.halves * p.kt_half, forms.b1_form)
                                : rows_store_form(forms.rows_form);
-  const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation, form);
+  const int cluster = form == kB1Warps && forms.rows_cluster == 2 && info.rows_clusters > 0 ? 2 : 1;
+  // Persistent: one CTA per SM (the shared memory allows no more), fewer when there are fewer
+  // tiles than SMs (an upper bound: sum_e ceil(count_e / 128) <= N / 128 + E); clusters: as many
+  // as can be resident at once.
+  const int64_t max_tiles = (p.N / (kBM * cluster) + desc.E) * p.n_tiles;
+  const int64_t slots = cluster > 1 ? info.rows_clusters : info.sms;
+  const int units = int(max_tiles < slots ? max_tiles : slots);
+  const KernelFn kernel = kernel_for(desc.dtype, kind, desc.activation, form, cluster);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
-  kernel<<<grid, kThreads, smem_bytes(p.E, form), stream>>>(a, b0, b1, p);
-  check_launch(what);
+  const PersistentLaunch launch(units, cluster, kThreads, smem_bytes(p.E, form), stream);
+  check(cudaLaunchKernelEx(&launch.config, kernel, a, b0, b1, p), what);
 }
 
 }  // namespace
@@ -385,7 +437,9 @@ size_t sm90_rows_max_smem_bytes() {
   return kMaxSmemBytes;  // the ping-pong kernels', optional, are checked by their own preparation
 }
 
-bool sm90_rows_prepare_kernels() {
+bool sm90_rows_prepare_kernels(int* max_2cta_clusters) {
+  *max_2cta_clusters = 0;
+  bool clusters_ok = true;
   for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
     for (int kind : {kF2, kB4, kB1}) {
       for (Activation act : kActivations) {
@@ -394,10 +448,22 @@ bool sm90_rows_prepare_kernels() {
           if (kind != kB1 && form != kB1Consumers && form != kB1Warps) continue;
           if (!prepare_kernel(kernel_for(dtype, kind, act, form), kMaxSmemBytes)) return false;
         }
+        // The opt-in cluster forms: where they cannot be prepared, the kernels run one CTA.
+        clusters_ok =
+            clusters_ok && prepare_kernel(kernel_for(dtype, kind, act, kB1Warps, 2), kMaxSmemBytes);
       }
     }
   }
+  if (clusters_ok) *max_2cta_clusters = max_clusters();
+  (void)cudaGetLastError();
   return true;
+}
+
+int sm90_parse_rows_cluster(const char* value) {
+  if (value == nullptr) return 0;
+  if (std::strcmp(value, "1") == 0) return 1;
+  if (std::strcmp(value, "2") == 0) return 2;
+  return 0;
 }
 
 int sm90_parse_rows_form(const char* value) {
@@ -406,6 +472,7 @@ int sm90_parse_rows_form(const char* value) {
   if (std::strcmp(value, "warps") == 0) return 1;
   if (std::strcmp(value, "pingpong") == 0) return kSm90RowsFormPingpong192;
   if (std::strcmp(value, "pingpong128") == 0) return kSm90RowsFormPingpong128;
+  if (std::strcmp(value, "pingpong2cta") == 0) return kSm90RowsFormPingpong2Cta;
   return -1;
 }
 
@@ -433,20 +500,28 @@ bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
   return sm90_current_device().usable;
 }
 
-// The ping-pong kernel's tile width when `forms` selects it and the device has it prepared, else
-// 0 (the other forms).
-int pingpong_tile_n(const Sm90Forms& forms) {
-  const int tile_n = forms.rows_form == kSm90RowsFormPingpong192   ? 192
-                     : forms.rows_form == kSm90RowsFormPingpong128 ? 128
-                                                                   : 0;
+// The ping-pong kernel's tile width and cluster size when `forms` selects it and the device has it
+// prepared, else tile_n 0 (the other forms).
+struct PingpongChoice {
+  int tile_n = 0, cluster = 1;
+};
+PingpongChoice pingpong_choice(const Sm90Forms& forms) {
+  PingpongChoice c;
+  if (forms.rows_form == kSm90RowsFormPingpong192) c.tile_n = 192;
+  if (forms.rows_form == kSm90RowsFormPingpong128) c.tile_n = 128;
+  if (forms.rows_form == kSm90RowsFormPingpong2Cta) c = {192, 2};
+  if (c.tile_n == 0) return c;
   // The device lookup (a lock) only when the opt-in form is asked for, not on every launch.
-  return tile_n != 0 && sm90_current_device().rows_pingpong ? tile_n : 0;
+  const Sm90Device& info = sm90_current_device();
+  if (!info.rows_pingpong || (c.cluster > 1 && info.rows_pingpong_clusters == 0)) c.tile_n = 0;
+  return c;
 }
 
 void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& forms,
                     cudaStream_t stream) {
-  if (const int tile_n = pingpong_tile_n(forms)) {
-    sm90_f2_pingpong_launch(desc, op, tile_n, forms, stream);
+  const PingpongChoice ping = pingpong_choice(forms);
+  if (ping.tile_n != 0) {
+    sm90_f2_pingpong_launch(desc, op, ping.tile_n, ping.cluster, forms, stream);
     return;
   }
   if (op.rows.T * desc.k == 0) return;
@@ -456,8 +531,9 @@ void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& form
 
 void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& forms,
                     cudaStream_t stream) {
-  if (const int tile_n = pingpong_tile_n(forms)) {
-    sm90_b4_pingpong_launch(desc, op, tile_n, forms, stream);
+  const PingpongChoice ping = pingpong_choice(forms);
+  if (ping.tile_n != 0) {
+    sm90_b4_pingpong_launch(desc, op, ping.tile_n, ping.cluster, forms, stream);
     return;
   }
   if (op.rows.T * desc.k == 0) return;

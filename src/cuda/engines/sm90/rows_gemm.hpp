@@ -43,7 +43,7 @@ constexpr int kSm90B1DgPartsPerTile = 2;
 size_t sm90_rows_max_smem_bytes();
 
 // See sm90_f1_prepare_kernels (f1_gemm.hpp).
-bool sm90_rows_prepare_kernels();
+bool sm90_rows_prepare_kernels(int* max_2cta_clusters);
 
 // True when the F2 / B4 / B1 kernels can run this layer on the current device: the sm90 kernels
 // are usable (device.hpp), dtype BF16 or F16, d % 8 == 0, h % 8 == 0,
@@ -62,21 +62,31 @@ void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& form
 // consumers' (they store their rows after each main loop), 1 the epilogue warps' (the consumers
 // hand the rounded rows to warps 1-3 of the producer warpgroup and go on; 3 stages instead of 4),
 // 2 and 3 the ping-pong kernel (rows_pingpong_gemm.cu: each consumer warpgroup a whole tile of 192
-// or 128 columns, one's store under the other's main loop; opt-in, not faster on the H200). Every
-// form should give the same bits (the CUDA suite checks it). Parses MOEBLAZE_CUDA_ROWS_FORM's value
-// ("consumers", "warps", "pingpong", "pingpong128"; nullptr or anything else: -1).
+// or 128 columns, one's store under the other's main loop; opt-in, not faster on the H200), 4 the
+// same kernel with 192 columns in 2-CTA clusters that share B by multicast. Every form should give
+// the same bits (the CUDA suite checks it). Parses MOEBLAZE_CUDA_ROWS_FORM's value ("consumers",
+// "warps", "pingpong", "pingpong128", "pingpong2cta"; nullptr or anything else: -1).
 int sm90_parse_rows_form(const char* value);
 constexpr int kSm90RowsFormPingpong192 = 2;
 constexpr int kSm90RowsFormPingpong128 = 3;
+constexpr int kSm90RowsFormPingpong2Cta = 4;
 
-// The ping-pong forms of F2 and B4 (rows_pingpong_gemm.cu); tile_n = 192 or 128. Precondition:
-// sm90_rows_supported over the op's tensors.
-void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n,
+// The ping-pong forms of F2 and B4 (rows_pingpong_gemm.cu); tile_n = 192 or 128, cluster = 1, or
+// 2 with tile_n 192 (Sm90Device::rows_pingpong_clusters > 0). Precondition: sm90_rows_supported
+// over the op's tensors.
+void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n, int cluster,
                              const Sm90Forms& forms, cudaStream_t stream);
-void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n,
+void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n, int cluster,
                              const Sm90Forms& forms, cudaStream_t stream);
-// As sm90_rows_prepare_kernels, for the ping-pong kernels alone (Sm90Device::rows_pingpong).
-bool sm90_rows_pingpong_prepare_kernels();
+// As sm90_rows_prepare_kernels, for the ping-pong kernels alone (Sm90Device::rows_pingpong); sets
+// *max_clusters to the 2-CTA clusters that can be resident at once (0: none).
+bool sm90_rows_pingpong_prepare_kernels(int* max_clusters);
+
+// The rows kernels' epilogue-warp forms (F2 / B4 "warps", B1 "warps") in 2-CTA clusters
+// (Sm90Forms::rows_cluster = 2): two CTAs on adjacent m-tiles of one expert each load every other
+// B box of a stage into both, halving B's L2 traffic; the same bits as one CTA. Parses
+// MOEBLAZE_CUDA_ROWS_CLUSTER's value ("1", "2"; anything else: 0, the policy).
+int sm90_parse_rows_cluster(const char* value);
 
 // B1's epilogue form (Sm90Forms::b1_form; rows_gemm.cu, B1Form): -1 = the policy by k-steps a
 // tile; 0, 1, 2, 3 force the consumers', the epilogue warps', the split or the two-group split

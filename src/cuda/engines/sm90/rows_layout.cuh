@@ -176,10 +176,12 @@ inline CUtensorMap map_for(const void* base, int64_t dim0, int64_t dim1, int64_t
 
 // Columns [col0, col0 + cols) of a weight operand [E, rows, ld] (ld contiguous; 16-bit elements):
 // MN-major boxes {64 cols, 64 rows} when the GEMM's n runs along the columns, K-major boxes
-// {64 cols, 128 rows} when k does. Columns past the range read as zeros.
+// {64 cols, 128 rows} when k does. Columns past the range read as zeros. mn_box_k: the MN-major
+// boxes' rows of k (the 2-CTA ping-pong kernel's CTAs load half a box each).
 inline CUtensorMap weight_map_range(Dtype dtype, const void* w, int64_t E, int64_t rows, int64_t ld,
-                                    int64_t col0, int64_t cols, bool mn_major, const char* what) {
-  const uint32_t box1 = mn_major ? uint32_t(kBK) : uint32_t(kBKBoxRows);
+                                    int64_t col0, int64_t cols, bool mn_major, const char* what,
+                                    uint32_t mn_box_k = kBK) {
+  const uint32_t box1 = mn_major ? mn_box_k : uint32_t(kBKBoxRows);
   const void* base = static_cast<const uint16_t*>(w) + col0;
   if (dtype == Dtype::BF16)
     return map_for<__nv_bfloat16>(base, cols, rows, E, ld, rows * ld, 64, box1, 1, what);
@@ -248,8 +250,8 @@ inline RowsOperands f2_operands(const LayerDesc& desc, const F2Op& op, uint32_t 
 }
 
 // B4 over the op's column range: A = da|db [N, halves * h]; B = w_gate, w_up [E, h, d] (k over h,
-// n over the range's columns of d: MN-major).
-inline RowsOperands b4_operands(const LayerDesc& desc, const B4Op& op) {
+// n over the range's columns of d: MN-major, boxes of {64 n, b_box_k}).
+inline RowsOperands b4_operands(const LayerDesc& desc, const B4Op& op, uint32_t b_box_k = kBK) {
   const int64_t T = op.rows.T, N = T * desc.k;
   const int halves = desc.gated() ? 2 : 1;
   const int64_t cols = op.cols != 0 ? op.cols : desc.d;
@@ -257,20 +259,26 @@ inline RowsOperands b4_operands(const LayerDesc& desc, const B4Op& op) {
   o.p = base_params(desc, op.rows.expert_offsets, int(cols), desc.h, halves, T);
   set_rows_out(o.p, op.out, op.rows.row_pair);
   o.a = rows_map(desc.dtype, op.dadb, N, desc.h, halves, "B4");
-  o.b0 = weight_map_range(desc.dtype, op.w_gate, desc.E, desc.h, desc.d, op.col0, cols, true, "B4");
+  o.b0 = weight_map_range(desc.dtype, op.w_gate, desc.E, desc.h, desc.d, op.col0, cols, true, "B4",
+                          b_box_k);
   o.b1 = desc.gated() ? weight_map_range(desc.dtype, op.w_up, desc.E, desc.h, desc.d, op.col0, cols,
-                                         true, "B4")
+                                         true, "B4", b_box_k)
                       : o.b0;
   return o;
 }
 
 #if MB_SM90_DEVICE
 
-__device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start,
-                                                 const RowsParams& p) {
+// Tile t of the schedule as CTA `rank` of a CLUSTER-CTA cluster runs it: a cluster's tiles are
+// CLUSTER * 128 rows (each expert's m-tiles in groups of CLUSTER) and CTA rank takes the rank-th
+// 128, which can be empty (rows 0) at the end of an expert.
+template <int CLUSTER = 1>
+__device__ __forceinline__ TileCoord decode_tile(int t, const int* tile_start, const RowsParams& p,
+                                                 int rank = 0) {
   const GroupedTile g =
-      decode_grouped_tile<kBM>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
-  return {g.e, g.row0, g.rows, g.n_tile * kBN};
+      decode_grouped_tile<kBM * CLUSTER>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
+  const int rows = min(kBM, g.rows - kBM * rank);
+  return {g.e, g.row0 + kBM * rank, rows > 0 ? rows : 0, g.n_tile * kBN};
 }
 
 // B1's dg partials of tile c: part q of routed row r at [q * p.N + r] (kDgParts; the layout

@@ -54,12 +54,16 @@ static_assert(register_split_fits(kPingRegsProducer, kPingRegsConsumer), "regist
 
 #if MB_SM90_DEVICE
 
-template <int TILE_N>
-__device__ __forceinline__ TileCoord ping_decode(int t, const int* tile_start,
-                                                 const RowsParams& p) {
+// Tile t of the schedule, as CTA `rank` of a CLUSTER-CTA cluster runs it: the cluster's tiles are
+// CLUSTER * 128 rows (each expert's m-tiles in groups of CLUSTER), and CTA rank takes the rank-th
+// 128 of them, which can be empty (rows 0) at the end of an expert.
+template <int TILE_N, int CLUSTER>
+__device__ __forceinline__ TileCoord ping_decode(int t, const int* tile_start, const RowsParams& p,
+                                                 int rank) {
   const GroupedTile g =
-      decode_grouped_tile<kBM>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
-  return {g.e, g.row0, g.rows, g.n_tile * TILE_N};
+      decode_grouped_tile<kBM * CLUSTER>(t, tile_start, p.offsets, p.E, p.n_tiles, p.band_mtiles);
+  const int rows = min(kBM, g.rows - kBM * rank);
+  return {g.e, g.row0 + kBM * rank, rows > 0 ? rows : 0, g.n_tile * TILE_N};
 }
 
 // One m64 half of a warpgroup's tile, from registers: register 4j + q of lane (g, t4) holds row
@@ -89,127 +93,181 @@ __device__ __forceinline__ void ping_store_half(const RowsParams& p, const TileC
 
 #endif  // MB_SM90_DEVICE
 
-// KIND: kF2 or kB4 (rows_layout.cuh). TILE_N: 192 or 128.
-template <typename T, int KIND, int TILE_N>
+// KIND: kF2 or kB4 (rows_layout.cuh). TILE_N: 192 or 128. CLUSTER: 1, or 2 for clusters of two
+// CTAs that share each stage's B tile (TILE_N 192 only; the producer below says how).
+template <typename T, int KIND, int TILE_N, int CLUSTER>
 __global__ void __launch_bounds__(kPingThreads, 1)
     sm90_rows_pingpong_kernel(const __grid_constant__ CUtensorMap tmap_a,
                               const __grid_constant__ CUtensorMap tmap_b0,
                               const __grid_constant__ CUtensorMap tmap_b1, const RowsParams p) {
 #if MB_SM90_DEVICE
   static_assert(KIND == kF2 || KIND == kB4, "F2 and B4 only (B1 gathers A and has its epilogue)");
+  static_assert(CLUSTER == 1 || (CLUSTER == 2 && TILE_N == 192), "2-CTA clusters: 192 columns");
   using L = PingLayout<TILE_N>;
   constexpr int kStages = L::kStages;
   constexpr bool kBMn = KIND == kB4;  // B4's B is MN-major, F2's K-major
+  constexpr uint32_t kBTileBytes = uint32_t(TILE_N) * kBK * 2;
   extern __shared__ uint8_t smem_raw[];
   const GatherPipelineSmem<kStages, L::kStageBytes> shm(smem_raw, 0);
 
   const int tid = threadIdx.x;
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
-  // Empty barriers: one arrival per warp of the one consumer warpgroup that used the stage. The
-  // hand-off's two barriers (no hand-off here) serve as the turn barriers below: 128 arrivals.
-  if (tid == 0) shm.init_barriers(4, 4);
-  const int total_tiles = build_tile_prefix<kBM, kPingThreads>(shm.tile_start, p.offsets, p.E,
-                                                               p.n_tiles, tid, warp, lane);
+  // Empty barriers: one arrival per warp of the one consumer warpgroup that used the stage, in
+  // every CTA of the cluster (each CTA's producer fills that stage in all of them). The hand-off's
+  // two barriers (no hand-off here) serve as the turn barriers below: 128 arrivals.
+  if (tid == 0) {
+    shm.init_barriers(4, 4);
+    if (CLUSTER > 1) {
+      for (int s = 0; s < kStages; ++s) mbar_init(smem_u32(shm.empty_bar + s), 4 * CLUSTER);
+      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+  }
+  const int total_tiles = build_tile_prefix<kBM * CLUSTER, kPingThreads>(
+      shm.tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
+  // The peer's barriers are initialised before our first multicast or remote arrival on them.
+  if (CLUSTER > 1) cluster_sync();
+  const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;
+  const int first_tile = int(blockIdx.x) / CLUSTER, tile_step = int(gridDim.x) / CLUSTER;
   const int k_tiles = p.halves * p.kt_half;
 
   if (warp < 4) {
     // ================= producer =================
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kPingRegsProducer) : "memory");
-    if (tid != 0) return;
-    uint32_t it = 0;
-    for (int t = blockIdx.x; t < total_tiles; t += gridDim.x) {
-      const TileCoord c = ping_decode<TILE_N>(t, shm.tile_start, p);
-      // B boxes that start past n_out are neither issued nor expected (never stored).
-      const int b_boxes =
-          min(TILE_N / kPingBoxCols, (p.n_out - c.n0 + kPingBoxCols - 1) / kPingBoxCols);
-      const uint32_t tx = uint32_t(kPingATileBytes) + uint32_t(b_boxes) * kPingBoxBytes;
-      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-        const int s = int(it % kStages);
-        const int half = kt >= p.kt_half ? 1 : 0;
-        const int k0 = (kt - half * p.kt_half) * kBK;
-        mbar_wait(smem_u32(shm.empty_bar + s), ((it / kStages) & 1) ^ 1);
-        uint8_t* stage = shm.stage(s);
-        const uint32_t full = smem_u32(shm.full_bar + s);
-        mbar_arrive_expect_tx(full, tx);
-        tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
-        const CUtensorMap* mb = half ? &tmap_b1 : &tmap_b0;
-        for (int i = 0; i < b_boxes; ++i) {
-          const uint32_t dst = smem_u32(stage + kPingATileBytes + i * kPingBoxBytes);
-          const int n = c.n0 + kPingBoxCols * i;
-          if (kBMn)
-            tma_load_3d(dst, mb, full, n, k0, c.e);  // {n, k, e}
-          else
-            tma_load_3d(dst, mb, full, k0, n, c.e);  // {k, n, e}
+    if (tid == 0) {
+      uint32_t it = 0;
+      for (int t = first_tile; t < total_tiles; t += tile_step) {
+        const TileCoord c = ping_decode<TILE_N, CLUSTER>(t, shm.tile_start, p, rank);
+        // One CTA: B boxes that start past n_out are neither issued nor expected (never stored).
+        // A cluster issues and expects all of B (the peer's share lands here whatever our rows),
+        // and no A where the CTA has no rows.
+        const int b_boxes =
+            min(TILE_N / kPingBoxCols, (p.n_out - c.n0 + kPingBoxCols - 1) / kPingBoxCols);
+        const uint32_t tx = CLUSTER > 1
+                                ? (c.rows > 0 ? uint32_t(kPingATileBytes) : 0u) + kBTileBytes
+                                : uint32_t(kPingATileBytes) + uint32_t(b_boxes) * kPingBoxBytes;
+        for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+          const int s = int(it % kStages);
+          const int half = kt >= p.kt_half ? 1 : 0;
+          const int k0 = (kt - half * p.kt_half) * kBK;
+          mbar_wait(smem_u32(shm.empty_bar + s), ((it / kStages) & 1) ^ 1);
+          uint8_t* stage = shm.stage(s);
+          const uint32_t full = smem_u32(shm.full_bar + s);
+          mbar_arrive_expect_tx(full, tx);
+          if (CLUSTER == 1 || c.rows > 0)
+            tma_load_3d(smem_u32(stage), &tmap_a, full, k0, half, c.row0);
+          const CUtensorMap* mb = half ? &tmap_b1 : &tmap_b0;
+          const uint32_t b_dst = smem_u32(stage + kPingATileBytes);
+          if (CLUSTER > 1) {
+            // Our half of B, to both CTAs: F2's (K-major) rows [96 rank, +96) of the tile's n, one
+            // box of {64 k, 96 n}; B4's (MN-major) k rows [32 rank, +32) of each 64-column box,
+            // boxes of {64 n, 32 k}. Each half starts at a multiple of 1024 bytes, so the 128-byte
+            // swizzle (a function of the address) is the whole tile's.
+            constexpr uint16_t kBoth = (1u << CLUSTER) - 1;
+            if (kBMn) {
+              for (int i = 0; i < TILE_N / kPingBoxCols; ++i)
+                tma_load_3d_multicast(b_dst + i * kPingBoxBytes + rank * (kPingBoxBytes / 2), mb,
+                                      full, c.n0 + kPingBoxCols * i, k0 + (kBK / 2) * rank, c.e,
+                                      kBoth);
+            } else {
+              tma_load_3d_multicast(b_dst + rank * (kBTileBytes / 2), mb, full, k0,
+                                    c.n0 + (TILE_N / 2) * rank, c.e, kBoth);
+            }
+          } else {
+            for (int i = 0; i < b_boxes; ++i) {
+              const uint32_t dst = b_dst + i * kPingBoxBytes;
+              const int n = c.n0 + kPingBoxCols * i;
+              if (kBMn)
+                tma_load_3d(dst, mb, full, n, k0, c.e);  // {n, k, e}
+              else
+                tma_load_3d(dst, mb, full, k0, n, c.e);  // {k, n, e}
+            }
+          }
         }
       }
     }
-    return;
-  }
-  // ================= consumer warpgroups =================
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPingRegsConsumer) : "memory");
-  const int wg = (warp >> 2) - 1;   // this warpgroup takes the CTA's tiles n with n % 2 == wg
-  const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of each m64 half
-  const int g = lane >> 2, t4 = lane & 3;
-  float acc0[L::kAcc], acc1[L::kAcc];  // rows [0, 64) and [64, 128) of the tile
+  } else {
+    // ================= consumer warpgroups =================
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPingRegsConsumer) : "memory");
+    const int wg = (warp >> 2) - 1;   // this warpgroup takes the CTA's tiles n with n % 2 == wg
+    const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of each m64 half
+    const int g = lane >> 2, t4 = lane & 3;
+    float acc0[L::kAcc], acc1[L::kAcc];  // rows [0, 64) and [64, 128) of the tile
 #pragma unroll
-  for (int i = 0; i < L::kAcc; ++i) acc0[i] = acc1[i] = 0.f;
-  // Turns: the main loop of tile n >= 1 waits until the other warpgroup's main loop of tile n - 1
-  // is past its full waits (its 128 threads arrive on our turn barrier). Our k-step counter jumps
-  // over the other's tiles, so without it we could wait on a full barrier two phases behind, whose
-  // parity already reads "passed" (tools/models/rows_pingpong_protocol_model.py); it also makes
-  // the two main loops alternate, one's epilogue under the other's main loop.
-  const uint32_t my_turn = smem_u32(wg == 0 ? shm.handoff_full : shm.handoff_empty);
-  const uint32_t other_turn = smem_u32(wg == 0 ? shm.handoff_empty : shm.handoff_full);
-  uint32_t turns = 0;  // our waits on my_turn so far
-  uint32_t it = 0;
-  uint32_t n = 0;  // the CTA's tiles so far
-  for (int t = blockIdx.x; t < total_tiles; t += gridDim.x, ++n) {
-    if (int(n & 1) != wg) {  // the other warpgroup's tile: its stages are not ours
-      it += uint32_t(k_tiles);
-      continue;
-    }
-    if (n >= 1) mbar_wait(my_turn, turns++ & 1);
-    int prev_s = 0;
-    for (int kt = 0; kt < k_tiles; ++kt, ++it) {
-      const int s = int(it % kStages);
-      mbar_wait(smem_u32(shm.full_bar + s), (it / kStages) & 1);
-      const uint32_t stage = smem_u32(shm.stage(s));
-      const uint64_t desc_a0 = smem_desc_kmajor_sw128(stage);
-      const uint64_t desc_a1 = smem_desc_kmajor_sw128(stage + kPingATileBytes / 2);
-      const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kPingATileBytes)
-                                   : smem_desc_kmajor_sw128(stage + kPingATileBytes);
-      // Inside a 128-byte swizzle row a K-major operand advances 32 bytes per 16 k (+2 in the
-      // descriptor), an MN-major one 16 rows of 128 bytes (+128): wgmma_kstep's steps.
-      constexpr uint64_t kStepA = 2, kStepB = kBMn ? 128 : 2;
-      fence_accumulators(acc0);
-      fence_accumulators(acc1);
-      wgmma_fence();
+    for (int i = 0; i < L::kAcc; ++i) acc0[i] = acc1[i] = 0.f;
+    // Turns: the main loop of tile n >= 1 waits until the other warpgroup's main loop of tile
+    // n - 1 is past its full waits (its 128 threads arrive on our turn barrier). Our k-step
+    // counter jumps over the other's tiles, so without it we could wait on a full barrier two
+    // phases behind, whose parity already reads "passed"
+    // (tools/models/rows_pingpong_protocol_model.py); it also makes the two main loops alternate,
+    // one's epilogue under the other's main loop.
+    const uint32_t my_turn = smem_u32(wg == 0 ? shm.handoff_full : shm.handoff_empty);
+    const uint32_t other_turn = smem_u32(wg == 0 ? shm.handoff_empty : shm.handoff_full);
+    // A stage is free again once every CTA of the cluster is done with it.
+    const auto release = [&](int s) {
+      const uint32_t bar = smem_u32(shm.empty_bar + s);
+      if (CLUSTER == 1) {
+        mbar_arrive(bar);
+      } else {
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        const int scale = (kt > 0 || kk > 0) ? 1 : 0;
-        wgmma_m64nk16<T, TILE_N, 0, kBMn ? 1 : 0>(acc0, desc_a0 + kStepA * kk, desc_b + kStepB * kk,
-                                                  scale);
-        wgmma_m64nk16<T, TILE_N, 0, kBMn ? 1 : 0>(acc1, desc_a1 + kStepA * kk, desc_b + kStepB * kk,
-                                                  scale);
+        for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar, uint32_t(r));
       }
-      wgmma_commit();
-      wgmma_wait<1>();
+    };
+    uint32_t turns = 0;  // our waits on my_turn so far
+    uint32_t it = 0;
+    uint32_t n = 0;  // the CTA's tiles so far
+    for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
+      if (int(n & 1) != wg) {  // the other warpgroup's tile: its stages are not ours
+        it += uint32_t(k_tiles);
+        continue;
+      }
+      const TileCoord c = ping_decode<TILE_N, CLUSTER>(t, shm.tile_start, p, rank);
+      const bool live = c.rows > 0;  // a cluster's CTA past its expert's rows only passes B on
+      if (n >= 1) mbar_wait(my_turn, turns++ & 1);
+      int prev_s = 0;
+      for (int kt = 0; kt < k_tiles; ++kt, ++it) {
+        const int s = int(it % kStages);
+        mbar_wait(smem_u32(shm.full_bar + s), (it / kStages) & 1);
+        if (live) {
+          const uint32_t stage = smem_u32(shm.stage(s));
+          const uint64_t desc_a0 = smem_desc_kmajor_sw128(stage);
+          const uint64_t desc_a1 = smem_desc_kmajor_sw128(stage + kPingATileBytes / 2);
+          const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kPingATileBytes)
+                                       : smem_desc_kmajor_sw128(stage + kPingATileBytes);
+          // Inside a 128-byte swizzle row a K-major operand advances 32 bytes per 16 k (+2 in the
+          // descriptor), an MN-major one 16 rows of 128 bytes (+128): wgmma_kstep's steps.
+          constexpr uint64_t kStepA = 2, kStepB = kBMn ? 128 : 2;
+          fence_accumulators(acc0);
+          fence_accumulators(acc1);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < kBK / 16; ++kk) {
+            const int scale = (kt > 0 || kk > 0) ? 1 : 0;
+            wgmma_m64nk16<T, TILE_N, 0, kBMn ? 1 : 0>(acc0, desc_a0 + kStepA * kk,
+                                                      desc_b + kStepB * kk, scale);
+            wgmma_m64nk16<T, TILE_N, 0, kBMn ? 1 : 0>(acc1, desc_a1 + kStepA * kk,
+                                                      desc_b + kStepB * kk, scale);
+          }
+          wgmma_commit();
+          wgmma_wait<1>();
+          fence_accumulators(acc0);
+          fence_accumulators(acc1);
+        }
+        if (kt > 0 && lane == 0) release(prev_s);
+        prev_s = s;
+      }
+      mbar_arrive(other_turn);  // every thread: its full waits of this tile are behind it
+      wgmma_wait<0>();
       fence_accumulators(acc0);
       fence_accumulators(acc1);
-      if (kt > 0 && lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
-      prev_s = s;
-    }
-    mbar_arrive(other_turn);  // every thread: its full waits of this tile are behind it
-    wgmma_wait<0>();
-    fence_accumulators(acc0);
-    fence_accumulators(acc1);
-    if (lane == 0) mbar_arrive(smem_u32(shm.empty_bar + prev_s));
+      if (lane == 0) release(prev_s);
 
-    // Epilogue, while the other warpgroup's main loop runs.
-    const TileCoord c = ping_decode<TILE_N>(t, shm.tile_start, p);
-    ping_store_half<T, TILE_N>(p, c, 16 * warp_in_wg + g, t4, acc0);
-    ping_store_half<T, TILE_N>(p, c, 64 + 16 * warp_in_wg + g, t4, acc1);
+      // Epilogue, while the other warpgroup's main loop runs.
+      ping_store_half<T, TILE_N>(p, c, 16 * warp_in_wg + g, t4, acc0);
+      ping_store_half<T, TILE_N>(p, c, 64 + 16 * warp_in_wg + g, t4, acc1);
+    }
   }
+  // The peer may still arrive on our empty barriers (and we on its) until both are done.
+  if (CLUSTER > 1) cluster_sync();
 #else
   __trap();  // no sm_90a image: sm90_rows_supported never lets this run
 #endif  // MB_SM90_DEVICE
@@ -218,18 +276,20 @@ __global__ void __launch_bounds__(kPingThreads, 1)
 using PingKernelFn = void (*)(const CUtensorMap, const CUtensorMap, const CUtensorMap,
                               const RowsParams);
 
-template <typename T>
-PingKernelFn ping_kernel_for_type(int kind, int tile_n) {
-  if (kind == kF2)
-    return tile_n == 192 ? sm90_rows_pingpong_kernel<T, kF2, 192>
-                         : sm90_rows_pingpong_kernel<T, kF2, 128>;
-  return tile_n == 192 ? sm90_rows_pingpong_kernel<T, kB4, 192>
-                       : sm90_rows_pingpong_kernel<T, kB4, 128>;
+template <typename T, int KIND>
+PingKernelFn ping_kernel_for_kind(int tile_n, int cluster) {
+  if (cluster == 2) return sm90_rows_pingpong_kernel<T, KIND, 192, 2>;
+  return tile_n == 192 ? sm90_rows_pingpong_kernel<T, KIND, 192, 1>
+                       : sm90_rows_pingpong_kernel<T, KIND, 128, 1>;
 }
 
-PingKernelFn ping_kernel_for(Dtype dtype, int kind, int tile_n) {
-  if (dtype == Dtype::BF16) return ping_kernel_for_type<__nv_bfloat16>(kind, tile_n);
-  if (dtype == Dtype::F16) return ping_kernel_for_type<__half>(kind, tile_n);
+PingKernelFn ping_kernel_for(Dtype dtype, int kind, int tile_n, int cluster) {
+  if (dtype == Dtype::BF16)
+    return kind == kF2 ? ping_kernel_for_kind<__nv_bfloat16, kF2>(tile_n, cluster)
+                       : ping_kernel_for_kind<__nv_bfloat16, kB4>(tile_n, cluster);
+  if (dtype == Dtype::F16)
+    return kind == kF2 ? ping_kernel_for_kind<__half, kF2>(tile_n, cluster)
+                       : ping_kernel_for_kind<__half, kB4>(tile_n, cluster);
   return nullptr;
 }
 
@@ -237,7 +297,7 @@ size_t ping_smem_bytes(int tile_n, int E) {
   return tile_n == 192 ? PingLayout<192>::smem_bytes(E) : PingLayout<128>::smem_bytes(E);
 }
 
-void ping_launch(const LayerDesc& desc, int kind, int tile_n, const CUtensorMap& a,
+void ping_launch(const LayerDesc& desc, int kind, int tile_n, int cluster, const CUtensorMap& a,
                  const CUtensorMap& b0, const CUtensorMap& b1, const RowsParams& params,
                  const Sm90Forms& forms, cudaStream_t stream, const char* what) {
   RowsParams p = params;
@@ -246,44 +306,63 @@ void ping_launch(const LayerDesc& desc, int kind, int tile_n, const CUtensorMap&
       sm90_band_mtiles(kind == kF2 ? Sm90Gemm::F2 : Sm90Gemm::B4, p.n_tiles, forms.band_mtiles);
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
-  // Persistent, one CTA per SM (fewer when there are fewer tiles; an upper bound of the count).
-  const int64_t max_tiles = (p.N / kBM + desc.E) * p.n_tiles;
+  // Persistent, one CTA per SM (fewer when there are fewer tiles; an upper bound of the count);
+  // clusters: as many as can be resident at once (not every SM can join a cluster).
+  const int64_t max_tiles = (p.N / (kBM * cluster) + desc.E) * p.n_tiles;
   MB_REQUIRE(max_tiles <= 0x7fffffff, MOEBLAZE_ERR_NOT_SUPPORTED,
              "sm90 %s: %lld tiles of %d columns exceed the kernel's int tile ids; unset "
              "MOEBLAZE_CUDA_ROWS_FORM",
              what, static_cast<long long>(max_tiles), tile_n);
-  const int grid = int(max_tiles < info.sms ? max_tiles : info.sms);
-  const PingKernelFn kernel = ping_kernel_for(desc.dtype, kind, tile_n);
-  MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
-  kernel<<<grid, kPingThreads, ping_smem_bytes(tile_n, p.E), stream>>>(a, b0, b1, p);
-  check_launch(what);
+  const int64_t slots = cluster > 1 ? info.rows_pingpong_clusters : info.sms;
+  const int units = int(max_tiles < slots ? max_tiles : slots);
+  const PingKernelFn kernel = ping_kernel_for(desc.dtype, kind, tile_n, cluster);
+  MB_REQUIRE(kernel != nullptr && units > 0, MOEBLAZE_ERR_CUDA, "sm90 %s: unsupported dtype", what);
+  const PersistentLaunch launch(units, cluster, kPingThreads, ping_smem_bytes(tile_n, p.E), stream);
+  check(cudaLaunchKernelEx(&launch.config, kernel, a, b0, b1, p), what);
+}
+
+// 2-CTA clusters of the ping-pong kernel that can be resident at once on the current device (0:
+// none), found with the kernels prepared.
+int ping_max_clusters() {
+  return max_resident_2cta_clusters(
+      {ping_kernel_for(Dtype::BF16, kF2, 192, 2), ping_kernel_for(Dtype::BF16, kB4, 192, 2),
+       ping_kernel_for(Dtype::F16, kF2, 192, 2), ping_kernel_for(Dtype::F16, kB4, 192, 2)},
+      kPingThreads, ping_smem_bytes(192, kMaxExperts));
 }
 
 }  // namespace
 
-bool sm90_rows_pingpong_prepare_kernels() {
+bool sm90_rows_pingpong_prepare_kernels(int* max_clusters) {
+  *max_clusters = 0;
   for (Dtype dtype : {Dtype::BF16, Dtype::F16})
     for (int kind : {kF2, kB4})
       for (int tile_n : {192, 128})
-        if (!prepare_kernel(ping_kernel_for(dtype, kind, tile_n),
-                            ping_smem_bytes(tile_n, kMaxExperts)))
-          return false;
+        for (int cluster : {1, 2}) {
+          if (tile_n == 128 && cluster == 2) continue;
+          if (!prepare_kernel(ping_kernel_for(dtype, kind, tile_n, cluster),
+                              ping_smem_bytes(tile_n, kMaxExperts)))
+            return false;
+        }
+  *max_clusters = ping_max_clusters();
+  (void)cudaGetLastError();
   return true;
 }
 
-void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n,
+void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n, int cluster,
                              const Sm90Forms& forms, cudaStream_t stream) {
   if (op.rows.T * desc.k == 0) return;
-  const RowsOperands o = f2_operands(desc, op, kPingBoxCols);  // w_down boxes of 64 rows of n
-  ping_launch(desc, kF2, tile_n, o.a, o.b0, o.b1, o.p, forms, stream,
+  // w_down in boxes of 64 rows of n; a cluster's CTA loads half the tile's rows at once.
+  const RowsOperands o = f2_operands(desc, op, cluster > 1 ? 192 / 2 : kPingBoxCols);
+  ping_launch(desc, kF2, tile_n, cluster, o.a, o.b0, o.b1, o.p, forms, stream,
               "sm90_rows_pingpong_kernel (F2)");
 }
 
-void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n,
+void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n, int cluster,
                              const Sm90Forms& forms, cudaStream_t stream) {
   if (op.rows.T * desc.k == 0) return;
-  const RowsOperands o = b4_operands(desc, op);
-  ping_launch(desc, kB4, tile_n, o.a, o.b0, o.b1, o.p, forms, stream,
+  // w_gate, w_up in boxes of 64 k; a cluster's CTA loads half of each box's k.
+  const RowsOperands o = b4_operands(desc, op, cluster > 1 ? kBK / 2 : kBK);
+  ping_launch(desc, kB4, tile_n, cluster, o.a, o.b0, o.b1, o.p, forms, stream,
               "sm90_rows_pingpong_kernel (B4)");
 }
 
