@@ -30,7 +30,7 @@
 import random
 import sys
 
-from mbarrier_model import Bar, Fail, interleave, main
+from mbarrier_model import Bar, Fail, interleave, main, over_stages
 
 
 def run(seed, S, mut):
@@ -139,16 +139,8 @@ def run(seed, S, mut):
 MUTATIONS = ("local_release", "expect_own_part", "idle_skips_b", "no_exit_sync")
 
 
-def check_all(trials, mut, quiet=False):
-    for t in range(trials):
-        for S in (3, 4, 5):  # the kernels' stages: 3 (epilogue-warp forms), 4, 5 (ping-pong)
-            try:
-                run(t * 7919 + S, S, mut)
-            except Fail as f:
-                if not quiet:
-                    print("FAIL seed %d S %d: %s" % (t, S, f.args[0]))
-                return False
-    return True
+# The the kernels' stages: 3 (epilogue-warp forms), 4, 5 (ping-pong).
+check_all = over_stages(run, (3, 4, 5))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,22 @@ def interleave(rnd, agents, events, what):
         raise Fail(("events pending at the end",))
 
 
+def over_stages(run, stages):
+    """check_all for a model whose run(seed, S, mut) raises Fail: every trial at each stage count S
+    of `stages`, stopping at the first failure (printed unless quiet)."""
+    def check_all(trials, mut, quiet=False):
+        for t in range(trials):
+            for S in stages:
+                try:
+                    run(t * 7919 + S, S, mut)
+                except Fail as f:
+                    if not quiet:
+                        print("FAIL seed %d S %d: %s" % (t, S, f.args[0]))
+                    return False
+        return True
+    return check_all
+
+
 def main(check_all, mutations, describe, default_trials=2000):
     """The command line of a protocol model: [trials] [--mutation ...] runs the model (with those
     mutations) and prints PASS or the failure; --self-test requires the protocol to PASS and every

@@ -31,7 +31,7 @@
 import random
 import sys
 
-from mbarrier_model import Bar, Fail, interleave, main
+from mbarrier_model import Bar, Fail, interleave, main, over_stages
 
 
 def run(seed, S, mut):
@@ -121,16 +121,8 @@ def run(seed, S, mut):
 MUTATIONS = ("no_order", "no_skip", "empty_both", "release_early", "no_ownership")
 
 
-def check_all(trials, mut, quiet=False):
-    for t in range(trials):
-        for S in (5, 6):  # the kernel's stages: 5 (128 x 192 tiles) and 6 (128 x 128)
-            try:
-                run(t * 7919 + S, S, mut)
-            except Fail as f:
-                if not quiet:
-                    print("FAIL seed %d S %d: %s" % (t, S, f.args[0]))
-                return False
-    return True
+# The the kernel's stages: 5 (128 x 192 tiles) and 6 (128 x 128).
+check_all = over_stages(run, (5, 6))
 
 
 if __name__ == "__main__":

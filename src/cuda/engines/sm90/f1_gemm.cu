@@ -170,20 +170,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
 
   // ---- prologue: barriers and the tile prefix (from the device-side offsets; no host sync)
-  if (tid == 0) {
-    shm.init_barriers(kConsumerWarps, kEpiWarps);
-    if (CLUSTER > 1) {  // a stage's empty barrier counts the consumer warps of every CTA
-      for (int s = 0; s < kStages; ++s)
-        mbar_init(smem_u32(shm.empty_bar + s), kConsumerWarps * CLUSTER);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-  }
+  if (tid == 0) shm.init_barriers(kConsumerWarps, kEpiWarps, CLUSTER);
   const int total_tiles = build_tile_prefix<kBM * CLUSTER, kThreads>(shm.tile_start, p.offsets, p.E,
                                                                      p.n_tiles, tid, warp, lane);
-  // The peer's barriers are initialised before our first multicast or remote arrival on them.
-  if (CLUSTER > 1) cluster_sync();
-  const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;
-  const int first_tile = int(blockIdx.x) / CLUSTER, tile_step = int(gridDim.x) / CLUSTER;
+  const PersistentPlace place = persistent_place<CLUSTER>();
+  const int rank = place.rank, first_tile = place.first_tile, tile_step = place.tile_step;
 
   if (warp < 4) {
     // ================= producer warpgroup =================
@@ -286,16 +277,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     uint64_t* my_a_full = shm.a_full_bar + wg * kStages;
     HalfTileGather<T> gather(static_cast<const T*>(p.x), p.d, p.d, p.k_tiles, p.token_index,
                              total_tiles, wg, first_tile, tile_step);
-    // A stage is free again once every CTA of the cluster is done with it.
-    const auto release = [&](int s) {
-      const uint32_t bar = smem_u32(shm.empty_bar + s);
-      if (CLUSTER == 1) {
-        mbar_arrive(bar);
-      } else {
-#pragma unroll
-        for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar, uint32_t(r));
-      }
-    };
     // The long-K form (4 stages) issues the gather of k-step it + 2 between k-step it's commit
     // and its wait<1>, into the slot of k-step it - 2, so the gather runs while the tensor pipe
     // works; the 3-stage short-K form keeps a lead of 2 by issuing after the wait, into the slot
@@ -326,14 +307,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         wgmma_wait<1>();
         fence_accumulators(acc);
-        if (kt > 0 && lane == 0) release(prev_s);
+        if (kt > 0) release_stage<CLUSTER>(smem_u32(shm.empty_bar + prev_s), lane);
         if constexpr (!kGatherBeforeWait)  // the slot of k-step it - 1, released just now
           gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         prev_s = s;
       }
       wgmma_wait<0>();
       fence_accumulators(acc);
-      if (lane == 0) release(prev_s);
+      release_stage<CLUSTER>(smem_u32(shm.empty_bar + prev_s), lane);
 
       if constexpr (EPI_WARPS) {
         // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer

@@ -140,19 +140,49 @@ __device__ __forceinline__ uint32_t cluster_ctarank() {
 }
 
 // Arrives on the mbarrier at `bar`'s offset in CTA `rank` of the cluster (our own included).
+// Release at CTA scope (the default, as CUTLASS's ClusterBarrier): what it orders are the
+// consumers' wgmma reads of a stage, finished by wgmma.wait_group before the arrive; a
+// cluster-scope release adds a memory barrier that stalled the consumer warps (kernels 1.5-1.9x
+// slower on the H200).
 __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
   asm volatile(
       "{\n.reg .b32 remote;\n"
       "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(bar),
       "r"(rank)
       : "memory");
+}
+
+// A consumer warp's release of a pipeline stage (every lane calls it): one arrival on the stage's
+// empty barrier, or with clusters one on that barrier in every CTA of the cluster, since each
+// CTA's producer multicast a share of the stage into ours; lane r arrives on CTA r's, in parallel.
+template <int CLUSTER>
+__device__ __forceinline__ void release_stage(uint32_t empty_bar, int lane) {
+  if (CLUSTER == 1) {
+    if (lane == 0) mbar_arrive(empty_bar);
+  } else if (lane < CLUSTER) {
+    mbar_arrive_cluster(empty_bar, uint32_t(lane));
+  }
 }
 
 // Every thread of the cluster: our earlier shared-memory and barrier operations (remote ones
 // included) are done before any thread of the cluster passes.
 __device__ __forceinline__ void cluster_sync() {
   asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;\n" ::: "memory");
+}
+
+// A persistent CTA's place in a grid of CLUSTER-CTA clusters: its rank in the cluster and the
+// cluster's tiles (first_tile, first_tile + tile_step, ...). Every thread calls it after its
+// barriers are initialised: with clusters it waits until the peers' are too, before the first
+// multicast or remote arrival on them.
+struct PersistentPlace {
+  int rank, first_tile, tile_step;
+};
+template <int CLUSTER>
+__device__ __forceinline__ PersistentPlace persistent_place() {
+  if (CLUSTER > 1) cluster_sync();
+  return {CLUSTER > 1 ? int(cluster_ctarank()) : 0, int(blockIdx.x) / CLUSTER,
+          int(gridDim.x) / CLUSTER};
 }
 
 // The box at (c0, c1, c2) written to the same shared-memory offset of every CTA in cta_mask, each
@@ -487,14 +517,16 @@ struct GatherPipelineSmem {
   __device__ __forceinline__ uint8_t* stage(int s) const { return base + s * kStageBytes; }
 
   // Set by one thread: per stage, full (the TMA thread's expect_tx: one arrival), empty (one
-  // arrival per consumer warp) and the two consumer warpgroups' A halves (one cp.async arrival per
+  // arrival per consumer warp of every CTA in the cluster: each CTA's producer fills a share of
+  // the stage in all of them) and the two consumer warpgroups' A halves (one cp.async arrival per
   // consumer thread); the hand-off's full and empty take one arrival per THREAD (each releases its
   // own shared-memory accesses; with one arrival per warp after __syncwarp compute-sanitizer's
   // racecheck reports the hand-off as a hazard, although the PTX memory model orders it).
-  __device__ __forceinline__ void init_barriers(int consumer_warps, int epi_warps) const {
+  __device__ __forceinline__ void init_barriers(int consumer_warps, int epi_warps,
+                                                int cluster = 1) const {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(smem_u32(full_bar + s), 1);
-      mbar_init(smem_u32(empty_bar + s), consumer_warps);
+      mbar_init(smem_u32(empty_bar + s), consumer_warps * cluster);
       mbar_init(smem_u32(a_full_bar + s), 128);
       mbar_init(smem_u32(a_full_bar + kStages + s), 128);
     }

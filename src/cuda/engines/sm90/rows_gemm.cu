@@ -106,20 +106,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
 
   static_assert(CLUSTER == 1 || (CLUSTER == 2 && FORM == kB1Warps), "clusters: the warps form");
-  if (tid == 0) {
-    shm.init_barriers(kConsumerWarps, kB1EpiWarps);
-    if (CLUSTER > 1) {  // a stage's empty barrier counts the consumer warps of every CTA
-      for (int s = 0; s < kStages; ++s)
-        mbar_init(smem_u32(shm.empty_bar + s), kConsumerWarps * CLUSTER);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-  }
+  if (tid == 0) shm.init_barriers(kConsumerWarps, kB1EpiWarps, CLUSTER);
   const int total_tiles = build_tile_prefix<kBM * CLUSTER, kThreads>(shm.tile_start, p.offsets, p.E,
                                                                      p.n_tiles, tid, warp, lane);
-  // The peer's barriers are initialised before our first multicast or remote arrival on them.
-  if (CLUSTER > 1) cluster_sync();
-  const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;
-  const int first_tile = int(blockIdx.x) / CLUSTER, tile_step = int(gridDim.x) / CLUSTER;
+  const PersistentPlace place = persistent_place<CLUSTER>();
+  const int rank = place.rank, first_tile = place.first_tile, tile_step = place.tile_step;
   const int k_tiles = p.halves * p.kt_half;
 
   if (warp < 4) {
@@ -197,16 +188,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       return make_int2(c.row0, c.rows);
     };
     uint64_t* my_a_full = shm.a_full_bar + wg * kStages;
-    // A stage is free again once every CTA of the cluster is done with it.
-    const auto release = [&](int s) {
-      const uint32_t bar = smem_u32(shm.empty_bar + s);
-      if (CLUSTER == 1) {
-        mbar_arrive(bar);
-      } else {
-#pragma unroll
-        for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar, uint32_t(r));
-      }
-    };
     // B1 only (halves == 1): k runs over dy's d columns.
     HalfTileGather<T> gather(static_cast<const T*>(p.a_src), p.lda, p.k_half, k_tiles,
                              p.token_index, total_tiles, wg, first_tile, tile_step);
@@ -268,7 +249,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (kt == bookkeeping_kt) tile_bookkeeping();
         wgmma_wait<1>();
         fence_accumulators(acc);
-        if (kt > 0 && lane == 0) release(prev_s);
+        if (kt > 0) release_stage<CLUSTER>(smem_u32(shm.empty_bar + prev_s), lane);
         if constexpr (kGather && !kGatherBeforeWait) {  // the slot of k-step it - 1, released now
           const int refill = int((it + kGatherLead) % kStages);
           gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
@@ -277,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma_wait<0>();
       fence_accumulators(acc);
-      if (lane == 0) release(prev_s);
+      release_stage<CLUSTER>(smem_u32(shm.empty_bar + prev_s), lane);
 
       uint32_t* stg = reinterpret_cast<uint32_t*>(staging + (warp - 4) * kB1StageWarpBytes);
       if constexpr (kEpiWarps) {

@@ -115,19 +115,11 @@ __global__ void __launch_bounds__(kPingThreads, 1)
   // Empty barriers: one arrival per warp of the one consumer warpgroup that used the stage, in
   // every CTA of the cluster (each CTA's producer fills that stage in all of them). The hand-off's
   // two barriers (no hand-off here) serve as the turn barriers below: 128 arrivals.
-  if (tid == 0) {
-    shm.init_barriers(4, 4);
-    if (CLUSTER > 1) {
-      for (int s = 0; s < kStages; ++s) mbar_init(smem_u32(shm.empty_bar + s), 4 * CLUSTER);
-      asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-  }
+  if (tid == 0) shm.init_barriers(4, 4, CLUSTER);
   const int total_tiles = build_tile_prefix<kBM * CLUSTER, kPingThreads>(
       shm.tile_start, p.offsets, p.E, p.n_tiles, tid, warp, lane);
-  // The peer's barriers are initialised before our first multicast or remote arrival on them.
-  if (CLUSTER > 1) cluster_sync();
-  const int rank = CLUSTER > 1 ? int(cluster_ctarank()) : 0;
-  const int first_tile = int(blockIdx.x) / CLUSTER, tile_step = int(gridDim.x) / CLUSTER;
+  const PersistentPlace place = persistent_place<CLUSTER>();
+  const int rank = place.rank, first_tile = place.first_tile, tile_step = place.tile_step;
   const int k_tiles = p.halves * p.kt_half;
 
   if (warp < 4) {
@@ -202,16 +194,6 @@ __global__ void __launch_bounds__(kPingThreads, 1)
     // one's epilogue under the other's main loop.
     const uint32_t my_turn = smem_u32(wg == 0 ? shm.handoff_full : shm.handoff_empty);
     const uint32_t other_turn = smem_u32(wg == 0 ? shm.handoff_empty : shm.handoff_full);
-    // A stage is free again once every CTA of the cluster is done with it.
-    const auto release = [&](int s) {
-      const uint32_t bar = smem_u32(shm.empty_bar + s);
-      if (CLUSTER == 1) {
-        mbar_arrive(bar);
-      } else {
-#pragma unroll
-        for (int r = 0; r < CLUSTER; ++r) mbar_arrive_cluster(bar, uint32_t(r));
-      }
-    };
     uint32_t turns = 0;  // our waits on my_turn so far
     uint32_t it = 0;
     uint32_t n = 0;  // the CTA's tiles so far
@@ -252,14 +234,14 @@ __global__ void __launch_bounds__(kPingThreads, 1)
           fence_accumulators(acc0);
           fence_accumulators(acc1);
         }
-        if (kt > 0 && lane == 0) release(prev_s);
+        if (kt > 0) release_stage<CLUSTER>(smem_u32(shm.empty_bar + prev_s), lane);
         prev_s = s;
       }
       mbar_arrive(other_turn);  // every thread: its full waits of this tile are behind it
       wgmma_wait<0>();
       fence_accumulators(acc0);
       fence_accumulators(acc1);
-      if (lane == 0) release(prev_s);
+      release_stage<CLUSTER>(smem_u32(shm.empty_bar + prev_s), lane);
 
       // Epilogue, while the other warpgroup's main loop runs.
       ping_store_half<T, TILE_N>(p, c, 16 * warp_in_wg + g, t4, acc0);
