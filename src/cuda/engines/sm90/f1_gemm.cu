@@ -517,7 +517,10 @@ void sm90_f1_launch(const LayerDesc& desc, const F1Op& op, const Sm90Forms& form
   const int64_t k_tiles = (desc.d + kBK - 1) / kBK;
   const bool epi_warps =
       forms.f1_form == 0 || forms.f1_form == 1 ? forms.f1_form == 1 : k_tiles <= kEpiWarpsMaxKTiles;
-  const int cluster = epi_warps && forms.f1_cluster == 2 && info.f1_clusters > 0 ? 2 : 1;
+  // The policy's clusters: for the non-gated activations only (faster there at the power limit;
+  // on the gated ones within the run-to-run spread, f1_gemm.hpp).
+  const bool want_cluster = forms.f1_cluster == 0 ? !gated : forms.f1_cluster == 2;
+  const int cluster = epi_warps && want_cluster && info.f1_clusters > 0 ? 2 : 1;
   const KernelFn kernel = kernel_for(desc.dtype, desc.activation, epi_warps, cluster);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 F1: unsupported dtype or activation");
 
