@@ -16,7 +16,10 @@ Usage (a GPU machine, from the repository root):
 Prints, per configuration and activation, each variant's median step time (with p20 and p80),
 its speed against the default (the environment as given), whether every output and gradient has
 the default's bits, and its peak memory over one step; --sonic adds SonicMoE (bench/peers.py) as a
-reference row. A table of every row comes last.
+reference row. --sustain S then runs each variant's steps back to back for S seconds (an L2 flush
+before each) while nvidia-smi samples the card: its median SM clock, board power and joules a step
+(power x time), which decide the speed at the power limit, where variants draw the same watts and
+the one that needs fewer joules runs at the higher clock. A table of every row comes last.
 """
 import argparse
 import os
@@ -53,6 +56,13 @@ def self_test():
         except ValueError:
             continue
         raise AssertionError(f"{bad!r} was accepted")
+    assert energy_cells({"sm_mhz": 1500.0, "power_w": 692.4, "joules": 10.0126}) == [
+        "1500", "692", "10.013"]
+    assert energy_cells(None) == ["-", "-", "-"]
+    assert energy_cells({"sm_mhz": None, "power_w": None, "joules": None}) == ["-", "-", "-"]
+    assert describe_energy(None) == ""
+    assert describe_energy({"sm_mhz": 1980.0, "power_w": 350.0, "joules": 1.5}) == (
+        "  sustained: 1980 MHz, 350 W, 1.500 J a step")
     print("ab_tuning self-test: ok")
 
 
@@ -64,6 +74,9 @@ def main():
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--reps", type=int, default=5, help="repetitions of a variant in a round")
     p.add_argument("--sonic", action="store_true", help="SonicMoE as a reference row")
+    p.add_argument("--sustain", type=float, default=0.0, metavar="SECONDS",
+                   help="also each variant's SM clock, power and joules a step over this many "
+                        "seconds of back-to-back steps")
     p.add_argument("--self-test", action="store_true")
     a = p.parse_args()
     if a.self_test:
@@ -75,6 +88,7 @@ def main():
     sys.path.insert(0, os.path.join(REPO, "bench"))
     sys.path.insert(0, os.path.join(REPO, "bindings", "python"))
     import torch
+    import gpu_clocks
     import run_bench
     import moeblaze.torch as mbt
 
@@ -83,6 +97,16 @@ def main():
     known = {c["name"]: c for c in run_bench.load_configs(run_bench.parse_args(["--configs",
                                                                                 "all"]))}
     flush = torch.empty(run_bench.L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+
+    def use(run):
+        """Makes a variant's context and plans current; returns its step."""
+        step, contexts, layers = run
+        if contexts is not None:
+            mbt._contexts.clear()
+            mbt._contexts.update(contexts)
+            mbt._layers.clear()
+            mbt._layers.update(layers)
+        return step
 
     def time_reps(step, reps):
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -147,30 +171,51 @@ def main():
             for _ in range(a.rounds):
                 random.shuffle(order)
                 for name in order:
-                    step, contexts, layers = runs[name]
-                    if contexts is not None:  # this variant's context and plans
-                        mbt._contexts.clear()
-                        mbt._contexts.update(contexts)
-                        mbt._layers.clear()
-                        mbt._layers.update(layers)
-                    times[name] += time_reps(step, a.reps)
+                    times[name] += time_reps(use(runs[name]), a.reps)
+            energy = {}
+            for name in (order if a.sustain > 0 else ()):  # the last round's shuffled order
+                step = use(runs[name])
+                step_ms, _, clocks = gpu_clocks.back_to_back(
+                    lambda step=step: (flush.zero_(), step()), a.sustain, batch=5, interval_ms=50)
+                energy[name] = gpu_clocks.row_clocks(clocks, step_ms)
             default_ms = statistics.median(times["default"])
             for name in runs:
                 ts = sorted(times[name])
                 ms = statistics.median(ts)
                 row = (config, act, name, ms, ts[len(ts) // 5], ts[4 * len(ts) // 5],
-                       default_ms / ms, same.get(name, "-"), peaks.get(name))
+                       default_ms / ms, same.get(name, "-"), peaks.get(name), energy.get(name))
                 table.append(row)
-                print("%-9s %8.3f ms (p20 %.3f, p80 %.3f)  x%.4f  same bits: %s  peak %s MiB"
+                print("%-9s %8.3f ms (p20 %.3f, p80 %.3f)  x%.4f  same bits: %s  peak %s MiB%s"
                       % (name, ms, row[4], row[5], row[6], row[7],
-                         "-" if row[8] is None else "%.0f" % row[8]), flush=True)
+                         "-" if row[8] is None else "%.0f" % row[8], describe_energy(row[9])),
+                      flush=True)
             del runs
             torch.cuda.empty_cache()
-    print("\n| config | act | variant | ms | x default | same bits | peak MiB |")
-    print("|---|---|---|---:|---:|---|---:|")
-    for config, act, name, ms, _, _, speed, bits, peak in table:
-        print(f"| {config} | {act} | {name} | {ms:.3f} | {speed:.4f} | {bits} | "
-              f"{'-' if peak is None else format(peak, '.0f')} |")
+    sustained = a.sustain > 0
+    print("\n| config | act | variant | ms | x default | same bits | peak MiB |"
+          + (" MHz | W | J a step |" if sustained else ""))
+    print("|---|---|---|---:|---:|---|---:|" + ("---:|---:|---:|" if sustained else ""))
+    for config, act, name, ms, _, _, speed, bits, peak, clocks in table:
+        cells = [config, act, name, f"{ms:.3f}", f"{speed:.4f}", str(bits),
+                 "-" if peak is None else format(peak, ".0f")]
+        if sustained:
+            cells += energy_cells(clocks)
+        print("| " + " | ".join(cells) + " |")
+
+
+def energy_cells(clocks):
+    """A row's sustained SM clock, power and joules a step as table cells ('-' where unsampled)."""
+    clocks = clocks or {}
+    return [("-" if clocks.get(key) is None else format(clocks[key], spec))
+            for key, spec in (("sm_mhz", ".0f"), ("power_w", ".0f"), ("joules", ".3f"))]
+
+
+def describe_energy(clocks):
+    """The sustained figures of a variant's line ('' without --sustain)."""
+    if clocks is None:
+        return ""
+    mhz, watts, joules = energy_cells(clocks)
+    return f"  sustained: {mhz} MHz, {watts} W, {joules} J a step"
 
 
 if __name__ == "__main__":
