@@ -140,7 +140,7 @@ def run(seed, S, mut):
 MUTATIONS = ("local_release", "expect_own_part", "idle_skips_b", "no_exit_sync")
 
 
-# The the kernels' stages: 3 (epilogue-warp forms), 4, 5 (ping-pong).
+# The kernels' stages: 3 (epilogue-warp forms), 4, 5 (ping-pong).
 check_all = over_stages(run, (3, 4, 5))
 
 

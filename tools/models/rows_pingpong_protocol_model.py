@@ -121,7 +121,7 @@ def run(seed, S, mut):
 MUTATIONS = ("no_order", "no_skip", "empty_both", "release_early", "no_ownership")
 
 
-# The the kernel's stages: 5 (128 x 192 tiles) and 6 (128 x 128).
+# The kernel's stages: 5 (128 x 192 tiles) and 6 (128 x 128).
 check_all = over_stages(run, (5, 6))
 
 
