@@ -15,6 +15,11 @@
 #    once, into the slot and phase of its loop position, before the loop reaches it, for k_tiles
 #    down to 1 (tma_schedule_errors). It is the schedule any consumer-issued lookahead (ping-pong
 #    consumers) must satisfy.
+#  - the consumers write the hand-off with stmatrix.x4 (primitives.cuh, store_handoff; F1 and the
+#    rows kernels): every element lands on the word of the layout above (the one the epilogue
+#    warps read), once, for every first group the split forms hand off from, and each matrix's 8
+#    rows fall in 8 different 16-byte bank quads; the same addressing without the chunk xor must
+#    fail (stmatrix_errors);
 #  - F2's and B4's store form (rows_gemm.cu, rows_store_warps): epilogue warp ew stores rows ew,
 #    ew + 3, ... and lane q copies 16-byte chunk q & 7 of group q >> 3 of its row from the same
 #    hand-off: every (row, column pair) is stored from the word the consumers wrote for it, once
@@ -162,6 +167,57 @@ def rows_store_errors():
     return errors
 
 
+def stmatrix_writes(first_group, xor=True):
+    """store_handoff's stmatrix.x4 writes of all 8 consumer warps: (word -> (row, col) of the
+    word's first element, errors). Word 0 is the hand-off's first word (group first_group)."""
+    errors, written = [], {}
+    for cw in range(8):
+        tile_row = (cw // 4) * 64 + (cw % 4) * 16
+        for j in range(8 * first_group, 32, 2):
+            addr = []  # lane -> the byte address it gives: row lane & 7 of matrix lane >> 3
+            for lane in range(32):
+                row = tile_row + (lane & 7) + 8 * ((lane >> 3) & 1)
+                jj = j + (lane >> 4)
+                chunk = ((jj & 7) ^ (row & 7)) if xor else (jj & 7)
+                addr.append(((jj >> 3) - first_group) * 128 * 128 + row * 128 + (chunk << 4))
+            for q in range(4):
+                if len({(addr[8 * q + r] % 128) // 16 for r in range(8)}) != 8:
+                    errors.append(("stmatrix bank conflict", cw, j, q))
+                jj, rr = j + (q >> 1), q & 1
+                for lane in range(32):  # register q of lane (g, t4): row g, columns 2 t4, +1
+                    g, t4 = lane >> 2, lane & 3
+                    word = (addr[8 * q + g] + 4 * t4) // 4
+                    if word in written:
+                        errors.append(("stmatrix word written twice", cw, j, q, lane))
+                    written[word] = (tile_row + g + 8 * rr, 8 * jj + 2 * t4)
+    return written, errors
+
+
+def stmatrix_errors():
+    reference = {}  # the layout the readers assume: the word-by-word writes of run()
+    for cw in range(8):
+        tile_row = (cw // 4) * 64 + (cw % 4) * 16
+        for lane in range(32):
+            g, t4 = lane >> 2, lane & 3
+            for j in range(32):
+                for rr in range(2):
+                    row = tile_row + g + 8 * rr
+                    reference[(j >> 3) * SUB_WORDS + row * 32 + (((j & 7) ^ g) << 2) + t4] = \
+                        (row, 8 * j + 2 * t4)
+    errors = []
+    for first_group in range(4):  # F1 and the warps form: 0; the split forms: 1, 2
+        written, errs = stmatrix_writes(first_group)
+        errors += errs
+        want = {word - first_group * SUB_WORDS: rc for word, rc in reference.items()
+                if word >= first_group * SUB_WORDS}
+        if written != want:
+            errors.append(("stmatrix layout differs from the readers'", first_group))
+    written, errs = stmatrix_writes(0, xor=False)
+    if not errs and written == reference:
+        errors.append(("stmatrix without the chunk xor unnoticed",))
+    return errors
+
+
 if __name__ == "__main__":
     # 3 epilogue warps (warps 1-3, the kernel's form) and 4 (the whole first warpgroup).
     failed = False
@@ -172,6 +228,9 @@ if __name__ == "__main__":
         failed = failed or bool(errs)
     errs = rows_store_errors()
     print("F2/B4 store-warps index model:", "PASS" if not errs else "FAIL %s" % errs[:5])
+    failed = failed or bool(errs)
+    errs = stmatrix_errors()
+    print("hand-off stmatrix index model:", "PASS" if not errs else "FAIL %s" % errs[:5])
     failed = failed or bool(errs)
     errs = tma_schedule_check()
     print("b1 consumer-issued TMA schedule model:", "PASS" if not errs else "FAIL %s" % errs[:5])

@@ -319,22 +319,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (EPI_WARPS) {
         // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
         // (for n = 0, parity 1 of a fresh barrier returns at once), then round the accumulators
-        // into it and go on to the next tile. Register 4j + q of lane (g, t4): row g + 8 (q >> 1)
-        // of the warp's 16, accumulator column 8j + 2 t4 + (q & 1): sub-tile j >> 3, chunk j & 7,
-        // word t4. A warp instruction (fixed j, rr) writes 8 rows (row & 7 == g) at chunks
-        // (j & 7) ^ g: all 32 banks once. pack2 rounds as the epilogue below does.
+        // into it (store_handoff; pack2 rounds as the epilogue below does) and go on to the next
+        // tile.
         mbar_wait(smem_u32(shm.handoff_empty), (n & 1) ^ 1);
-        uint32_t* hb = reinterpret_cast<uint32_t*>(shm.epi);
-        const int tile_row = wg * 64 + warp_in_wg * 16;
-#pragma unroll
-        for (int j = 0; j < 32; ++j) {
-#pragma unroll
-          for (int rr = 0; rr < 2; ++rr) {
-            const int row = tile_row + g + 8 * rr;
-            hb[(j >> 3) * kHandoffSubWords + row * 32 + (((j & 7) ^ g) << 2) + t4] =
-                pack2<T>(acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
-          }
-        }
+        store_handoff<0>(smem_u32(shm.epi), wg * 64 + warp_in_wg * 16, lane, acc,
+                         [](int, float lo, float hi) { return pack2<T>(lo, hi); });
         mbar_arrive(smem_u32(shm.handoff_full));  // every lane, after its own writes
         continue;
       }

@@ -387,6 +387,65 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// Two elements of one routed row as F2 / B4 store them, packed like pack2: row_value(w, v) of
+// cuda_util.cuh for each, bit for bit, in four instructions a pair instead of five an element.
+// row_value rounds the sum 0 + w * v to T and adds 0 again, which only turns a -0 into +0 (0 + x is
+// x for every other x, NaN included, and rounding keeps the sign), so here w * v is rounded and
+// packed by one conversion and the -0s are made +0 by x * 1 + 0 in T (exact for every other value,
+// subnormals included: bf16x2 / f16x2 fma without .ftz keeps them).
+template <typename T>
+__device__ __forceinline__ uint32_t row_value_pair(float w, float v_lo, float v_hi) {
+  const uint32_t rounded = pack2<T>(__fmul_rn(w, v_lo), __fmul_rn(w, v_hi));
+  uint32_t out;
+  if constexpr (std::is_same<T, __nv_bfloat16>::value) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(out) : "r"(rounded), "r"(0x3f803f80u), "r"(0u));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(out) : "r"(rounded), "r"(0x3c003c00u), "r"(0u));
+  }
+  return out;
+}
+
+// Four 8 x 8 matrices of 16-bit elements from a warp's registers into shared memory
+// (stmatrix.x4): lane i gives the address of row i & 7 of matrix i >> 3; register m of lane l holds
+// that matrix's row l >> 2, columns 2 (l & 3) and 2 (l & 3) + 1 (the wgmma accumulator layout of
+// one 8-column block), lower column at the lower address.
+__device__ __forceinline__ void stmatrix_x4(uint32_t row_addr, uint32_t m0, uint32_t m1,
+                                            uint32_t m2, uint32_t m3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(row_addr),
+               "r"(m0), "r"(m1), "r"(m2), "r"(m3)
+               : "memory");
+}
+
+// A consumer warp's 16 rows of a 128 x 256 accumulator tile into the epilogue warps' hand-off
+// (F1's and the rows kernels'): 64-column groups of 128 rows x 128 bytes, 16-byte chunk c of row
+// r at r * 128 + ((c ^ (r & 7)) << 4), from group first_group on (the groups before it stay with
+// the consumers; the buffer starts at first_group's). Register 4j + q of lane (g, t4) holds row
+// g + 8 (q >> 1) of the warp's 16 (tile_row on), columns 8j + 2 t4 + (q & 1): per 8-column block j
+// one 8 x 8 matrix of rows g and one of rows g + 8, so one stmatrix.x4 writes blocks j and j + 1,
+// each matrix's 8 rows in 8 different bank quads. pack(rr, lo, hi) packs a row half's pair.
+// tools/models/b1_epilogue_warps_model.py checks the addressing.
+template <int kFirstGroup, typename Pack>
+__device__ __forceinline__ void store_handoff(uint32_t handoff, int tile_row, int lane,
+                                              const float (&acc)[128], Pack pack) {
+  // This lane's address: row lane & 7 of matrix lane >> 3 (rows + 8 for matrices 1 and 3, block
+  // j + 1 for matrices 2 and 3).
+  const int row = tile_row + (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int block = lane >> 4;
+#pragma unroll
+  for (int j = 8 * kFirstGroup; j < 32; j += 2) {
+    uint32_t m[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int jj = j + (q >> 1), rr = q & 1;
+      m[q] = pack(rr, acc[4 * jj + 2 * rr], acc[4 * jj + 2 * rr + 1]);
+    }
+    const int jj = j + block;
+    stmatrix_x4(handoff + uint32_t(((jj >> 3) - kFirstGroup) * (128 * 128) + row * 128 +
+                                   (((jj & 7) ^ (row & 7)) << 4)),
+                m[0], m[1], m[2], m[3]);
+  }
+}
+
 // Two packed 16-bit values as floats (.x = the lower address).
 template <typename T>
 __device__ __forceinline__ float2 unpack2(uint32_t bits) {

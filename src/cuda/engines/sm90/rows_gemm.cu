@@ -264,24 +264,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       if constexpr (kEpiWarps) {
         // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
         // (for n = 0, parity 1 of a fresh barrier returns at once), round v of the groups they run
-        // into it and go on (the split form: after group 0's epilogue here). Register 4j + q of
-        // lane (g, t4): row g + 8 (q >> 1) of the warp's 16, column 8j + 2 t4 + (q & 1): group
-        // j >> 3 (sub-tile (j >> 3) - kConsumerGroups), chunk j & 7, word t4; a warp instruction
-        // (fixed j, rr) writes 8 rows (row & 7 == g) at chunks (j & 7) ^ g: all 32 banks once.
-        // F2 / B4 hand off their rows as stored: each element row_value(w, v) of its row's weight.
+        // into it (store_handoff) and go on (the split forms: after the consumers' groups'
+        // epilogue here). F2 / B4 hand off their rows as stored: row_value(w, v) of the row's
+        // weight.
         mbar_wait(smem_u32(shm.handoff_empty), (n & 1) ^ 1);
-        uint32_t* hb = reinterpret_cast<uint32_t*>(shm.epi);
-#pragma unroll
-        for (int j = 8 * kConsumerGroups; j < 32; ++j) {
-#pragma unroll
-          for (int rr = 0; rr < 2; ++rr) {
-            const int row = tile_row + g + 8 * rr;
-            const float v0 = acc[4 * j + 2 * rr], v1 = acc[4 * j + 2 * rr + 1];
-            hb[((j >> 3) - kConsumerGroups) * kHandoffSubWords + row * 32 + (((j & 7) ^ g) << 2) +
-               t4] = KIND == kB1 ? pack2<T>(v0, v1)
-                                 : pack2<T>(row_value<T>(w[rr], v0), row_value<T>(w[rr], v1));
-          }
-        }
+        store_handoff<kConsumerGroups>(
+            smem_u32(shm.epi), tile_row, lane, acc, [&](int rr, float lo, float hi) {
+              return KIND == kB1 ? pack2<T>(lo, hi) : row_value_pair<T>(w[rr], lo, hi);
+            });
         mbar_arrive(smem_u32(shm.handoff_full));  // every lane, after its own writes
         if constexpr (KIND == kB1 && kConsumerGroups > 0)
           b1_epilogue<T, ACT, kConsumerGroups, true>(p, c, tile_row, lane, stg, acc);
@@ -299,8 +289,7 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int j = 0; j < 32; ++j) {
               if (c.n0 + 8 * j < p.n_out)
                 *reinterpret_cast<uint32_t*>(orow + 8 * j) =
-                    pack2<T>(row_value<T>(w[rr], acc[4 * j + 2 * rr]),
-                             row_value<T>(w[rr], acc[4 * j + 2 * rr + 1]));
+                    row_value_pair<T>(w[rr], acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
             }
           }
         }

@@ -85,8 +85,8 @@ __device__ __forceinline__ void ping_store_half(const RowsParams& p, const TileC
 #pragma unroll
     for (int j = 0; j < TILE_N / 8; ++j) {
       if (c.n0 + 8 * j < p.n_out)  // n_out % 8 == 0: a column pair is all in or all out
-        *reinterpret_cast<uint32_t*>(orow + 8 * j) = pack2<T>(
-            row_value<T>(w, acc[4 * j + 2 * rr]), row_value<T>(w, acc[4 * j + 2 * rr + 1]));
+        *reinterpret_cast<uint32_t*>(orow + 8 * j) =
+            row_value_pair<T>(w, acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
     }
   }
 }
