@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Times two or more builds of the library against each other with the benchmark itself: for a
+change to kernel code, which tools/ab_tuning.py (MOEBLAZE_CUDA_* variants inside one library)
+cannot compare. Each round runs bench/run_bench.py once per build, in a shuffled order, as a
+separate process with MOEBLAZE_LIBRARY set to that build (moeblaze rows only, checkpoint policy
+save_preact), so the card's clock drift spreads over every build; a row's figure is the median of
+its rounds' medians. The benchmark refuses to merge runs of different builds into one result set;
+this compares them without merging. Prints, per configuration and activation, each build's time,
+its speed against the first build, its SM clock and joules a repetition, and whether every round
+kept its error against the fp32 reference under the tolerance and repeated bitwise.
+
+Usage (a GPU machine, from the repository root):
+  python3 tools/ab_libraries.py --lib before=build-old/src/libmoeblaze.so \\
+      --lib after=build-device/src/libmoeblaze.so --configs conf1,qwen3-30b-a3b \\
+      --acts swiglu,silu [--rounds=3] [--row-timing-s 1.2] [--out DIR]
+  python3 tools/ab_libraries.py --self-test
+"""
+import argparse
+import glob
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def parse_lib(spec):
+    """'name=path' -> (name, absolute path)."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lib {spec!r}: expected NAME=PATH to a libmoeblaze.so")
+    return name, os.path.abspath(path)
+
+
+def moeblaze_rows(doc):
+    """A benchmark JSON -> {(config, act): row} of its timed moeblaze save_preact rows."""
+    rows = {}
+    for row in doc.get("rows", []):
+        if row.get("impl") != "moeblaze" or row.get("policy", "save_preact") != "save_preact":
+            continue
+        if row.get("skipped") or row.get("error") or row.get("ms") is None:
+            continue
+        rows[(row["config"], row["act"])] = row
+    return rows
+
+
+def summarize(names, runs):
+    """runs: {name: [rows of one run, ...]} -> table rows (config, act, name, ms, low, high,
+    speed against names[0], sm_mhz, joules, error ok and repeatable) for every (config, act)
+    that every build timed in every round."""
+    keys = None
+    for name in names:
+        for rows in runs[name]:
+            keys = set(rows) if keys is None else keys & set(rows)
+    table = []
+    for key in sorted(keys or ()):
+        per_build = {}
+        for name in names:
+            vals = [rows[key] for rows in runs[name]]
+            ms = [r["ms"] for r in vals]
+            mhz = [r["sm_mhz"] for r in vals if r.get("sm_mhz") is not None]
+            joules = [r["joules"] for r in vals if r.get("joules") is not None]
+            per_build[name] = (statistics.median(ms), min(ms), max(ms),
+                               statistics.median(mhz) if mhz else None,
+                               statistics.median(joules) if joules else None,
+                               all(r.get("err_ok", True) and r.get("bitwise_repeat", True)
+                                   for r in vals))
+        base = per_build[names[0]][0]
+        for name in names:
+            ms, low, high, mhz, joules, ok = per_build[name]
+            table.append((key[0], key[1], name, ms, low, high, base / ms, mhz, joules, ok))
+    return table
+
+
+def format_table(table):
+    lines = ["| config | act | build | ms (median of rounds) | min–max | × first | SM MHz "
+             "| J a rep | error ok, repeatable |", "|---|---|---|---:|---|---:|---:|---:|---|"]
+    for config, act, name, ms, low, high, speed, mhz, joules, ok in table:
+        cells = [config, act, name, f"{ms:.3f}", f"{low:.3f}–{high:.3f}", f"{speed:.4f}",
+                 "-" if mhz is None else format(mhz, ".0f"),
+                 "-" if joules is None else format(joules, ".3f"), "yes" if ok else "NO"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def self_test():
+    assert parse_lib("a=x/lib.so") == ("a", os.path.abspath("x/lib.so"))
+    for bad in ("x/lib.so", "=x", "a="):
+        try:
+            parse_lib(bad)
+        except ValueError:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")
+
+    def run(ms_by_key, mhz=1500.0):
+        return {"rows": [{"config": c, "act": a, "impl": "moeblaze", "policy": "save_preact",
+                          "ms": ms, "sm_mhz": mhz, "joules": ms / 100, "err_ok": True,
+                          "bitwise_repeat": True} for (c, a), ms in
+                         ms_by_key.items()]
+                + [{"config": "conf1", "act": "silu", "impl": "sonicmoe", "ms": 1.0},
+                   {"config": "conf9", "act": "silu", "impl": "moeblaze", "skipped": "budget"},
+                   {"config": "conf8", "act": "silu", "impl": "moeblaze", "error": "oom", "ms": 1}]}
+
+    a = [moeblaze_rows(run({("conf1", "silu"): 2.0, ("conf6", "silu"): 6.0})),
+         moeblaze_rows(run({("conf1", "silu"): 2.2, ("conf6", "silu"): 6.2})),
+         moeblaze_rows(run({("conf1", "silu"): 2.1, ("conf6", "silu"): 6.1}))]
+    b = [moeblaze_rows(run({("conf1", "silu"): 1.9})),  # conf6 missing in one round: dropped
+         moeblaze_rows(run({("conf1", "silu"): 2.1, ("conf6", "silu"): 5.0})),
+         moeblaze_rows(run({("conf1", "silu"): 2.0, ("conf6", "silu"): 5.0}))]
+    assert set(a[0]) == {("conf1", "silu"), ("conf6", "silu")}  # peers and skipped rows ignored
+    table = summarize(["before", "after"], {"before": a, "after": b})
+    assert [(r[0], r[2]) for r in table] == [("conf1", "before"), ("conf1", "after")], table
+    before, after = table
+    assert abs(before[3] - 2.1) < 1e-12 and (before[4], before[5]) == (2.0, 2.2)
+    assert abs(after[3] - 2.0) < 1e-12 and abs(after[6] - 2.1 / 2.0) < 1e-12
+    assert before[6] == 1.0 and after[7] == 1500.0 and after[9] is True
+    assert "| conf1 | silu | after | 2.000 | 1.900–2.100 | 1.0500 | 1500 | 0.020 | yes |" in \
+        format_table(table)
+    print("ab_libraries self-test: ok")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--lib", action="append", default=[], metavar="NAME=PATH",
+                   help="a build of libmoeblaze.so (two or more; the first is the reference)")
+    p.add_argument("--configs", default="qwen3-30b-a3b", help="names from bench/configs.json")
+    p.add_argument("--acts", default="swiglu")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--row-timing-s", type=float, default=1.2)
+    p.add_argument("--budget-s", type=float, default=300.0, help="each run_bench.py process's")
+    p.add_argument("--out", default=None, help="keep every run's JSON here (default: a temp dir)")
+    p.add_argument("--self-test", action="store_true")
+    a = p.parse_args()
+    if a.self_test:
+        self_test()
+        return 0
+    libs = [parse_lib(spec) for spec in a.lib]
+    if len(libs) < 2:
+        p.error("give at least two --lib NAME=PATH")
+    if len({name for name, _ in libs}) != len(libs):
+        p.error("--lib names must differ")
+    for name, path in libs:
+        if not os.path.isfile(path):
+            p.error(f"--lib {name}: {path} does not exist")
+    out = a.out or tempfile.mkdtemp(prefix="ab_libraries_")
+    runs = {name: [] for name, _ in libs}
+    for round_index in range(a.rounds):
+        order = list(libs)
+        random.shuffle(order)
+        for name, path in order:
+            run_dir = os.path.join(out, f"round{round_index}-{name}")
+            os.makedirs(run_dir, exist_ok=True)
+            env = dict(os.environ, MOEBLAZE_LIBRARY=path)
+            env["LD_LIBRARY_PATH"] = os.path.dirname(path) + (
+                ":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+            cmd = [sys.executable, os.path.join(REPO, "bench", "run_bench.py"), "--out", run_dir,
+                   "--configs", a.configs, "--acts", a.acts, "--impls", "moeblaze",
+                   "--policies", "save_preact", "--dense-reference-s", "0",
+                   "--row-timing-s", str(a.row_timing_s), "--budget-s", str(a.budget_s)]
+            print(f"== round {round_index + 1}/{a.rounds}: {name}", flush=True)
+            with open(os.path.join(run_dir, "log.txt"), "w") as log:
+                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            found = sorted(glob.glob(os.path.join(run_dir, "*.json")))
+            if rc != 0 or not found:
+                print(f"run_bench.py failed for {name} (exit {rc}); see {run_dir}/log.txt")
+                return 1
+            with open(found[-1]) as f:
+                runs[name].append(moeblaze_rows(json.load(f)))
+    table = summarize([name for name, _ in libs], runs)
+    print(f"\nruns kept in {out}\n")
+    print(format_table(table))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
