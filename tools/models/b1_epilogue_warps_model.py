@@ -140,8 +140,10 @@ def tma_schedule_check():
     return errors
 
 
-def rows_store_errors():
-    errors, written = [], {}
+def handoff_layout():
+    """The hand-off layout the epilogue warps read: word -> (row, col of the word's first
+    element) for register 4j + q of lane (g, t4) of each of the 8 consumer warps."""
+    layout = {}
     for cw in range(8):
         tile_row = (cw // 4) * 64 + (cw % 4) * 16
         for lane in range(32):
@@ -149,8 +151,13 @@ def rows_store_errors():
             for j in range(32):
                 for rr in range(2):
                     row = tile_row + g + 8 * rr
-                    written[(j >> 3) * SUB_WORDS + row * 32 + (((j & 7) ^ g) << 2) + t4] = \
+                    layout[(j >> 3) * SUB_WORDS + row * 32 + (((j & 7) ^ g) << 2) + t4] = \
                         (row, 8 * j + 2 * t4)
+    return layout
+
+
+def rows_store_errors():
+    errors, written = [], handoff_layout()
     stored = {}
     for ew in range(3):
         for row in range(ew, K_BM, 3):
@@ -194,16 +201,7 @@ def stmatrix_writes(first_group, xor=True):
 
 
 def stmatrix_errors():
-    reference = {}  # the layout the readers assume: the word-by-word writes of run()
-    for cw in range(8):
-        tile_row = (cw // 4) * 64 + (cw % 4) * 16
-        for lane in range(32):
-            g, t4 = lane >> 2, lane & 3
-            for j in range(32):
-                for rr in range(2):
-                    row = tile_row + g + 8 * rr
-                    reference[(j >> 3) * SUB_WORDS + row * 32 + (((j & 7) ^ g) << 2) + t4] = \
-                        (row, 8 * j + 2 * t4)
+    reference = handoff_layout()
     errors = []
     for first_group in range(4):  # F1 and the warps form: 0; the split forms: 1, 2
         written, errs = stmatrix_writes(first_group)

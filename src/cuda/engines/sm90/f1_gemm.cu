@@ -63,6 +63,7 @@ constexpr int kEpiBytes = kConsumerWarps * kEpiWarpBytes;
 // r * 128 + ((c ^ (r & 7)) << 4)): the tile's 256 accumulator columns in order (gated: a 0-63,
 // a 64-127, b 0-63, b 64-127; non-gated: a 0-63 ... a 192-255).
 constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB
+static_assert(kHandoffSubBytes == kHandoffGroupBytes, "store_handoff's group stride");
 constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 constexpr int kHandoffBytes = 4 * kHandoffSubBytes;  // 64 KB
 

@@ -45,6 +45,9 @@ constexpr int kStageRows = 16;
 constexpr int kStageCols = 64;
 constexpr int kStageWarpBytes = kStageRows * kStageCols * 2;
 
+// The epilogue warps' hand-off (store_handoff below): 64-column groups of 128 rows x 128 bytes.
+constexpr int kHandoffGroupBytes = 128 * 128;  // one 64-column group: 128 rows x 128 bytes
+
 #if MB_SM90_DEVICE
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -440,7 +443,7 @@ __device__ __forceinline__ void store_handoff(uint32_t handoff, int tile_row, in
       m[q] = pack(rr, acc[4 * jj + 2 * rr], acc[4 * jj + 2 * rr + 1]);
     }
     const int jj = j + block;
-    stmatrix_x4(handoff + uint32_t(((jj >> 3) - kFirstGroup) * (128 * 128) + row * 128 +
+    stmatrix_x4(handoff + uint32_t(((jj >> 3) - kFirstGroup) * kHandoffGroupBytes + row * 128 +
                                    (((jj & 7) ^ (row & 7)) << 4)),
                 m[0], m[1], m[2], m[3]);
   }

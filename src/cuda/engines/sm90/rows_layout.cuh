@@ -56,6 +56,7 @@ constexpr int kB1EpiWarpsMinKTiles = 8;
 constexpr int kB1EpiWarpsMaxKTiles = 64;
 constexpr int kB1EpiWarps = 3;
 constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB: one 64-column group of the tile
+static_assert(kHandoffSubBytes == kHandoffGroupBytes, "store_handoff's group stride");
 constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 
 // B1's four epilogue forms (the kernel's FORM; F2 and B4 take kB1Consumers, which for them only
