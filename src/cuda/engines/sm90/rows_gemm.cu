@@ -202,30 +202,43 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
       // The tile's bookkeeping runs inside the main loop, once one or two k-steps are queued on the
       // tensor cores (bookkeeping_kt): its loads' latency then costs nothing, while at the top of
-      // the tile the tensor cores waited for it. The main loop itself needs none of it.
+      // the tile the tensor cores waited for it. The main loop itself needs none of it. F2's
+      // weights take two dependent loads (row_pair, then g): the first is issued with the decode,
+      // the second two k-steps later (weights_kt), so no warp waits on a load's latency.
       TileCoord c = {};
       float w[2] = {1.f, 1.f};      // F2's row weights
       int64_t out_row[2] = {0, 0};  // the rows' output rows (the consumers' store form)
+      int32_t pair[2] = {0, 0};     // the rows' (token, j) pairs, loaded at bookkeeping_kt
       const auto tile_bookkeeping = [&] {
         c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
         // B1's forms whose consumers run epilogue groups: those groups' a, b into L2.
         if constexpr (KIND == kB1 && kConsumerGroups > 0)
           b1_prefetch_epilogue_rows<T, kConsumerGroups>(p, c, tile_row, lane);
-        // F2's weights take two dependent loads (row_pair, then g).
+        if constexpr (KIND != kB1) {
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const int row = tile_row + g + 8 * rr;
+            if (row < c.rows && p.row_pair != nullptr)
+              pair[rr] = __ldg(p.row_pair + int64_t(c.row0) + row);
+          }
+        }
+      };
+      const auto row_weights = [&] {
         if constexpr (KIND != kB1) {
 #pragma unroll
           for (int rr = 0; rr < 2; ++rr) {
             const int row = tile_row + g + 8 * rr;
             if (row < c.rows) {
               const int64_t r = int64_t(c.row0) + row;
-              const int64_t pair = p.row_pair != nullptr ? int64_t(__ldg(p.row_pair + r)) : r;
-              if (p.out_w != nullptr) w[rr] = __ldg(p.out_w + pair);
-              out_row[rr] = p.out_by_pair ? pair : r;
+              const int64_t pr = p.row_pair != nullptr ? int64_t(pair[rr]) : r;
+              if (p.out_w != nullptr) w[rr] = __ldg(p.out_w + pr);
+              out_row[rr] = p.out_by_pair ? pr : r;
             }
           }
         }
       };
       const int bookkeeping_kt = k_tiles > 1 ? 1 : 0;
+      const int weights_kt = min(bookkeeping_kt + 2, k_tiles - 1);
       int prev_s = 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = it % kStages;
@@ -247,6 +260,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           gather.issue(smem_u32(shm.stage(refill)), smem_u32(my_a_full + refill), row_range);
         }
         if (kt == bookkeeping_kt) tile_bookkeeping();
+        if (kt == weights_kt) row_weights();
         wgmma_wait<1>();
         fence_accumulators(acc);
         if (kt > 0) release_stage<CLUSTER>(smem_u32(shm.empty_bar + prev_s), lane);
