@@ -8,7 +8,13 @@ them is predicted from the SASS before it is timed (docs/performance.md, "Where 
   steady  the k-step a warp runs when the tile does not end: the loop minus the block that the
           gather's cursor runs once a tile (from the first forward branch after the gather's
           ARRIVES.LDGSTSBAR to its target); loops without a gather: the whole loop;
-  epi     the smallest loop holding >= 8 MUFU instructions (an activation epilogue), if any;
+  epi     the smallest loop holding >= 8 MUFU instructions (an activation epilogue), if any: its
+          instructions, its MUFU count, and the cycles one warp takes to issue it in order with
+          each instruction waiting for its operands (issue_cycles: a latency model, for comparing
+          two builds of one kernel). Where ptxas reuses registers so that the MUFU chains run one
+          or two at a time, this grows with no change to the instruction count: F1's one-CTA SiLU
+          epilogue warps took 668 model cycles with 2 chains in flight against 399 with 8, and
+          the kernel 1.4x as long on the H200;
   spills  LDL/STL instructions inside `loop` (spills in the main loop) and in the whole kernel.
 
 Usage:
@@ -22,6 +28,7 @@ cuobjdump comes with the CUDA toolkit; on a machine without one, the PyPI wheel 
   (the binary is then under VENV/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump)
 """
 import argparse
+import glob
 import os
 import re
 import shutil
@@ -104,6 +111,53 @@ def epilogue_loop(ins):
     return best
 
 
+def reads_register(instruction, reg):
+    """Whether `instruction` reads register `reg` (a source operand, or any operand of a store)."""
+    text = re.sub(r"^@!?U?P\w+\s+", "", instruction)
+    op, _, rest = text.partition(" ")
+    operands = [o.strip() for o in rest.split(",")]
+    sources = operands if op.startswith(("ST", "RED", "ATOM")) else operands[1:]
+    return any(re.search(r"\b%s\b" % reg, o) for o in sources)
+
+
+# An in-order issue model of one warp (epi_cycles): the cycles after which an instruction's result
+# can be read, and the cycles between two MUFU of one warp (16 lanes a cycle per SM, 4 a sub-core).
+LATENCY = {"MUFU": 18, "LDS": 30, "LDG": 400, "LDC": 30, "S2R": 20}
+DEFAULT_LATENCY = 5
+MUFU_INTERVAL = 8
+
+
+def written_register(instruction):
+    """The register an instruction writes (its first operand), or None (stores, branches)."""
+    text = re.sub(r"^@!?U?P\w+\s+", "", instruction)
+    op, _, rest = text.partition(" ")
+    if op.startswith(("ST", "RED", "BRA", "BSYNC", "BSSY", "ISETP", "FSETP")) or not rest:
+        return None
+    m = re.match(r"(R\d+)\b", rest.strip())
+    return m.group(1) if m else None
+
+
+def issue_cycles(body):
+    """Cycles one warp takes to issue `body` in order when each instruction waits for its source
+    registers (LATENCY after their writer issued) and MUFU share one unit (MUFU_INTERVAL)."""
+    ready, cycle, last_mufu = {}, 0, -MUFU_INTERVAL
+    for t in body:
+        op = re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0]
+        start = cycle + 1
+        for reg, when in ready.items():
+            if when > start and reads_register(t, reg):
+                start = when
+        if op.startswith("MUFU"):
+            start = max(start, last_mufu + MUFU_INTERVAL)
+            last_mufu = start
+        cycle = start
+        dest = written_register(t)
+        if dest:
+            kind = next((k for k in LATENCY if op.startswith(k)), None)
+            ready[dest] = cycle + LATENCY.get(kind, DEFAULT_LATENCY)
+    return cycle
+
+
 def analyse(name, ins):
     loop = kstep_loop(ins)
     if loop is None:
@@ -122,7 +176,8 @@ def analyse(name, ins):
     epi_loop = epilogue_loop(ins)
     epi = None
     if epi_loop:
-        epi = (sum(1 for a, t in ins if epi_loop[0] <= a <= epi_loop[1]), epi_loop[2])
+        epi_body = [t for a, t in ins if epi_loop[0] <= a <= epi_loop[1]]
+        epi = (len(epi_body), epi_loop[2], issue_cycles(epi_body))
     return {
         "kernel": short_name(name),
         "loop": len(body),
@@ -142,17 +197,29 @@ def report(sass, needle=""):
         r = analyse(name, ins)
         if r:
             rows.append(r)
-    print(f"{'kernel':52s} {'loop':>5s} {'steady':>6s} {'HGMMA':>5s} {'epi loop (MUFU)':>16s} "
-          f"{'spills loop/all':>15s}")
+    print(f"{'kernel':52s} {'loop':>5s} {'steady':>6s} {'HGMMA':>5s} "
+          f"{'epi loop (MUFU, cycles)':>26s} {'spills loop/all':>15s}")
     for r in rows:
-        epi = f"{r['epi'][0]} ({r['epi'][1]})" if r["epi"] else "-"
-        print(f"{r['kernel']:52s} {r['loop']:5d} {r['steady']:6d} {r['hgmma']:5d} {epi:>16s} "
+        epi = f"{r['epi'][0]} ({r['epi'][1]}, {r['epi'][2]})" if r["epi"] else "-"
+        print(f"{r['kernel']:52s} {r['loop']:5d} {r['steady']:6d} {r['hgmma']:5d} {epi:>26s} "
               f"{r['loop_spills']:7d}/{r['spills']:d}")
     return rows
 
 
+def bundled_cuobjdumps():
+    """cuobjdump binaries that Python packages ship (Triton's, NVIDIA's wheel), in this
+    interpreter's environment and in the project's .venv."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    found = []
+    for prefix in (sys.prefix, os.path.join(root, ".venv")):
+        for site in glob.glob(os.path.join(prefix, "lib", "python3*", "site-packages")):
+            found += glob.glob(os.path.join(site, "triton", "backends", "nvidia", "bin", "cuobjdump"))
+            found += glob.glob(os.path.join(site, "nvidia", "cu*", "bin", "cuobjdump"))
+    return found
+
+
 def find_cuobjdump(explicit):
-    for c in (explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump")):
+    for c in [explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump")] + bundled_cuobjdumps():
         if c and os.path.exists(c):
             return c
     sys.exit("sass_loops: no cuobjdump (pass --cuobjdump, set CUOBJDUMP, or see --help)")
@@ -193,6 +260,34 @@ def self_test():
     (r2,) = [analyse(n, i) for n, i in functions(sass2)]
     if r2["steady"] != r2["loop"]:
         print("sass_loops self-test FAILED: a loop without a gather must count whole")
+        return 1
+    # An epilogue loop of 8 MUFU chains (EX2, then an FADD of its result): side by side, or each
+    # read at once. The model must charge the serial form about a MUFU latency a chain more.
+    def epilogue(side_by_side):
+        text = []
+        for i in range(8):
+            text.append(f"MUFU.EX2 R{20 + i}, R{10 + i}")
+            if not side_by_side:
+                text.append(f"FADD R{30 + i}, R{20 + i}, 1")
+        if side_by_side:
+            text += [f"FADD R{30 + i}, R{20 + i}, 1" for i in range(8)]
+        text.append("STG.E.128 desc[UR4][R2.64], R30")
+        body = [(0x1000 + 0x10 * i, t) for i, t in enumerate(text)]
+        body.append((0x1000 + 0x10 * len(text), "@P0 BRA 0x1000"))
+        return body
+    cycles = {}
+    for side_by_side in (True, False):
+        loop = epilogue_loop(epilogue(side_by_side))
+        cycles[side_by_side] = issue_cycles([t for a, t in epilogue(side_by_side)
+                                             if loop[0] <= a <= loop[1]])
+    # Side by side: the MUFU 8 cycles apart (the last at 57), the last FADD its latency after it,
+    # then the store and the branch. Serial: each FADD waits a MUFU latency, the next MUFU follows.
+    if cycles != {True: 57 + 18 + 2, False: 1 + 7 * 19 + 18 + 2}:
+        print(f"sass_loops self-test FAILED: issue cycles {cycles}")
+        return 1
+    if not reads_register("STG.E.128 desc[UR4][R20.64], R8", "R20") or \
+            reads_register("FADD R20, R21, 1", "R20") or reads_register("IADD3 R1, UR20, 1, RZ", "R20"):
+        print("sass_loops self-test FAILED: register reads")
         return 1
     print("sass_loops self-test: PASS")
     return 0
