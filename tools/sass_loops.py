@@ -18,14 +18,18 @@ them is predicted from the SASS before it is timed (docs/performance.md, "Where 
   spills  LDL/STL instructions inside `loop` (spills in the main loop) and in the whole kernel.
 
 Usage:
-  tools/sass_loops.py FILE.sass [--filter SUBSTRING]     cuobjdump -sass output
-  tools/sass_loops.py LIB_OR_CUBIN [--filter S] [--arch sm_90a] [--cuobjdump PATH]
-  tools/sass_loops.py --compile src/cuda/engines/sm90/wgrad_gemm.cu [--filter S] [--include DIR ...]
+  tools/sass_loops.py FILE.sass [--filter REGEX]     cuobjdump -sass output
+  tools/sass_loops.py LIB_OR_CUBIN [--filter R] [--arch sm_90a] [--cuobjdump PATH]
+  tools/sass_loops.py --compile src/cuda/engines/sm90/wgrad_gemm.cu [--filter R] [--include DIR ...]
+  tools/sass_loops.py LIB --filter 'sm90_f1_kernel.*Li[03]ELb1E' --max-epilogue-ratio 2
+      exit 1 when an epilogue loop takes over twice the cycles its MUFU need (F1's SwiGLU and
+      SiLU epilogue warps: 1.5-1.7x when their chains run side by side, 2.6x two at a time)
   tools/sass_loops.py --self-test
 
-cuobjdump comes with the CUDA toolkit; on a machine without one, the PyPI wheel works:
+cuobjdump is looked for in --cuobjdump, $CUOBJDUMP, on the PATH, and in Triton's and NVIDIA's
+Python packages (of this interpreter and of the project's .venv, where torch brings Triton). A
+CUDA toolkit without it can take the PyPI wheel:
   python3 -m venv VENV && VENV/bin/pip install nvidia-cuda-cuobjdump
-  (the binary is then under VENV/lib/python3*/site-packages/nvidia/cu13/bin/cuobjdump)
 """
 import argparse
 import glob
@@ -189,10 +193,10 @@ def analyse(name, ins):
     }
 
 
-def report(sass, needle=""):
+def report(sass, pattern=""):
     rows = []
     for name, ins in functions(sass):
-        if needle and needle not in name:
+        if pattern and not re.search(pattern, name):
             continue
         r = analyse(name, ins)
         if r:
@@ -218,11 +222,13 @@ def bundled_cuobjdumps():
     return found
 
 
-def find_cuobjdump(explicit):
+def find_cuobjdump(explicit, required=True):
     for c in [explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump")] + bundled_cuobjdumps():
         if c and os.path.exists(c):
             return c
-    sys.exit("sass_loops: no cuobjdump (pass --cuobjdump, set CUOBJDUMP, or see --help)")
+    if required:
+        sys.exit("sass_loops: no cuobjdump (pass --cuobjdump, set CUOBJDUMP, or see --help)")
+    return None
 
 
 def self_test():
@@ -285,6 +291,12 @@ def self_test():
     if cycles != {True: 57 + 18 + 2, False: 1 + 7 * 19 + 18 + 2}:
         print(f"sass_loops self-test FAILED: issue cycles {cycles}")
         return 1
+    # --max-epilogue-ratio 2 passes the side-by-side loop (77 / 64) and fails the serial one.
+    for side_by_side, want in ((True, 0), (False, 1)):
+        row = {"kernel": "k", "epi": (18, 8, cycles[side_by_side])}
+        if check_epilogue_ratio([row], 2.0) != want:
+            print("sass_loops self-test FAILED: --max-epilogue-ratio")
+            return 1
     if not reads_register("STG.E.128 desc[UR4][R20.64], R8", "R20") or \
             reads_register("FADD R20, R21, 1", "R20") or reads_register("IADD3 R1, UR20, 1, RZ", "R20"):
         print("sass_loops self-test FAILED: register reads")
@@ -296,7 +308,14 @@ def self_test():
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("input", nargs="?", help="cuobjdump -sass text, a cubin or a shared library")
-    ap.add_argument("--filter", default="", help="only kernels whose mangled name contains this")
+    ap.add_argument("--filter", default="",
+                    help="only kernels whose mangled name matches this (a Python regex)")
+    ap.add_argument("--max-epilogue-ratio", type=float, default=0.0, metavar="R",
+                    help="exit 1 if a listed kernel's epilogue loop takes more than R times the "
+                         "cycles its MUFU need at one per MUFU_INTERVAL (a schedule that runs "
+                         "the chains one or two at a time)")
+    ap.add_argument("--skip-without-cuobjdump", action="store_true",
+                    help="exit 77 (a skipped test) without cuobjdump or a matching kernel")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--cuobjdump", default=None)
     ap.add_argument("--compile", metavar="CU", help="compile this .cu for sm_90a first (nvcc)")
@@ -320,13 +339,37 @@ def main():
     with open(a.input, "rb") as f:
         head = f.read(4)
     if head == b"\x7fELF":
-        tool = find_cuobjdump(a.cuobjdump)
+        tool = find_cuobjdump(a.cuobjdump, required=not a.skip_without_cuobjdump)
+        if tool is None:
+            print("sass_loops: SKIPPED: no cuobjdump (set CUOBJDUMP, or see --help)")
+            return 77
         args = [tool, "-sass", a.input] if a.input.endswith(".cubin") else [tool, "--dump-sass", "-arch", a.arch, a.input]
         sass = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     else:
         sass = open(a.input, encoding="utf-8", errors="replace").read()
-    report(sass, a.filter)
+    rows = report(sass, a.filter)
+    if not rows and a.skip_without_cuobjdump:
+        print(f"sass_loops: SKIPPED: no {a.arch} kernel matching {a.filter!r}")
+        return 77
+    if a.max_epilogue_ratio:
+        return check_epilogue_ratio(rows, a.max_epilogue_ratio)
     return 0
+
+
+def check_epilogue_ratio(rows, limit):
+    """1 if an epilogue loop's issue cycles exceed `limit` times its MUFU throughput bound."""
+    slow = []
+    for r in rows:
+        if r["epi"]:
+            instructions, mufu, cycles = r["epi"]
+            ratio = cycles / (mufu * MUFU_INTERVAL)
+            if ratio > limit:
+                slow.append(f"{r['kernel']}: {cycles} cycles for {mufu} MUFU ({ratio:.2f}x)")
+    for line in slow:
+        print("sass_loops: epilogue loop slower than the limit:", line)
+    if not slow:
+        print(f"sass_loops: every epilogue loop within {limit}x its MUFU bound")
+    return 1 if slow else 0
 
 
 if __name__ == "__main__":
