@@ -124,8 +124,9 @@ def reads_register(instruction, reg):
     return any(re.search(r"\b%s\b" % reg, o) for o in sources)
 
 
-# An in-order issue model of one warp (epi_cycles): the cycles after which an instruction's result
-# can be read, and the cycles between two MUFU of one warp (16 lanes a cycle per SM, 4 a sub-core).
+# An in-order issue model of one warp (issue_cycles): the cycles after which an instruction's
+# result can be read, and the cycles between two MUFU of one warp (16 lanes a cycle per SM, 4 a
+# sub-core).
 LATENCY = {"MUFU": 18, "LDS": 30, "LDG": 400, "LDC": 30, "S2R": 20}
 DEFAULT_LATENCY = 5
 MUFU_INTERVAL = 8
@@ -217,13 +218,15 @@ def bundled_cuobjdumps():
     found = []
     for prefix in (sys.prefix, os.path.join(root, ".venv")):
         for site in glob.glob(os.path.join(prefix, "lib", "python3*", "site-packages")):
-            found += glob.glob(os.path.join(site, "triton", "backends", "nvidia", "bin", "cuobjdump"))
+            found += glob.glob(os.path.join(site, "triton", "backends", "nvidia", "bin",
+                                            "cuobjdump"))
             found += glob.glob(os.path.join(site, "nvidia", "cu*", "bin", "cuobjdump"))
     return found
 
 
 def find_cuobjdump(explicit, required=True):
-    for c in [explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump")] + bundled_cuobjdumps():
+    candidates = [explicit, os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump")]
+    for c in candidates + bundled_cuobjdumps():
         if c and os.path.exists(c):
             return c
     if required:
@@ -297,8 +300,9 @@ def self_test():
         if check_epilogue_ratio([row], 2.0) != want:
             print("sass_loops self-test FAILED: --max-epilogue-ratio")
             return 1
-    if not reads_register("STG.E.128 desc[UR4][R20.64], R8", "R20") or \
-            reads_register("FADD R20, R21, 1", "R20") or reads_register("IADD3 R1, UR20, 1, RZ", "R20"):
+    if (not reads_register("STG.E.128 desc[UR4][R20.64], R8", "R20")
+            or reads_register("FADD R20, R21, 1", "R20")
+            or reads_register("IADD3 R1, UR20, 1, RZ", "R20")):
         print("sass_loops self-test FAILED: register reads")
         return 1
     print("sass_loops self-test: PASS")
