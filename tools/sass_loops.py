@@ -79,8 +79,17 @@ def backward_loops(ins):
     return loops
 
 
+PREDICATE = re.compile(r"^@!?U?P\w+\s+")
+
+
+def opcode_and_operands(instruction):
+    """(opcode, operand text) of an instruction, its guard predicate (@P0, @!UP1) left out."""
+    op, _, rest = PREDICATE.sub("", instruction).partition(" ")
+    return op, rest
+
+
 def is_spill(t):
-    op = t.split()[1] if t.startswith("@") else t.split()[0]
+    op = opcode_and_operands(t)[0]
     return op.startswith("LDL") or op.startswith("STL")
 
 
@@ -117,8 +126,7 @@ def epilogue_loop(ins):
 
 def reads_register(instruction, reg):
     """Whether `instruction` reads register `reg` (a source operand, or any operand of a store)."""
-    text = re.sub(r"^@!?U?P\w+\s+", "", instruction)
-    op, _, rest = text.partition(" ")
+    op, rest = opcode_and_operands(instruction)
     operands = [o.strip() for o in rest.split(",")]
     sources = operands if op.startswith(("ST", "RED", "ATOM")) else operands[1:]
     return any(re.search(r"\b%s\b" % reg, o) for o in sources)
@@ -133,12 +141,9 @@ MUFU_INTERVAL = 8
 
 
 def written_register(instruction):
-    """The register an instruction writes (its first operand), or None (stores, branches)."""
-    text = re.sub(r"^@!?U?P\w+\s+", "", instruction)
-    op, _, rest = text.partition(" ")
-    if op.startswith(("ST", "RED", "BRA", "BSYNC", "BSSY", "ISETP", "FSETP")) or not rest:
-        return None
-    m = re.match(r"(R\d+)\b", rest.strip())
+    """The register an instruction writes: its first operand when that is a register (stores,
+    branches and predicate-setting instructions start with an address, a label or a predicate)."""
+    m = re.match(r"(R\d+)\b", opcode_and_operands(instruction)[1].strip())
     return m.group(1) if m else None
 
 
@@ -147,7 +152,7 @@ def issue_cycles(body):
     registers (LATENCY after their writer issued) and MUFU share one unit (MUFU_INTERVAL)."""
     ready, cycle, last_mufu = {}, 0, -MUFU_INTERVAL
     for t in body:
-        op = re.sub(r"^@!?U?P\w+\s+", "", t).split(" ")[0]
+        op = opcode_and_operands(t)[0]
         start = cycle + 1
         for reg, when in ready.items():
             if when > start and reads_register(t, reg):

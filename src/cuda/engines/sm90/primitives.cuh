@@ -46,7 +46,7 @@ constexpr int kStageCols = 64;
 constexpr int kStageWarpBytes = kStageRows * kStageCols * 2;
 
 // The epilogue warps' hand-off (store_handoff below): 64-column groups of 128 rows x 128 bytes.
-constexpr int kHandoffGroupBytes = 128 * 128;  // one 64-column group: 128 rows x 128 bytes
+constexpr int kHandoffGroupBytes = 128 * 128;
 
 #if MB_SM90_DEVICE
 
