@@ -880,14 +880,13 @@ TEST_SUITE("cuda") {
   TEST_CASE("cuda: 2-CTA clusters give one CTA's bits") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
-    // MOEBLAZE_CUDA_F1_CLUSTER=2 (F1's epilogue-warp form; the policy's choice for the non-gated
-    // activations) and MOEBLAZE_CUDA_ROWS_CLUSTER=2 (the epilogue-warp forms of F2, B4 and B1)
-    // run those kernels in clusters of two CTAs on adjacent m-tiles of one expert, each loading
-    // part of a stage's B for both: the same tiles' arithmetic, so every output must keep its
-    // bits. Skewed routing gives experts an odd number of m-tiles (a cluster's second CTA without
-    // rows); non-gated h = 296 ends in an F1 tile whose second box lies past h (loaded by neither
-    // CTA); d = 2112 puts B1 in its warps form (33 k-steps); k = 1 stores F2's and B4's rows at
-    // their tokens.
+    // MOEBLAZE_CUDA_F1_CLUSTER=2 (F1's epilogue-warp form, opt-in) and MOEBLAZE_CUDA_ROWS_CLUSTER=2
+    // (the epilogue-warp forms of F2, B4 and B1) run those kernels in clusters of two CTAs on
+    // adjacent m-tiles of one expert, each loading part of a stage's B for both: the same tiles'
+    // arithmetic, so every output must keep its bits. Skewed routing gives experts an odd number of
+    // m-tiles (a cluster's second CTA without rows); non-gated h = 296 ends in an F1 tile whose
+    // second box lies past h (loaded by neither CTA); d = 2112 puts B1 in its warps form (33
+    // k-steps); k = 1 stores F2's and B4's rows at their tokens.
     Rng rng(test_seed(9959));
     for (const char* knob : {"MOEBLAZE_CUDA_F1_CLUSTER", "MOEBLAZE_CUDA_ROWS_CLUSTER"}) {
       for (int64_t d : {int64_t(64), int64_t(2112)}) {

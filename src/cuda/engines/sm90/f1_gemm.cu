@@ -19,7 +19,7 @@
 //   short K (<= 64 k-steps: every configuration with d <= 4096): EPILOGUE WARPS. 3 stages plus a
 //     64 KB hand-off buffer; after a tile's last wgmma the consumers round a and b (or the 256
 //     columns of a) into the hand-off and go straight on to the next tile's main loop, while
-//     warps 2 and 3 of warpgroup 0 store a and b from it and form and store u (coalesced 16-byte
+//     warps 1-3 of warpgroup 0 store a and b from it and form and store u (coalesced 16-byte
 //     stores, the same rounding and activation arithmetic: bitwise the same outputs).
 //   The epilogue warps win on every measured shape up to 64 k-steps (on the H200: conf3 -16 %,
 //   conf4 -16 %, mixtral -8 % for F1), where the overlapped epilogue outweighs the third stage
@@ -49,7 +49,7 @@ constexpr int kBM = 128;        // routed rows per tile
 constexpr int kBBoxRows = 128;  // rows of one TMA weight box
 constexpr int kThreads = 384;   // warpgroup 0: producer (+ epilogue warps); 1, 2: consumers
 constexpr int kConsumerWarps = 8;
-constexpr int kEpiWarps = 2;  // EPI_WARPS: warps 2 and 3
+constexpr int kEpiWarps = 3;  // EPI_WARPS: warps 1, 2 and 3 (warp 0 holds the TMA thread)
 // The form per call: epilogue warps when a tile has at most this many k-steps (see the top);
 // Sm90Forms::f1_form can force either (both keep every bit).
 constexpr int kEpiWarpsMaxKTiles = 64;
@@ -182,14 +182,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(EPI_WARPS ? kRegsWg0Epi : kRegsWg0)
                  : "memory");
     if constexpr (EPI_WARPS) {
-      if (warp >= 2) {
-        // ================= epilogue warps 2, 3 =================
+      if (warp >= 4 - kEpiWarps) {
+        // ================= epilogue warps 1, 2, 3 =================
         // Per tile (the same sequence of tile ids as every role): wait for the consumers'
-        // hand-off, then each lane takes 16-byte chunk (lane & 7) of rows 8 i + 4 ew + (lane >> 3)
-        // of every 64-column group: a warp instruction reads 4 whole 128-byte rows of the buffer
-        // (conflict-free) and stores 4 rows x 128 contiguous bytes of each output. Then every lane
-        // releases the buffer (its reads are done).
-        const int ew = warp - 2;
+        // hand-off, then each lane takes 16-byte chunk (lane & 7) of rows 4 q + (lane >> 3), for
+        // the row quads q = ew, ew + 3, ... of every 64-column group: a warp instruction reads 4
+        // whole 128-byte rows of the buffer (conflict-free) and stores 4 rows x 128 contiguous
+        // bytes of each output. Then every lane releases the buffer (its reads are done).
+        const int ew = warp - (4 - kEpiWarps);
         const uint32_t* hb = reinterpret_cast<const uint32_t*>(shm.epi);
         T* out_a = static_cast<T*>(p.out_a);
         T* out_b = static_cast<T*>(p.out_b);
@@ -202,8 +202,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll 1
           for (int group = 0; group < kGroups; ++group) {
 #pragma unroll 2
-            for (int i = 0; i < kBM / 8; ++i) {
-              const int row = i * 8 + ew * 4 + (lane >> 3);
+            for (int quad = ew; quad < kBM / 4; quad += kEpiWarps) {
+              const int row = quad * 4 + (lane >> 3);
               const int ch = lane & 7;
               const int col = n0 + group * 64 + ch * 8;
               if (row < c.rows && col < p.h) {  // h % 8 == 0: a chunk is all in or all out
@@ -224,6 +224,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
           mbar_arrive(smem_u32(shm.handoff_empty));  // every lane, after its own reads
         }
+        // One CTA: leave here, not at the common end; ptxas then keeps the activation's MUFU
+        // chains side by side (SiLU: 8, not 2). Clusters must reach the end's cluster barrier.
+        if constexpr (CLUSTER == 1) return;
       }
     }
     // One thread issues the B boxes; the consumers gather A.
@@ -507,9 +510,8 @@ void sm90_f1_launch(const LayerDesc& desc, const F1Op& op, const Sm90Forms& form
   const int64_t k_tiles = (desc.d + kBK - 1) / kBK;
   const bool epi_warps =
       forms.f1_form == 0 || forms.f1_form == 1 ? forms.f1_form == 1 : k_tiles <= kEpiWarpsMaxKTiles;
-  // The policy's clusters: for the non-gated activations only (faster there at the power limit;
-  // on the gated ones within the run-to-run spread, f1_gemm.hpp).
-  const bool want_cluster = forms.f1_cluster == 0 ? !gated : forms.f1_cluster == 2;
+  // The policy is one CTA for every activation; clusters only when asked for (f1_gemm.hpp).
+  const bool want_cluster = forms.f1_cluster == 2;
   const int cluster = epi_warps && want_cluster && info.f1_clusters > 0 ? 2 : 1;
   const KernelFn kernel = kernel_for(desc.dtype, desc.activation, epi_warps, cluster);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 F1: unsupported dtype or activation");
