@@ -53,7 +53,7 @@ int sm90_parse_f1_form(const char* value);
 // F1 in 2-CTA clusters (the epilogue-warp form only): two CTAs on adjacent m-tiles of one expert
 // each load one of a stage's two B boxes into both, halving B's L2 traffic; the same bits as one
 // CTA. Sm90Forms::f1_cluster: 0 = the policy, one CTA (clusters ran the step at 0.96-1.01x one
-// CTA's speed on the SiLU rows and 0.93-1.00x on qwen3-30b-a3b SwiGLU on the H200,
+// CTA's speed on the SiLU rows and 0.93x on qwen3-30b-a3b SwiGLU on the H200,
 // docs/design/cuda-kernels.md), 1 forces one CTA, 2 clusters. Parses MOEBLAZE_CUDA_F1_CLUSTER's
 // value ("1", "2"; anything else: 0).
 int sm90_parse_f1_cluster(const char* value);
