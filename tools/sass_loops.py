@@ -8,14 +8,15 @@ them is predicted from the SASS before it is timed (docs/performance.md, "Where 
   steady  the k-step a warp runs when the tile does not end: the loop minus the block that the
           gather's cursor runs once a tile (from the first forward branch after the gather's
           ARRIVES.LDGSTSBAR to its target); loops without a gather: the whole loop;
-  epi     the smallest loop holding >= 8 MUFU instructions (an activation epilogue), if any: its
-          instructions, its MUFU count, and the cycles one warp takes to issue it in order with
-          each instruction waiting for its operands (issue_cycles: a latency model, for comparing
-          two builds of one kernel). Where ptxas reuses registers so that the MUFU chains run one
-          or two at a time, this grows with no change to the instruction count: F1's one-CTA SiLU
-          epilogue warps took 668 model cycles with 2 chains in flight against 399 with 8, and
-          the kernel 1.4x as long on the H200;
-  spills  LDL/STL instructions inside `loop` (spills in the main loop) and in the whole kernel.
+  spills  LDL/STL instructions inside `loop` (spills in the main loop) and in the whole kernel;
+  epi     every innermost loop holding >= 8 MUFU instructions (an activation epilogue; a kernel
+          can compile several, e.g. B1's epilogue warps with and without a saved u), in address
+          order: its instructions, its MUFU count, and the cycles one warp takes to issue it in
+          order with each instruction waiting for its operands (issue_cycles: a latency model,
+          for comparing two builds of one kernel). Where ptxas reuses registers so that the MUFU
+          chains run one or two at a time, this grows with no change to the instruction count:
+          F1's one-CTA SiLU epilogue warps took 668 and 769 model cycles (its two loops) with 2
+          chains in flight against 391-426 with 8, and the kernel 1.4x as long on the H200.
 
 Usage:
   tools/sass_loops.py FILE.sass [--filter REGEX]     cuobjdump -sass output
@@ -23,7 +24,7 @@ Usage:
   tools/sass_loops.py --compile src/cuda/engines/sm90/wgrad_gemm.cu [--filter R] [--include DIR ...]
   tools/sass_loops.py LIB --filter 'sm90_f1_kernel.*Li[03]ELb1E' --max-epilogue-ratio 2
       exit 1 when an epilogue loop takes over twice the cycles its MUFU need (F1's SwiGLU and
-      SiLU epilogue warps: 1.5-1.7x when their chains run side by side, 2.6x two at a time)
+      SiLU epilogue warps: 1.5-1.8x when their chains run side by side, 2.6-3.0x two at a time)
   tools/sass_loops.py --self-test
 
 cuobjdump is looked for in --cuobjdump, $CUOBJDUMP, on the PATH, and in Triton's and NVIDIA's
@@ -113,15 +114,18 @@ def kstep_loop(ins):
     return min(gathers or around, key=lambda hb: hb[1] - hb[0])
 
 
-def epilogue_loop(ins):
-    """(head, branch address, MUFU count) of the smallest loop holding >= 8 MUFU, or None."""
-    best = None
+def epilogue_loops(ins):
+    """(head, branch address, MUFU count) of every innermost loop holding >= 8 MUFU (none other
+    inside it), in address order: one per activation epilogue a kernel compiles (B1's warps have
+    two, with and without a saved u)."""
+    loops = []
     for h, b in backward_loops(ins):
-        loop = [t for a, t in ins if h <= a <= b]
-        mufu = sum("MUFU" in t for t in loop)
-        if mufu >= 8 and (best is None or b - h < best[1] - best[0]):
-            best = (h, b, mufu)
-    return best
+        mufu = sum("MUFU" in t for a, t in ins if h <= a <= b)
+        if mufu >= 8:
+            loops.append((h, b, mufu))
+    inner = [(h, b, m) for h, b, m in loops
+             if not any((h2, b2) != (h, b) and h <= h2 and b2 <= b for h2, b2, m2 in loops)]
+    return sorted(set(inner))
 
 
 def reads_register(instruction, reg):
@@ -183,17 +187,16 @@ def analyse(name, ins):
                 target = int(m.group(1), 16)
                 steady = body[: i + 1] + [(a, t) for a, t in body if a >= target]
                 break
-    epi_loop = epilogue_loop(ins)
-    epi = None
-    if epi_loop:
-        epi_body = [t for a, t in ins if epi_loop[0] <= a <= epi_loop[1]]
-        epi = (len(epi_body), epi_loop[2], issue_cycles(epi_body))
+    epi = []
+    for h, b, mufu in epilogue_loops(ins):
+        epi_body = [t for a, t in ins if h <= a <= b]
+        epi.append((len(epi_body), mufu, issue_cycles(epi_body)))
     return {
         "kernel": short_name(name),
         "loop": len(body),
         "steady": len(steady),
         "hgmma": sum("HGMMA" in t for a, t in body),
-        "epi": epi,
+        "epi": epi,  # one (instructions, MUFU, cycles) per epilogue loop
         "loop_spills": sum(is_spill(t) for a, t in body),
         "spills": sum(is_spill(t) for a, t in ins),
     }
@@ -207,12 +210,12 @@ def report(sass, pattern=""):
         r = analyse(name, ins)
         if r:
             rows.append(r)
-    print(f"{'kernel':52s} {'loop':>5s} {'steady':>6s} {'HGMMA':>5s} "
-          f"{'epi loop (MUFU, cycles)':>26s} {'spills loop/all':>15s}")
+    print(f"{'kernel':52s} {'loop':>5s} {'steady':>6s} {'HGMMA':>5s} {'spills loop/all':>15s}  "
+          f"epi loops: instructions (MUFU, cycles)")
     for r in rows:
-        epi = f"{r['epi'][0]} ({r['epi'][1]}, {r['epi'][2]})" if r["epi"] else "-"
-        print(f"{r['kernel']:52s} {r['loop']:5d} {r['steady']:6d} {r['hgmma']:5d} {epi:>26s} "
-              f"{r['loop_spills']:7d}/{r['spills']:d}")
+        epi = " | ".join(f"{n} ({m}, {c})" for n, m, c in r["epi"]) or "-"
+        print(f"{r['kernel']:52s} {r['loop']:5d} {r['steady']:6d} {r['hgmma']:5d} "
+              f"{r['loop_spills']:7d}/{r['spills']:<7d}  {epi}")
     return rows
 
 
@@ -264,7 +267,7 @@ def self_test():
     emit("EXIT")
     sass = "\n\tFunction : _ZN8moeblaze4cuda16sm90_test_kernelI13__nv_bfloat16EEvv\n" + "\n".join(lines)
     (r,) = [analyse(n, i) for n, i in functions(sass)]
-    expect = {"loop": 10, "steady": 7, "hgmma": 1, "loop_spills": 1, "spills": 1, "epi": None}
+    expect = {"loop": 10, "steady": 7, "hgmma": 1, "loop_spills": 1, "spills": 1, "epi": []}
     bad = {k: (r[k], v) for k, v in expect.items() if r[k] != v}
     if bad:
         print("sass_loops self-test FAILED:", bad)
@@ -277,7 +280,7 @@ def self_test():
         return 1
     # An epilogue loop of 8 MUFU chains (EX2, then an FADD of its result): side by side, or each
     # read at once. The model must charge the serial form about a MUFU latency a chain more.
-    def epilogue(side_by_side):
+    def epilogue(side_by_side, base=0x1000):
         text = []
         for i in range(8):
             text.append(f"MUFU.EX2 R{20 + i}, R{10 + i}")
@@ -286,14 +289,20 @@ def self_test():
         if side_by_side:
             text += [f"FADD R{30 + i}, R{20 + i}, 1" for i in range(8)]
         text.append("STG.E.128 desc[UR4][R2.64], R30")
-        body = [(0x1000 + 0x10 * i, t) for i, t in enumerate(text)]
-        body.append((0x1000 + 0x10 * len(text), "@P0 BRA 0x1000"))
+        body = [(base + 0x10 * i, t) for i, t in enumerate(text)]
+        body.append((base + 0x10 * len(text), "@P0 BRA 0x%x" % base))
         return body
     cycles = {}
     for side_by_side in (True, False):
-        loop = epilogue_loop(epilogue(side_by_side))
+        (loop,) = epilogue_loops(epilogue(side_by_side))
         cycles[side_by_side] = issue_cycles([t for a, t in epilogue(side_by_side)
                                              if loop[0] <= a <= loop[1]])
+    # Two epilogue loops in one outer loop (B1's warps: with and without a saved u): both count,
+    # the outer one (which holds them) does not.
+    two = epilogue(True, 0x1000) + epilogue(False, 0x2000) + [(0x3000, "@P1 BRA 0x1000")]
+    if [(h, m) for h, b, m in epilogue_loops(two)] != [(0x1000, 8), (0x2000, 8)]:
+        print("sass_loops self-test FAILED: the innermost epilogue loops")
+        return 1
     # Side by side: the MUFU 8 cycles apart (the last at 57), the last FADD its latency after it,
     # then the store and the branch. Serial: each FADD waits a MUFU latency, the next MUFU follows.
     if cycles != {True: 57 + 18 + 2, False: 1 + 7 * 19 + 18 + 2}:
@@ -301,7 +310,7 @@ def self_test():
         return 1
     # --max-epilogue-ratio 2 passes the side-by-side loop (77 / 64) and fails the serial one.
     for side_by_side, want in ((True, 0), (False, 1)):
-        row = {"kernel": "k", "epi": (18, 8, cycles[side_by_side])}
+        row = {"kernel": "k", "epi": [(18, 8, 60), (18, 8, cycles[side_by_side])]}
         if check_epilogue_ratio([row], 2.0) != want:
             print("sass_loops self-test FAILED: --max-epilogue-ratio")
             return 1
@@ -369,8 +378,7 @@ def check_epilogue_ratio(rows, limit):
     """1 if an epilogue loop's issue cycles exceed `limit` times its MUFU throughput bound."""
     slow = []
     for r in rows:
-        if r["epi"]:
-            instructions, mufu, cycles = r["epi"]
+        for instructions, mufu, cycles in r["epi"]:
             ratio = cycles / (mufu * MUFU_INTERVAL)
             if ratio > limit:
                 slow.append(f"{r['kernel']}: {cycles} cycles for {mufu} MUFU ({ratio:.2f}x)")
