@@ -125,15 +125,20 @@ def epilogue_loops(ins):
             loops.append((h, b, mufu))
     inner = [(h, b, m) for h, b, m in loops
              if not any((h2, b2) != (h, b) and h <= h2 and b2 <= b for h2, b2, m2 in loops)]
-    return sorted(set(inner))
+    return sorted(inner)
+
+
+def registers_read(instruction):
+    """The registers `instruction` reads: those of its source operands, or of any operand of a
+    store (R20 in R20.64, not in UR20)."""
+    op, rest = opcode_and_operands(instruction)
+    operands = rest.split(",")
+    sources = operands if op.startswith(("ST", "RED", "ATOM")) else operands[1:]
+    return set(re.findall(r"\bR\d+\b", ",".join(sources)))
 
 
 def reads_register(instruction, reg):
-    """Whether `instruction` reads register `reg` (a source operand, or any operand of a store)."""
-    op, rest = opcode_and_operands(instruction)
-    operands = [o.strip() for o in rest.split(",")]
-    sources = operands if op.startswith(("ST", "RED", "ATOM")) else operands[1:]
-    return any(re.search(r"\b%s\b" % reg, o) for o in sources)
+    return reg in registers_read(instruction)
 
 
 # An in-order issue model of one warp (issue_cycles): the cycles after which an instruction's
@@ -157,10 +162,7 @@ def issue_cycles(body):
     ready, cycle, last_mufu = {}, 0, -MUFU_INTERVAL
     for t in body:
         op = opcode_and_operands(t)[0]
-        start = cycle + 1
-        for reg, when in ready.items():
-            if when > start and reads_register(t, reg):
-                start = when
+        start = max([cycle + 1] + [ready[r] for r in registers_read(t) if r in ready])
         if op.startswith("MUFU"):
             start = max(start, last_mufu + MUFU_INTERVAL)
             last_mufu = start
