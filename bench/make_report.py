@@ -2,7 +2,7 @@
 """Turns a results JSON of run_bench.py into markdown tables and PNG plots.
 
     python3 bench/make_report.py RESULTS.json [--out-dir DIR] [--doc docs/performance.md]
-    python3 bench/make_report.py RESULTS.json --publish
+    python3 bench/make_report.py RESULTS.json --publish [--as latest|layer|megablocks]
     python3 bench/make_report.py --roofline --doc docs/performance.md
 
 * writes DIR/report.md (every table, accuracy included) and, when matplotlib is importable, the
@@ -12,6 +12,9 @@
   time and memory tables and the plots (the accuracy table stays in report.md);
 * --publish makes RESULTS.json the committed result set: copies it to bench/results/latest.json,
   writes report.md and the plots there and refreshes docs/performance.md;
+* --publish --as layer (or megablocks) makes RESULTS.json bench/results/layer.json (or
+  megablocks.json) and refreshes its table in docs/performance.md, between
+  <!-- LAYER-RESULTS:BEGIN --> and <!-- LAYER-RESULTS:END --> (MEGABLOCKS-RESULTS);
 * with --roofline (no results JSON needed), refreshes the block between
   <!-- ROOFLINE:BEGIN --> and <!-- ROOFLINE:END --> from bench/configs.json.
 
@@ -36,6 +39,10 @@ RESULTS_BEGIN = "<!-- BENCH-RESULTS:BEGIN -->"
 RESULTS_END = "<!-- BENCH-RESULTS:END -->"
 ROOFLINE_BEGIN = "<!-- ROOFLINE:BEGIN -->"
 ROOFLINE_END = "<!-- ROOFLINE:END -->"
+LAYER_BEGIN = "<!-- LAYER-RESULTS:BEGIN -->"
+LAYER_END = "<!-- LAYER-RESULTS:END -->"
+MEGABLOCKS_BEGIN = "<!-- MEGABLOCKS-RESULTS:BEGIN -->"
+MEGABLOCKS_END = "<!-- MEGABLOCKS-RESULTS:END -->"
 BASELINE_POLICY = "autograd"
 POLICIES = ("save_preact", "save_all", "recompute")
 # The committed result set (bench/results/README.md) and the document that shows it.
@@ -467,12 +474,114 @@ def report(json_path, out_dir=None, doc_path=None, make_plots=True):
     return text
 
 
-def publish(json_path, results_dir=RESULTS_DIR, doc_path=PERFORMANCE_DOC, make_plots=True):
-    """Makes json_path the committed result set: results_dir/latest.json (machine paths replaced),
-    report.md and the plots beside it, and the results block of doc_path."""
+PEER_NAMES = {"grouped_mm": "grouped_mm", "sonicmoe": "SonicMoE", "megablocks": "MegaBlocks"}
+
+
+def _peer_name(impl):
+    return PEER_NAMES.get(impl, impl)
+
+
+def _moeblaze_row(rows, idx, cfg, act):
+    """moeblaze's save_preact row for (cfg, act), else its first row."""
+    row = idx.get((cfg, act, "moeblaze", "save_preact"))
+    if row is None:
+        key = (cfg, act, "moeblaze")
+        row = next((r for r in rows if (r["config"], r["act"], r["impl"]) == key), None)
+    return row or {}
+
+
+def layer_table(doc):
+    """The whole-layer table of docs/performance.md: per configuration, every baseline's and
+    moeblaze's ms, moeblaze's speed-up over each baseline and the peaks in GiB (an activation
+    column when the run has more than one)."""
+    rows = [r for r in doc["rows"] if r.get("ms") is not None]
+    if not rows:
+        return "(no timed rows)\n"
+    idx, names = _index(rows), baselines(rows)
+    keys = _keys(rows)
+    with_act = len({act for _, act in keys}) > 1
+    head = ["config"] + (["act"] if with_act else [])
+    head += [f"{_peer_name(b)} ms" for b in names] + ["moeblaze ms"]
+    head += [f"× {_peer_name(b)}" for b in names]
+    head += ["peak GiB moeblaze / " + " / ".join(_peer_name(b) for b in names)]
+    lines = ["| " + " | ".join(head) + " |",
+             "|---" * (1 + with_act) + "|---:" * (2 * len(names) + 1) + "|---|"]
+    for cfg, act in keys:
+        mb = _moeblaze_row(rows, idx, cfg, act)
+        peers = [_baseline_row(rows, idx, cfg, act, b) for b in names]
+        cells = [cfg] + ([act] if with_act else [])
+        cells += [_fmt(r.get("ms"), ".2f") for r in peers] + [_fmt(mb.get("ms"), ".2f")]
+        cells += [_fmt(_ratio(r.get("ms"), mb.get("ms")), ".2f") for r in peers]
+        cells.append(" / ".join(_fmt(r.get("peak_bytes"), ".2f", float(1 << 30))
+                                for r in [mb] + peers))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def megablocks_table(doc):
+    """The MegaBlocks table of docs/performance.md: per configuration and activation, MegaBlocks'
+    and moeblaze's ms and moeblaze's speed-up, then the peaks in GiB of the first activation."""
+    rows = [r for r in doc["rows"] if r.get("ms") is not None]
+    idx = _index(rows)
+    configs, acts = [], []
+    for cfg, act in _keys(rows):
+        configs += [cfg] if cfg not in configs else []
+        acts += [act] if act not in acts else []
+    if not acts:
+        return "(no timed rows)\n"
+    names = {"swiglu": "SwiGLU", "silu": "SiLU", "geglu": "GeGLU", "gelu": "GELU"}
+    head = ["config"]
+    for act in acts:
+        head += [f"{names.get(act, act)}: MegaBlocks / moeblaze ms", "×"]
+    head.append(f"peak GiB moeblaze / MegaBlocks ({names.get(acts[0], acts[0])})")
+    lines = ["| " + " | ".join(head) + " |", "|---" + "|---|---:" * len(acts) + "|---|"]
+    for cfg in configs:
+        cells = [cfg]
+        for act in acts:
+            mb = _moeblaze_row(rows, idx, cfg, act)
+            peer = _baseline_row(rows, idx, cfg, act, "megablocks")
+            cells += [f"{_fmt(peer.get('ms'), '.2f')} / {_fmt(mb.get('ms'), '.2f')}",
+                      _fmt(_ratio(peer.get("ms"), mb.get("ms")), ".2f")]
+        mb = _moeblaze_row(rows, idx, cfg, acts[0])
+        peer = _baseline_row(rows, idx, cfg, acts[0], "megablocks")
+        cells.append(f"{_fmt(mb.get('peak_bytes'), '.2f', float(1 << 30))} / "
+                     f"{_fmt(peer.get('peak_bytes'), '.2f', float(1 << 30))}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# --publish --as NAME: the results file in bench/results/ and the block of docs/performance.md
+# that a run of that kind replaces (latest: the result set, its report and plots; the others one
+# JSON and one table).
+PUBLISH_AS = {
+    "layer": ("layer.json", LAYER_BEGIN, LAYER_END, layer_table),
+    "megablocks": ("megablocks.json", MEGABLOCKS_BEGIN, MEGABLOCKS_END, megablocks_table),
+}
+
+
+def publish(json_path, results_dir=RESULTS_DIR, doc_path=PERFORMANCE_DOC, make_plots=True,
+            as_="latest"):
+    """Makes json_path a committed result: as_ "latest", the result set (results_dir/latest.json,
+    report.md and the plots beside it, and the results block of doc_path); "layer" or
+    "megablocks", results_dir/layer.json or megablocks.json and that table's block of doc_path.
+    Machine paths are replaced in every case."""
+    if as_ != "latest" and as_ not in PUBLISH_AS:
+        raise SystemExit(f"--as {as_}: expected latest, " + ", ".join(PUBLISH_AS))
     with open(json_path) as f:
         doc = scrub_machine_paths(json.load(f))
     os.makedirs(results_dir, exist_ok=True)
+    if as_ != "latest":
+        name, begin, end, table = PUBLISH_AS[as_]
+        path = os.path.join(results_dir, name)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        print(f"make_report: wrote {path}", flush=True)
+        text = table(doc)
+        if doc_path:
+            replace_block(doc_path, begin, end, text)
+            print(f"make_report: updated {doc_path}", flush=True)
+        return text
     latest = os.path.join(results_dir, LATEST_JSON)
     with open(latest, "w") as f:
         json.dump(doc, f, indent=1)
@@ -491,6 +600,11 @@ def main():
     parser.add_argument("--publish", action="store_true",
                         help="make RESULTS the committed result set (bench/results/latest.json, "
                              "report.md, plots) and refresh docs/performance.md")
+    parser.add_argument("--as", dest="as_", default="latest",
+                        choices=["latest"] + sorted(PUBLISH_AS),
+                        help="with --publish: what the run replaces (latest: the result set; "
+                             "layer: bench/results/layer.json and the whole-layer table; "
+                             "megablocks: megablocks.json and the MegaBlocks table)")
     parser.add_argument("--no-plots", action="store_true",
                         help="leave the plots as they are (e.g. without matplotlib)")
     parser.add_argument("--roofline", action="store_true",
@@ -500,6 +614,8 @@ def main():
         parser.error("give a results JSON, --roofline, or both")
     if args.publish and not args.results:
         parser.error("--publish needs a results JSON")
+    if args.as_ != "latest" and not args.publish:
+        parser.error("--as needs --publish")
     if args.roofline:
         doc_path = args.doc or (PERFORMANCE_DOC if args.publish else None)
         if not doc_path:
@@ -509,7 +625,7 @@ def main():
         print(f"make_report: roofline block of {doc_path} refreshed", flush=True)
     if args.publish:
         publish(args.results, doc_path=args.doc or PERFORMANCE_DOC,
-                make_plots=not args.no_plots)
+                make_plots=not args.no_plots, as_=args.as_)
     elif args.results:
         report(args.results, args.out_dir, args.doc, make_plots=not args.no_plots)
 

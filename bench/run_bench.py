@@ -134,7 +134,8 @@ def parse_args(argv=None):
                    help="folder for this run's JSON (default: build/bench, git-ignored)")
     p.add_argument("--publish", action="store_true",
                    help="make this run the committed result set: bench/results/latest.json, its "
-                        "report and plots, and the tables in docs/performance.md "
+                        "report and plots, and the tables in docs/performance.md; with --mode "
+                        "layer, bench/results/layer.json and the whole-layer table "
                         "(bench/make_report.py --publish)")
     p.add_argument("--merge", nargs="+", metavar="RUN_JSON", default=None,
                    help="join these results JSONs (one device, one library build) into "
@@ -1664,14 +1665,23 @@ def main(argv=None):
     return 0
 
 
+def publish_target(doc):
+    """What --publish makes of a results doc: a layer run (--mode layer, or a merge of them) the
+    committed layer.json and its table, any other run the result set (make_report.py --publish
+    --as megablocks publishes a MegaBlocks run)."""
+    return "layer" if any(r.get("mode") == "layer" for r in doc.get("rows", [])) else "latest"
+
+
 def finish_report(path, args):
     """--report / --publish of the results at path (make_report.py); the numbers are saved
     whatever happens here."""
     if args.report or args.publish:
         try:
             import make_report
-            if args.publish:
-                make_report.publish(path)
+            if args.publish:  # a layer run replaces layer.json, not the experts' result set
+                with open(path) as f:
+                    target = publish_target(json.load(f))
+                make_report.publish(path, as_=target)
             else:
                 make_report.report(path, out_dir=args.out, doc_path=None)
         except Exception as error:  # noqa: BLE001 (the numbers are already saved)

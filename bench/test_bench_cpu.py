@@ -313,6 +313,55 @@ def test_make_report_publish_writes_the_result_set(tmp_path):
     assert "**Accuracy**" not in block and "largest ‖out − ref‖ / ‖ref‖" in block
 
 
+def _peer_rows(acts, mode):
+    """One configuration's rows of grouped_mm, SonicMoE, MegaBlocks and moeblaze per activation."""
+    rows = []
+    for act in acts:
+        for impl, policy, ms, peak in (("grouped_mm", "autograd", 4.0, 4),
+                                       ("sonicmoe", "default", 3.0, 3),
+                                       ("megablocks", "default", 2.5, 5),
+                                       ("moeblaze", "save_preact", 2.0, 2)):
+            rows.append({"config": "c1", "act": act, "impl": impl, "policy": policy, "ms": ms,
+                         "peak_bytes": peak << 30, "mode": mode, "error": None})
+    return rows
+
+
+def test_make_report_publish_as_layer_and_megablocks(tmp_path):
+    import make_report
+    results = tmp_path / "bench" / "results"
+    perf = tmp_path / "docs" / "performance.md"
+    perf.parent.mkdir(parents=True)
+    perf.write_text(f"# x\n{make_report.LAYER_BEGIN}\nold layer\n{make_report.LAYER_END}\n"
+                    f"{make_report.MEGABLOCKS_BEGIN}\nold mb\n{make_report.MEGABLOCKS_END}\ntail\n")
+    command = "python3 bench/run_bench.py --out /" + "root/out/x --mode layer"
+    layer = tmp_path / "layer-run.json"
+    layer.write_text(json.dumps({"command": command, "rows": _peer_rows(["swiglu"], "layer")}))
+    make_report.publish(str(layer), str(results), str(perf), make_plots=False, as_="layer")
+    assert not (results / "latest.json").exists()
+    published = json.loads((results / "layer.json").read_text())
+    assert published["command"].endswith('--out "$OUT" --mode layer')
+    text = perf.read_text()
+    assert "old layer" not in text and "old mb" in text and text.endswith("tail\n")
+    row = "| c1 | 4.00 | 3.00 | 2.50 | 2.00 | 2.00 | 1.50 | 1.25 | 2.00 / 4.00 / 3.00 / 5.00 |"
+    assert row in text
+    mb = tmp_path / "mb-run.json"
+    mb.write_text(json.dumps({"command": "x", "rows": _peer_rows(["swiglu", "silu"], "experts")}))
+    make_report.publish(str(mb), str(results), str(perf), make_plots=False, as_="megablocks")
+    text = perf.read_text()
+    assert "old mb" not in text and (results / "megablocks.json").exists()
+    assert ("| config | SwiGLU: MegaBlocks / moeblaze ms | × | SiLU: MegaBlocks / moeblaze ms | × |"
+            in text)
+    assert "| c1 | 2.50 / 2.00 | 1.25 | 2.50 / 2.00 | 1.25 | 2.00 / 5.00 |" in text
+    with pytest.raises(SystemExit):
+        make_report.publish(str(mb), str(results), str(perf), make_plots=False, as_="nonsense")
+
+
+def test_run_bench_publishes_a_layer_run_as_the_layer_results():
+    assert run_bench.publish_target({"rows": _peer_rows(["swiglu"], "layer")}) == "layer"
+    assert run_bench.publish_target({"rows": _peer_rows(["swiglu"], "experts")}) == "latest"
+    assert run_bench.publish_target({"rows": []}) == "latest"
+
+
 def test_clock_samples_parse_and_summarise():
     import gpu_clocks
     lines = ["1440, 3201, 691.70, 700.00, 59, 0x0000000000000004",
