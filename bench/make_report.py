@@ -475,6 +475,9 @@ def report(json_path, out_dir=None, doc_path=None, make_plots=True):
 
 
 PEER_NAMES = {"grouped_mm": "grouped_mm", "sonicmoe": "SonicMoE", "megablocks": "MegaBlocks"}
+# The activations' names in tables (bench/baselines.py's ACTIVATIONS).
+ACT_NAMES = {"swiglu": "SwiGLU", "geglu": "GeGLU", "reglu": "ReGLU", "silu": "SiLU",
+             "gelu": "GELU", "relu": "ReLU", "relu2": "ReLU²"}
 
 
 def _peer_name(impl):
@@ -529,11 +532,10 @@ def megablocks_table(doc):
         acts += [act] if act not in acts else []
     if not acts:
         return "(no timed rows)\n"
-    names = {"swiglu": "SwiGLU", "silu": "SiLU", "geglu": "GeGLU", "gelu": "GELU"}
     head = ["config"]
     for act in acts:
-        head += [f"{names.get(act, act)}: MegaBlocks / moeblaze ms", "×"]
-    head.append(f"peak GiB moeblaze / MegaBlocks ({names.get(acts[0], acts[0])})")
+        head += [f"{ACT_NAMES.get(act, act)}: MegaBlocks / moeblaze ms", "×"]
+    head.append(f"peak GiB moeblaze / MegaBlocks ({ACT_NAMES.get(acts[0], acts[0])})")
     lines = ["| " + " | ".join(head) + " |", "|---" + "|---|---:" * len(acts) + "|---|"]
     for cfg in configs:
         cells = [cfg]

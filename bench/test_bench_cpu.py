@@ -354,6 +354,7 @@ def test_make_report_publish_as_layer_and_megablocks(tmp_path):
     assert "| c1 | 2.50 / 2.00 | 1.25 | 2.50 / 2.00 | 1.25 | 2.00 / 5.00 |" in text
     with pytest.raises(SystemExit):
         make_report.publish(str(mb), str(results), str(perf), make_plots=False, as_="nonsense")
+    assert set(make_report.ACT_NAMES) == set(baselines.ACTIVATIONS)  # every activation has a name
 
 
 def test_run_bench_publishes_a_layer_run_as_the_layer_results():

@@ -1,6 +1,6 @@
 # Randomised interleaving model of the barrier protocol of the Hopper kernels' 2-CTA clusters
-# (src/cuda/engines/sm90: F1 with MOEBLAZE_CUDA_F1_CLUSTER=2; the rows kernels with MOEBLAZE_CUDA_ROWS_CLUSTER=2; the ping-pong
-# rows kernel with MOEBLAZE_CUDA_ROWS_FORM=pingpong2cta):
+# (src/cuda/engines/sm90: F1 with MOEBLAZE_CUDA_F1_CLUSTER=2; the rows kernels with
+# MOEBLAZE_CUDA_ROWS_CLUSTER=2; the ping-pong rows kernel with MOEBLAZE_CUDA_ROWS_FORM=pingpong2cta):
 # two CTAs on adjacent m-tiles of one expert share each stage's B tile, each loading part of it
 # into both CTAs' shared memory by TMA multicast.
 #
