@@ -6,10 +6,12 @@
 #    epilogue warps' 16-byte reads agree: every element (row, col) of the 128 x 256 tile is read
 #    back from where it was written, and each warp store instruction of the hand-off (fixed j, rr)
 #    touches all 32 banks once;
-#  - the epilogue warps' items (idx = 32 ew + lane + 32 W i, W = 3 or 4 warps) cover every (row,
-#    16-byte chunk) of the tile exactly once, each warp runs a warp-uniform number of iterations
-#    (the dg shuffles need all 32 lanes), and the 8 lanes of a row are consecutive and 8-aligned in
-#    one warp (so the xor-1/2/4 shuffles sum exactly that row's chunks);
+#  - the item loop (b1_epilogue_items: idx = 32 w + lane + 32 W i, W = 3 epilogue warps, 4, or the
+#    8 consumer warps) covers every (row, 16-byte chunk) of its groups exactly once, each warp runs
+#    a warp-uniform number of iterations (the dg shuffles need all 32 lanes), and the 8 lanes of a
+#    row are consecutive and 8-aligned in one warp (so the xor-1/2/4 shuffles sum exactly that
+#    row's chunks); in the two-group split the consumers' groups 0-1 and the epilogue warps' 2-3
+#    together cover the tile exactly once (split_errors);
 #  - a consumer-issued TMA schedule (issue_ahead: four epilogue warps, one consumer thread issuing
 #    the loads; slower on the H200, so not in the kernels) issues every (tile, k-step) of a CTA
 #    once, into the slot and phase of its loop position, before the loop reaches it, for k_tiles
@@ -30,7 +32,11 @@ import sys
 K_BM, SUB_WORDS = 128, 128 * 64 * 2 // 4
 
 
-def run(epi_warps):
+def run(epi_warps, first=0, last=4, seen=None):
+    """The item loop of `epi_warps` warps over groups first..last-1; `seen` (row, col) -> count
+    accumulates over calls. Without `seen`, every chunk of the tile must be covered once."""
+    check_all = seen is None
+    seen = {} if seen is None else seen
     errors = []
     written = {}  # word -> (row, col of the word's first element)
     for cw in range(8):  # consumer warp: warpgroup cw // 4, warp_in_wg cw % 4
@@ -48,7 +54,6 @@ def run(epi_warps):
                     banks.add(word % 32)
                 if len(banks) != 32:
                     errors.append(("hand-off bank conflict", cw, j, rr))
-    seen = {}
     for ew in range(epi_warps):
         iters = 0
         base = 32 * ew
@@ -59,7 +64,9 @@ def run(epi_warps):
                 idx = base + lane
                 row, ch = idx >> 3, idx & 7
                 rows_of_lanes.setdefault(row, []).append(lane)
-                for group in range(4):
+                if row >= K_BM:  # the last pass of 3 warps: past the tile's 1024 items
+                    continue
+                for group in range(first, last):
                     col = group * 64 + ch * 8
                     for k in range(4):  # the uint4's 4 words, 2 elements each
                         word = group * SUB_WORDS + row * 32 + ((ch ^ (row & 7)) << 2) + k
@@ -73,11 +80,23 @@ def run(epi_warps):
             base += 32 * epi_warps
         if iters == 0:
             errors.append(("warp without items", ew))
-    for row in range(K_BM):
-        for col in range(0, 256, 8):
-            if seen.get((row, col)) != 1:
-                errors.append(("chunk not covered exactly once", row, col, seen.get((row, col))))
+    if check_all:
+        errors += coverage_errors(seen)
     return errors
+
+
+def coverage_errors(seen):
+    return [("chunk not covered exactly once", row, col, seen.get((row, col)))
+            for row in range(K_BM) for col in range(0, 256, 8) if seen.get((row, col)) != 1]
+
+
+def split_errors(consumer_groups, consumer_first_end=None):
+    """The two-group split (consumer_groups 2): the 8 consumer warps run groups 0..F-1, the 3
+    epilogue warps F..3, from the same hand-off. consumer_first_end: a mutation (the consumers' range end), which must fail."""
+    seen = {}
+    end = consumer_groups if consumer_first_end is None else consumer_first_end
+    errors = run(8, 0, end, seen) + run(3, consumer_groups, 4, seen)
+    return errors + coverage_errors(seen)
 
 
 def tma_schedule_errors(k_tiles, total_tiles, grid, cta, stages=3, one_tile_ahead=False):
@@ -219,11 +238,17 @@ def stmatrix_errors():
 if __name__ == "__main__":
     # 3 epilogue warps (warps 1-3, the kernel's form) and 4 (the whole first warpgroup).
     failed = False
-    for warps in (3, 4):
+    for warps in (3, 4, 8):
         errs = run(warps)
-        print("b1 epilogue-warps index model, %d warps:" % warps,
+        print("b1 epilogue item loop index model, %d warps:" % warps,
               "PASS" if not errs else "FAIL %s" % errs[:5])
         failed = failed or bool(errs)
+    errs = split_errors(2)
+    if not split_errors(2, consumer_first_end=3):  # consumers overlapping the warps' groups
+        errs.append(("split overlap unnoticed",))
+    print("b1 two-group split's coverage (consumers + epilogue warps):",
+          "PASS" if not errs else "FAIL %s" % errs[:5])
+    failed = failed or bool(errs)
     errs = rows_store_errors()
     print("F2/B4 store-warps index model:", "PASS" if not errs else "FAIL %s" % errs[:5])
     failed = failed or bool(errs)

@@ -1,6 +1,7 @@
 // B1's epilogue in the rows kernel (rows_gemm.cu): the activation backward of a tile's v, in the
-// consumers (b1_epilogue) or in the epilogue warps after a hand-off (b1_epilogue_warps); the forms
-// are described in rows_gemm.cu. Private to rows_gemm.cu (an anonymous namespace).
+// consumers from their accumulators (b1_epilogue: the consumers' form and the split form) or from a
+// hand-off of v (b1_epilogue_items: the epilogue warps, and the consumers of the two-group split);
+// the forms are described in rows_layout.cuh. Private to rows_gemm.cu (an anonymous namespace).
 #pragma once
 
 #include "cuda/engines/sm90/rows_layout.cuh"
@@ -82,11 +83,12 @@ __device__ __forceinline__ void b1_store_chunks(const uint32_t* buf, T* base, in
 }
 
 // Early in a tile's main loop (rows_gemm.cu's tile bookkeeping): the a, b (and, under SAVE_ALL, u)
-// chunks that b1_epilogue will read after the main loop for this warp's 16 rows and the tile's
-// first GROUPS 64-column groups, prefetched into L2 (no registers held). The epilogue then finds
-// them in L2 instead of DRAM: its first loads would otherwise stall both consumer warpgroups, and
-// the tensor cores with them, for a DRAM latency. Lanes 0-15 take a's rows (and u's), lanes 16-31
-// b's; each chunk (64 columns, 128 bytes) gets its first and its last 16 bytes below n_out
+// chunks of this warp's 16 rows and the tile's first GROUPS 64-column groups that the consumers'
+// epilogue will read after the main loop (all four groups in the consumers' form, the groups the
+// consumers run in the split forms), prefetched into L2 (no registers held). The epilogue then
+// finds them in L2 instead of DRAM: its first loads would otherwise stall both consumer warpgroups,
+// and the tensor cores with them, for a DRAM latency. Lanes 0-15 take a's rows (and u's), lanes
+// 16-31 b's; each chunk (64 columns, 128 bytes) gets its first and its last 16 bytes below n_out
 // prefetched, which covers it wherever the row's stride puts it, and touches no address the
 // epilogue would not read.
 template <typename T, int GROUPS>
@@ -115,13 +117,13 @@ __device__ __forceinline__ void b1_prefetch_epilogue_rows(const RowsParams& p, c
   }
 }
 
-// B1's epilogue for one warp's 16 rows of a tile (see the file comment), in 2 steps of 8 rows x 64
+// B1's epilogue for one warp's 16 rows of a tile from its accumulators, in 2 steps of 8 rows x 64
 // columns for each of the tile's first GROUPS 64-column groups (4: all of it, in the consumers'
-// form; 1 or 2: groups 0 or 0-1, in the split forms): a, b (u under SAVE_ALL) come in by
-// coalesced 16-byte loads into the warp's staging buffers (the next step's a, b loads are issued
-// before this step's math), each lane turns its fragment words into da, db, g*u in place, and
-// those go out by coalesced 16-byte stores. ROUND_V: v as the split forms hand the other groups
-// off, rounded once to T (the consumers' form uses the fp32 accumulator).
+// form; 1: group 0, in the split form): a, b (u under SAVE_ALL) come in by coalesced 16-byte loads
+// into the warp's staging buffers (the next step's a, b loads are issued before this step's math),
+// each lane turns its fragment words into da, db, g*u in place, and those go out by coalesced
+// 16-byte stores. ROUND_V: v as the split form hands the other groups off, rounded once to T (the
+// consumers' form uses the fp32 accumulator).
 //
 // Register 4j + q of lane (g, t4) holds row g (q < 2) or g + 8 (q >= 2), column 8j + 2 t4 + (q & 1)
 // of the tile. Staging (coalesced 16-byte accesses instead of 8 rows x 16 bytes per instruction
@@ -135,7 +137,7 @@ __device__ __forceinline__ void b1_prefetch_epilogue_rows(const RowsParams& p, c
 template <typename T, int ACT, int GROUPS, bool ROUND_V>
 __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord& c, int tile_row,
                                             int lane, uint32_t* stg, const float (&acc)[128]) {
-  static_assert(GROUPS == 1 || GROUPS == 2 || GROUPS == 4, "the split forms' groups, or the tile");
+  static_assert(GROUPS == 1 || GROUPS == 4, "the split form's group, or the tile");
   constexpr int kDgSplit = dg_split_groups(GROUPS);
   const int g = lane >> 2, t4 = lane & 3;
   const int h = p.n_out;
@@ -231,30 +233,40 @@ __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord
   }
 }
 
-// B1's epilogue in the forms with epilogue warps, run by warps 1-3 of the producer warpgroup (ew =
-// 0..2) for one tile whose v the consumers left in the hand-off `hb`, rounded to T: the tile's
-// 64-column groups FIRST..3 (FIRST = 0 in the epilogue-warp form, 1 or 2 in the split forms, where
-// the consumers run the groups before FIRST), group g in the hand-off's sub-tile g - FIRST. Item
-// idx = 32 ew + lane + 96 i of the tile's 128 rows x 8 chunks: row idx >> 3 and 16-byte chunk idx &
-// 7 of each of those groups, so a warp instruction covers 4 rows x 128 contiguous bytes of every
-// operand (and reads 4 whole 128-byte rows of the hand-off, conflict-free), and the 8 lanes of a
-// row are consecutive: three shuffles give each of its dg partials (its columns in ascending order
-// within a lane, then a fixed tree: deterministic). Per element the arithmetic of b1_epilogue
+// B1's epilogue from the hand-off `hb` (v rounded to T; hb: group FIRST's 64-column sub-tile, the
+// next groups' after it), for the tile's groups FIRST..LAST-1, run by WARPS warps (w = 0 ..
+// WARPS-1): the epilogue warps (warps 1-3 of the producer warpgroup) run groups
+// consumer_groups(FORM)..3 while the consumers go on, and in the two-group split the 8 consumer
+// warps run groups 0-1 themselves after handing off the whole tile. Item idx = 32 w + lane + 32
+// WARPS i of the tile's 128 rows x 8 chunks: row idx >> 3 and 16-byte chunk idx & 7 of each of
+// those groups, so a warp instruction covers 4 rows x 128 contiguous bytes of every operand (and
+// reads 4 whole 128-byte rows of the hand-off, conflict-free), and the 8 lanes of a row are
+// consecutive: three shuffles give each of its dg partials (its columns in ascending order within a
+// lane, then a fixed tree: deterministic). Groups before SPLIT go to dg part 0, the others to part
+// 1 (each side of a split writes only its own part). Per element the arithmetic of b1_epilogue
 // (b1_element), with du = g * v for v as handed off: rounded once to T, as the PyTorch dataflow's
 // grouped GEMM output is (the consumers' form uses the fp32 accumulator). Plain loads: a, b may
 // live where da, db go (RECOMPUTE, CONSUME_SAVED); each lane reads its chunks before it writes the
 // same chunks.
 //
+// Why the two-group split's consumers use this loop rather than b1_epilogue from their
+// accumulators: ~25 instructions an element against b1_epilogue's ~42, and at 8 k-steps their
+// epilogue is on B1's critical path (on the H200, B1 11-15 % faster at 8 k-steps; with the one
+// group of the split form, at 9-16 k-steps, 1-2 % slower: b1_epilogue stays there).
+//
 // HAVE_U (p.u != nullptr: SAVE_ALL) and whether the activation is gated are template constants,
 // not runtime flags: the item loop is these warps' critical path (they issue in about a fifth of
 // its cycles and wait on their own dependency chains), and runtime forms would carry the u
 // operand's load, unpacking and selects, and b's predicates, through every item.
-template <typename T, int ACT, int FIRST, bool HAVE_U>
-__device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const TileCoord& c, int ew,
+template <typename T, int ACT, int FIRST, int LAST, int SPLIT, int WARPS, bool HAVE_U>
+__device__ __forceinline__ void b1_epilogue_items(const RowsParams& p, const TileCoord& c, int w,
                                                   int lane, const uint32_t* hb) {
-  static_assert(FIRST >= 0 && FIRST <= 2, "all four groups, groups 1-3 or groups 2-3");
-  constexpr int kGroups = 4 - FIRST;
-  constexpr int kDgSplit = dg_split_groups(FIRST);
+  static_assert(0 <= FIRST && FIRST < LAST && LAST <= 4, "a range of the tile's four groups");
+  static_assert(SPLIT >= 1 && SPLIT <= 2, "dg part 0: the groups before SPLIT");
+  constexpr int kGroups = LAST - FIRST;
+  constexpr int kDgSplit = SPLIT;
+  // The dg parts this range touches.
+  constexpr int kFirstPart = FIRST < SPLIT ? 0 : 1, kEndPart = LAST > SPLIT ? 2 : 1;
   constexpr bool kGated = is_gated(static_cast<Activation>(ACT));  // B1's runtime flag, known
   const int h = p.n_out;
   constexpr bool have_u = HAVE_U;
@@ -265,7 +277,7 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
   T* gu = static_cast<T*>(p.gu);
   float* dg_tile = dg_tile_parts(p, c);
   constexpr int kItems = kBM * 8;
-  constexpr int kLanes = 32 * kB1EpiWarps;
+  constexpr int kLanes = 32 * WARPS;
   // Bytes in flight: 96 threads cannot reach the DRAM rate with one column group's loads at a time
   // (~3 KB per SM against the ~24 KB that 3 TB/s at ~1 us needs: B1 1.5-2x slower). So each item
   // loads all its groups' a, b before its first store (the stores may alias
@@ -298,9 +310,9 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
     return idx < kItems && row < c.rows ? __ldg(p.row_pair + (int64_t(c.row0) + row)) : -1;
   };
   const auto load_gval = [&](int32_t pair) { return pair >= 0 ? __ldg(p.g + pair) : 0.f; };
-  prefetch_item(32 * ew + lane + kLanes);
-  float gval_next = load_gval(load_pair(32 * ew + lane));
-  int32_t pair_after_next = load_pair(32 * ew + lane + kLanes);
+  prefetch_item(32 * w + lane + kLanes);
+  float gval_next = load_gval(load_pair(32 * w + lane));
+  int32_t pair_after_next = load_pair(32 * w + lane + kLanes);
   // A pass's dg partials are reduced over their row's 8 lanes (three dependent shuffle round
   // trips) and stored during the NEXT pass, once its a, b loads have left: at the end of the pass
   // they were a serial tail before the loop could issue those loads. Same tree, same bits (1-2 %
@@ -310,7 +322,7 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
   bool pending_store = false;  // the previous item's row is in the tile and this lane holds chunk 0
   const auto store_pending_dg = [&]() {
 #pragma unroll
-    for (int part = FIRST == 0 ? 0 : 1; part < 2; ++part) {
+    for (int part = kFirstPart; part < kEndPart; ++part) {
       float d = pending_dot[part];
       d += __shfl_xor_sync(0xffffffffu, d, 1);
       d += __shfl_xor_sync(0xffffffffu, d, 2);
@@ -319,7 +331,7 @@ __device__ __forceinline__ void b1_epilogue_warps(const RowsParams& p, const Til
     }
   };
 #pragma unroll 1
-  for (int base = 32 * ew; base < kItems; base += kLanes) {  // warp-uniform: kItems % 32 == 0
+  for (int base = 32 * w; base < kItems; base += kLanes) {  // warp-uniform: kItems % 32 == 0
     const int idx = base + lane;
     prefetch_item(idx + 2 * kLanes);
     const float gval = gval_next;

@@ -67,6 +67,12 @@ __device__ __forceinline__ void rows_store_warps(const RowsParams& p, const Tile
   }
 }
 
+// The 8 consumer warps (256 threads, warps 4-11) at named barrier 1 (0 is __syncthreads'): the
+// two-group split's consumers read each other's rows of the hand-off.
+__device__ __forceinline__ void consumer_warps_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerWarps * 32) : "memory");
+}
+
 #endif  // MB_SM90_DEVICE
 
 // ACT: the activation (Activation cast to int) for B1's epilogue; 0 for F2 and B4.
@@ -128,12 +134,18 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
           const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
           mbar_wait(smem_u32(shm.handoff_full), n & 1);
+          // Their first group's sub-tile of the hand-off.
+          const uint32_t* hb_first =
+              hb + (kConsumerGroups - handoff_first_group(FORM)) * kHandoffSubWords;
+          constexpr int kSplit = dg_split_groups(kConsumerGroups);
           if constexpr (KIND != kB1)
             rows_store_warps<T>(p, c, warp - 1, lane, hb);
           else if (have_u)
-            b1_epilogue_warps<T, ACT, kConsumerGroups, true>(p, c, warp - 1, lane, hb);
+            b1_epilogue_items<T, ACT, kConsumerGroups, 4, kSplit, kB1EpiWarps, true>(
+                p, c, warp - 1, lane, hb_first);
           else
-            b1_epilogue_warps<T, ACT, kConsumerGroups, false>(p, c, warp - 1, lane, hb);
+            b1_epilogue_items<T, ACT, kConsumerGroups, 4, kSplit, kB1EpiWarps, false>(
+                p, c, warp - 1, lane, hb_first);
           mbar_arrive(smem_u32(shm.handoff_empty));  // every lane, after its own reads
         }
       }
@@ -277,18 +289,35 @@ __global__ void __launch_bounds__(kThreads, 1)
       uint32_t* stg = reinterpret_cast<uint32_t*>(staging + (warp - 4) * kB1StageWarpBytes);
       if constexpr (kEpiWarps) {
         // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
-        // (for n = 0, parity 1 of a fresh barrier returns at once), round v of the groups they run
-        // into it (store_handoff) and go on (the split forms: after the consumers' groups'
-        // epilogue here). F2 / B4 hand off their rows as stored: row_value(w, v) of the row's
-        // weight.
+        // (for n = 0, parity 1 of a fresh barrier returns at once) and, in the two-group split,
+        // every consumer warp has run its items of it; round v of the groups from
+        // handoff_first_group on into it (store_handoff) and go on (the split forms: after the
+        // consumers' groups' epilogue). F2 / B4 hand off their rows as stored: row_value(w, v) of
+        // the row's weight.
+        constexpr bool kItemsHere = KIND == kB1 && FORM == kB1Split2;  // consumers' item loop
+        if constexpr (kItemsHere) consumer_warps_sync();
         mbar_wait(smem_u32(shm.handoff_empty), (n & 1) ^ 1);
-        store_handoff<kConsumerGroups>(
+        store_handoff<handoff_first_group(FORM)>(
             smem_u32(shm.epi), tile_row, lane, acc, [&](int rr, float lo, float hi) {
               return KIND == kB1 ? pack2<T>(lo, hi) : row_value_pair<T>(w[rr], lo, hi);
             });
         mbar_arrive(smem_u32(shm.handoff_full));  // every lane, after its own writes
-        if constexpr (KIND == kB1 && kConsumerGroups > 0)
-          b1_epilogue<T, ACT, kConsumerGroups, true>(p, c, tile_row, lane, stg, acc);
+        if constexpr (KIND == kB1 && FORM == kB1Split) {
+          b1_epilogue<T, ACT, 1, true>(p, c, tile_row, lane, stg, acc);
+        } else if constexpr (kItemsHere) {
+          // The accumulators are dead until the next tile's first k-step overwrites them: zeroed,
+          // their registers are free for the item loop.
+#pragma unroll
+          for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+          consumer_warps_sync();  // every consumer warp's rows are in the hand-off
+          const uint32_t* hb = reinterpret_cast<const uint32_t*>(shm.epi);
+          if (p.u != nullptr)
+            b1_epilogue_items<T, ACT, 0, kConsumerGroups, kConsumerGroups, kConsumerWarps, true>(
+                p, c, warp - 4, lane, hb);
+          else
+            b1_epilogue_items<T, ACT, 0, kConsumerGroups, kConsumerGroups, kConsumerWarps, false>(
+                p, c, warp - 4, lane, hb);
+        }
       } else if constexpr (KIND == kB1) {
         b1_epilogue<T, ACT, 4, false>(p, c, tile_row, lane, stg, acc);
       } else {

@@ -33,7 +33,8 @@ constexpr int kBMnBoxBytes = 64 * kBK * 2;         // 8 KB: one 64-column box of
 constexpr int kBKBoxRows = 128;                    // K-major B: two boxes of 128 rows of n
 constexpr int kBKBoxBytes = kBKBoxRows * kBK * 2;  // 16 KB
 constexpr int kStageBytes = kATileBytes + kBTileBytes;
-// B1's epilogue staging: per consumer warp three 8-row x 64-column buffers (a -> da, b -> db,
+// B1's epilogue staging where the consumers run groups from their accumulators (the consumers'
+// form and the split form): per consumer warp three 8-row x 64-column buffers (a -> da, b -> db,
 // u -> g*u), common.cuh's swizzled layout.
 constexpr int kB1StageRows = 8;
 constexpr int kB1StageWords = kB1StageRows * kStageCols / 2;  // 256 words = 1 KB
@@ -66,7 +67,9 @@ constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 //                 the hand-off while the consumers go on (above).
 //   kB1Split:     3 stages; the consumers hand off groups 1-3 and run group 0 themselves (from
 //                 their accumulators, rounded to T as the hand-off is), then go on.
-//   kB1Split2:    as kB1Split with groups 0-1 on the consumers and 2-3 on the epilogue warps.
+//   kB1Split2:    3 stages; the consumers hand off the whole tile, run groups 0-1 themselves from
+//                 the hand-off (the epilogue warps' item loop over the 8 consumer warps) while the
+//                 epilogue warps run groups 2-3, then go on.
 //
 // Why the split: where the main loop is short (16 k-steps), the epilogue-warp form leaves the
 // consumers waiting for the hand-off buffer a third of the time (the epilogue warps' 327 KB a tile
@@ -80,18 +83,27 @@ constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 enum B1Form : int { kB1Consumers = 0, kB1Warps = 1, kB1Split = 2, kB1Split2 = 3 };
 constexpr int kB1Split2MaxKTiles = 8;
 constexpr int kB1SplitMaxKTiles = 16;
-// 64-column groups of a tile the consumers run themselves, and those they hand off.
+// 64-column groups of a tile the consumers run themselves (the epilogue warps run the others), and
+// the first group of the hand-off: the split form keeps its group in the accumulators, the
+// two-group split hands off the whole tile and reads its groups back.
 constexpr int consumer_groups(int form) {
   return form == kB1Consumers ? 4 : form == kB1Split ? 1 : form == kB1Split2 ? 2 : 0;
 }
-constexpr int handoff_groups(int form) {
-  return form == kB1Consumers ? 0 : 4 - consumer_groups(form);
+constexpr int handoff_first_group(int form) {
+  return form == kB1Split ? 1 : 0;
 }
-// The epilogue's shared memory after the stages: the hand-off's groups, then (when the consumers
-// run any group) their staging buffers.
+constexpr int handoff_groups(int form) {
+  return form == kB1Consumers ? 0 : 4 - handoff_first_group(form);
+}
+// Whether the consumers run their groups from their accumulators, through the staging buffers.
+constexpr bool consumers_stage(int form) {
+  return form == kB1Consumers || form == kB1Split;
+}
+// The epilogue's shared memory after the stages: the hand-off's groups, then the consumers'
+// staging buffers.
 constexpr size_t epilogue_bytes(int form) {
   return size_t(handoff_groups(form)) * kHandoffSubBytes +
-         (consumer_groups(form) > 0 ? size_t(kEpiBytes) : 0);
+         (consumers_stage(form) ? size_t(kEpiBytes) : 0);
 }
 constexpr size_t smem_bytes(int E, int form) {
   return pipeline_smem_bytes(stages_for(form != kB1Consumers), kStageBytes, epilogue_bytes(form),
