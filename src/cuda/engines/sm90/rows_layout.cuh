@@ -77,9 +77,10 @@ constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
 // quarter of the epilogue on the consumers balances the two sides (on the H200, B1 8 % faster than
 // the epilogue warps alone at 16 k-steps, conf3; 9-14 % slower at 32, qwen3-30b-a3b and conf4,
 // where the epilogue warps keep up: hence kB1SplitMaxKTiles). At 8 k-steps the main loop is half
-// as long again and the two-group split wins (15-18 % against the consumers' form), while at 16
-// it loses to the split: hence kB1Split2MaxKTiles. Below 8 k-steps is unmeasured and keeps the
-// consumers' form.
+// as long again and the two-group split wins (15-18 % against the consumers' form; B1 11-15 %
+// faster again since its consumers run their groups with the item loop), while at 16 it loses to
+// the split (with the item loop too: B1 4-8 % slower on conf2 and conf6): hence
+// kB1Split2MaxKTiles. Below 8 k-steps is unmeasured and keeps the consumers' form.
 enum B1Form : int { kB1Consumers = 0, kB1Warps = 1, kB1Split = 2, kB1Split2 = 3 };
 constexpr int kB1Split2MaxKTiles = 8;
 constexpr int kB1SplitMaxKTiles = 16;
