@@ -25,7 +25,8 @@
 // (B1Form, kB1EpiWarpsMinKTiles): 3 stages, setmaxnreg 104 / 200, the consumers hand v off in bf16
 // and warps 1-3 of the producer warpgroup run the epilogue above while the consumers go on; with
 // 9-16 k-steps (the split form) the consumers keep the tile's first 64 columns and run their
-// epilogue themselves after the hand-off, with 8 (the two-group split) its first 128.
+// epilogue themselves after the hand-off; with 8 (the two-group split) they hand off the whole
+// tile and run its first 128 columns from the hand-off with the epilogue warps' item loop.
 #include "cuda/engines/sm90/rows_gemm.hpp"
 
 #include <algorithm>
