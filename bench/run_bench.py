@@ -146,6 +146,13 @@ def parse_args(argv=None):
                    help="wall-clock budget for the whole run; repetitions are planned to fit")
     p.add_argument("--min-reps", type=int, default=5)
     p.add_argument("--max-reps", type=int, default=50)
+    p.add_argument("--interleave", type=int, default=0, metavar="ROUNDS",
+                   help="time the implementations of a configuration and activation in ROUNDS "
+                        "rounds of alternating order (as planned, then reversed), each row's "
+                        "repetitions split over them, so the card's drift and the order of the "
+                        "rows fall on every implementation alike; a row's ms is the median over "
+                        "all its repetitions, ms_rounds each round's median (0 or 1: each row "
+                        "times its repetitions in one block, right after its checks)")
     p.add_argument("--row-timing-s", type=float, default=1.5,
                    help="at most this long in timed repetitions per row")
     p.add_argument("--seed", type=int, default=1234)
@@ -183,6 +190,8 @@ def parse_args(argv=None):
     p.add_argument("--child-go", default=None, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.interleave < 0:
+        p.error(f"--interleave {args.interleave}: a number of rounds, 0 or more")
     if args.quick:
         args.min_reps = args.max_reps = 3
     if args.dense_reference_s is None:
@@ -783,8 +792,95 @@ def is_sticky_cuda_error(error):
     return any(s in text for s in STICKY_CUDA_ERRORS)
 
 
-def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s):
-    """Measures one row; fills what it can and records the first error."""
+def timing_reps(row_budget_s, est_ms, args):
+    """Timed repetitions for a row whose one step took est_ms: as many as fill row_budget_s,
+    within [min_reps, max_reps]; a very slow row still gets 3, not min_reps, so it cannot eat the
+    budget."""
+    reps = int(row_budget_s * 1e3 / max(est_ms, 1e-3))
+    return max(min(args.min_reps, 3) if reps < args.min_reps else args.min_reps,
+               min(args.max_reps, reps))
+
+
+def fill_timing(row, times, clock_summary):
+    """A row's timing fields from its repetitions' times (ms) and its clock samples' summary."""
+    times = sorted(times)
+    row["reps"] = len(times)
+    row["ms"] = statistics.median(times)
+    row["ms_min"] = times[0]
+    row["ms_p20"] = percentile(times, 0.2)
+    row["ms_p80"] = percentile(times, 0.8)
+    row["tflops"] = row["flops"] / (row["ms"] * 1e-3) / 1e12
+    row.update(gpu_clocks.row_clocks(clock_summary, row["ms"]))
+
+
+def timed_block(step, reps, est_ms, args):
+    """One block of a row's timed repetitions: (times in ms, clock samples while they ran)."""
+    if est_ms < 250:
+        step()  # one more warm-up right before timing (slow rows are warm enough by now)
+    sampling = args.device == "cuda" and not args.no_clock_samples
+    with (gpu_clocks.ClockSampler(interval_ms=ROW_CLOCK_INTERVAL_MS) if sampling
+          else contextlib.nullcontext()) as sampler:
+        times = time_reps(step, reps, args)
+    return times, (sampler.samples if sampler else [])
+
+
+def clock_summary(samples):
+    """The summary of clock samples gathered over one or more blocks (None: no sampling)."""
+    if samples is None:
+        return None
+    sampler = gpu_clocks.ClockSampler(interval_ms=ROW_CLOCK_INTERVAL_MS)
+    sampler.samples = list(samples)
+    return sampler.summary()
+
+
+class PendingTiming:
+    """A row whose checks are done and whose repetitions are timed later, interleaved with the
+    other rows of its configuration and activation (--interleave); holds the step, and with it the
+    implementation's state, until then."""
+
+    def __init__(self, row, step, reps, est_ms):
+        self.row, self.step, self.reps, self.est_ms = row, step, reps, est_ms
+        self.times, self.samples, self.round_ms = [], [], []
+
+
+def interleave_timing(pending, rounds, args, order_log=None):
+    """Times the pending rows in `rounds` rounds, the rows in their order on even rounds and
+    reversed on odd ones, each row's repetitions split evenly over the rounds (at least one a
+    round), then fills each row's timing fields from all its repetitions. A row whose step raises
+    records the error and leaves the later rounds. order_log (tests): each block's row, in order."""
+    failed = set()
+    for round_index in range(rounds):
+        order = pending if round_index % 2 == 0 else pending[::-1]
+        for p in order:
+            if id(p) in failed:
+                continue
+            try:
+                times, samples = timed_block(p.step, max(1, -(-p.reps // rounds)), p.est_ms, args)
+            except Exception as error:  # noqa: BLE001 (recorded, the other rows go on)
+                p.row["error"] = " ".join(f"timing: {type(error).__name__}: {error}".split())
+                if args.device == "cuda" and (is_sticky_cuda_error(error) or
+                                              not cuda_still_usable()):
+                    p.row["sticky_cuda_error"] = True
+                failed.add(id(p))
+                continue
+            if order_log is not None:
+                order_log.append(p.row["impl"])
+            p.times += times
+            p.samples += samples
+            p.round_ms.append(statistics.median(times))
+    sampling = args.device == "cuda" and not args.no_clock_samples
+    for p in pending:
+        if id(p) in failed:
+            continue
+        fill_timing(p.row, p.times, clock_summary(p.samples) if sampling else None)
+        p.row["timing_rounds"] = rounds
+        p.row["ms_rounds"] = p.round_ms
+        p.step = None  # the implementation's state can go
+
+
+def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s, deferred=None):
+    """Measures one row; fills what it can and records the first error. With `deferred` (a list)
+    a row that passed its checks is not timed here: a PendingTiming goes on the list instead."""
     T, d, h, E, k = cfg["T"], cfg["d"], cfg["h"], cfg["E"], cfg["k"]
     flops = roofline.flops(cfg, activation)
     elem = torch.finfo(DTYPES[args.dtype]).bits // 8
@@ -872,27 +968,17 @@ def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s):
             raise FloatingPointError(f"non-finite values in {', '.join(nonfinite)}")
 
         stage = "timing"
-        reps = int(row_budget_s * 1e3 / max(est_ms, 1e-3))
-        # a very slow row still gets 3 repetitions, not min_reps, so it cannot eat the budget
-        reps = max(min(args.min_reps, 3) if reps < args.min_reps else args.min_reps,
-                   min(args.max_reps, reps))
+        reps = timing_reps(row_budget_s, est_ms, args)
 
         def step():
             fwd_bwd(fn, native, leaves, layer=layer)
 
-        if est_ms < 250:
-            step()  # one more warm-up right before timing (slow rows are warm enough by now)
+        if deferred is not None:
+            deferred.append(PendingTiming(row, step, reps, est_ms))
+            return row
+        times, samples = timed_block(step, reps, est_ms, args)
         sampling = args.device == "cuda" and not args.no_clock_samples
-        with (gpu_clocks.ClockSampler(interval_ms=ROW_CLOCK_INTERVAL_MS) if sampling
-              else contextlib.nullcontext()) as sampler:
-            times = sorted(time_reps(step, reps, args))
-        row["reps"] = reps
-        row["ms"] = statistics.median(times)
-        row["ms_min"] = times[0]
-        row["ms_p20"] = percentile(times, 0.2)
-        row["ms_p80"] = percentile(times, 0.8)
-        row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
-        row.update(gpu_clocks.row_clocks(sampler.summary() if sampler else None, row["ms"]))
+        fill_timing(row, times, clock_summary(samples) if sampling else None)
     except Exception as error:  # noqa: BLE001 (recorded, the run goes on)
         row["error"] = " ".join(f"{stage}: {type(error).__name__}: {error}".split())
         row["error_trace"] = traceback.format_exc(limit=6)[-2000:]
@@ -1035,6 +1121,10 @@ def run_configs(configs, args, emit):
                     free_memory(args)
             log(f"[{label}] T={cfg['T']} d={cfg['d']} h={cfg['h']} E={cfg['E']} k={cfg['k']} "
                 f"seed={inputs['seed']} reference={ref_info}")
+            # --interleave: the rows' checks run in plan order, their timing afterwards in
+            # alternating rounds (interleave_timing); they are emitted once timed, in plan order.
+            pending = [] if args.interleave >= 2 else None
+            held = []
             for impl, policy in plan:
                 now = time.time()
                 if now > deadline:
@@ -1045,15 +1135,30 @@ def run_configs(configs, args, emit):
                     # accuracy and repeat runs take the rest
                     share = (deadline - now) / max(rows_left, 1)
                     row = run_row(cfg, activation, impl, policy, inputs, ref, args,
-                                  row_budget_s=min(args.row_timing_s, 0.5 * share))
+                                  row_budget_s=min(args.row_timing_s, 0.5 * share),
+                                  deferred=pending)
                     row["reference"] = ref_info
                 rows_left -= 1
-                emit({"event": "row", "row": row})
-                log("  " + row_line(row))
+                if pending is not None:
+                    held.append(row)
+                else:
+                    emit({"event": "row", "row": row})
+                    log("  " + row_line(row))
                 if row.get("sticky_cuda_error"):
+                    for kept in held:
+                        emit({"event": "row", "row": kept})
                     log(f"  sticky CUDA error in {label} {impl}/{policy}: ending this process")
                     return False
-                free_memory(args)
+                free_memory(args)  # a row waiting for its timing keeps its state referenced
+            if pending is not None:
+                interleave_timing(pending, args.interleave, args)
+                pending.clear()
+                for row in held:
+                    emit({"event": "row", "row": row})
+                    log("  " + row_line(row))
+                if any(row.get("sticky_cuda_error") for row in held):
+                    log(f"  sticky CUDA error in {label}'s interleaved timing: ending this process")
+                    return False
             del inputs, ref
             free_memory(args)
         emit({"event": "config_done", "config": cfg["name"], "time": time.time()})
@@ -1108,7 +1213,7 @@ def child_argv(args, configs, state_path, deadline):
             "--policies", ",".join(args.policies), "--device", args.device, "--dtype", args.dtype,
             "--out", args.out, "--seed", str(args.seed), "--min-reps", str(args.min_reps),
             "--max-reps", str(args.max_reps), "--ref-chunk-gib", str(args.ref_chunk_gib),
-            "--row-timing-s", repr(args.row_timing_s),
+            "--row-timing-s", repr(args.row_timing_s), "--interleave", str(args.interleave),
             "--deadline", repr(deadline), "--budget-s", repr(max(1.0, deadline - time.time()))]
     argv += ["--mode", args.mode]
     if args.keep_saved:

@@ -232,6 +232,47 @@ def test_harness_smoke(tmp_path):
                     < by[(c["name"], act, "save_all")]
 
 
+def test_interleaved_timing_alternates_the_rows_and_splits_their_repetitions():
+    args = run_bench.parse_args(["--device", "cpu", "--interleave", "3"])
+    calls = []
+
+    def pending(impl, reps, fail=False):
+        row = {"impl": impl, "flops": 1e9}
+
+        def step():
+            calls.append(impl)
+            if fail and calls.count(impl) > 1:
+                raise RuntimeError("step broke")
+        return run_bench.PendingTiming(row, step, reps, est_ms=1000.0)  # no extra warm-up
+
+    rows = [pending("a", 6), pending("b", 5), pending("c", 3, fail=True)]
+    order = []
+    run_bench.interleave_timing(rows, 3, args, order_log=order)
+    # rounds: as planned, reversed, as planned (one block a row each); c's step raises in its
+    # second round, which leaves c out of the third
+    assert order == ["a", "b", "c", "b", "a", "a", "b"], order
+    a, b, c = (p.row for p in rows)
+    assert a["reps"] == 6 and len(a["ms_rounds"]) == 3 and a["timing_rounds"] == 3
+    assert b["reps"] == 6  # ceil(5 / 3) = 2 a round
+    assert a["ms"] > 0 and a["tflops"] > 0 and a["ms_min"] <= a["ms"] <= a["ms_p80"]
+    assert a["clock_samples"] == 0 and a["sm_mhz"] is None  # CPU: nothing sampled
+    assert "step broke" in c["error"] and "ms" not in c and "timing_rounds" not in c
+    assert all(p.step is None for p in rows[:2])  # the implementations' state is let go
+
+
+def test_harness_interleaved_rows(tmp_path):
+    doc, _ = _run_harness(tmp_path, ["--acts", "silu", "--impls", "loop,grouped_mm",
+                                     "--interleave", "3"])
+    rows = doc["rows"]
+    assert sorted((r["config"], r["impl"]) for r in rows) == \
+        sorted((c["name"], impl) for c in TINY for impl in ("grouped_mm", "loop"))
+    for r in rows:
+        assert r["error"] is None, r
+        assert r["timing_rounds"] == 3 and len(r["ms_rounds"]) == 3, r
+        assert r["reps"] >= 3 and r["ms"] > 0 and r["err_ok"] is True
+    assert "--interleave 3" in doc["command"]
+
+
 def test_harness_survives_a_crashing_configuration(tmp_path):
     doc, _ = _run_harness(tmp_path, ["--acts", "swiglu", "--isolate", "--impls", "loop,grouped_mm"],
                           env={"MOEBLAZE_BENCH_FAULT": "crash:tiny_a:loop"})
