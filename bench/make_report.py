@@ -318,6 +318,8 @@ def markdown(doc, plot_names=(), image_dir="", accuracy=True):
            False: "; backward keeps its saved buffer (--keep-saved).",
            None: "."}[env.get("moeblaze_consume_saved")],
         *peer_lines(doc),
+        *([f"**Commit mismatch:** {doc['commit_mismatch']}."] if doc.get("commit_mismatch")
+          else []),
         *command_lines(doc),
         *clock_lines(doc),
         "",
@@ -571,6 +573,9 @@ def publish(json_path, results_dir=RESULTS_DIR, doc_path=PERFORMANCE_DOC, make_p
         raise SystemExit(f"--as {as_}: expected latest, " + ", ".join(PUBLISH_AS))
     with open(json_path) as f:
         doc = scrub_machine_paths(json.load(f))
+    if doc.get("commit_mismatch"):
+        # A committed result names the build it measured.
+        raise SystemExit(f"make_report: {json_path} is not published: {doc['commit_mismatch']}")
     os.makedirs(results_dir, exist_ok=True)
     if as_ != "latest":
         name, begin, end, table = PUBLISH_AS[as_]

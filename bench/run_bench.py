@@ -276,6 +276,23 @@ def git_commit():
     return "unknown"
 
 
+def commit_mismatch(commit, build_info):
+    """A message when the library's build-info revision ("(git <hex>[-dirty])") names another
+    commit than the one recorded for the run, else None (also when either cannot be read: a
+    MOEBLAZE_COMMIT that is not a hash, "unknown", no library). A copy of the tree whose .git is
+    not its commit's records the wrong commit; so does a library built from another checkout."""
+    m = re.search(r"\(git ([0-9a-f]{7,40})(-dirty)?\)", build_info or "")
+    recorded = (commit or "").removesuffix("-dirty")
+    if not m or not re.fullmatch(r"[0-9a-f]{7,40}", recorded):
+        return None
+    built = m.group(1)
+    if recorded.startswith(built) or built.startswith(recorded):
+        return None
+    return (f"the library was built at commit {built}, the run records {commit}: the recorded commit "
+            f"is the checkout's HEAD (or $MOEBLAZE_COMMIT); set MOEBLAZE_COMMIT to the commit of "
+            f"the tree that ran")
+
+
 def device_name(device):
     if device == "cuda":
         return torch.cuda.get_device_name(0)
@@ -1742,6 +1759,10 @@ def main(argv=None):
         f"results -> {path}")
     log(f"moeblaze: {header['environment'].get('moeblaze')}; "
         f"{header['environment'].get('moeblaze_build_info', '')}")
+    mismatch = commit_mismatch(header["commit"], header["environment"].get("moeblaze_build_info"))
+    if mismatch:
+        header["commit_mismatch"] = mismatch
+        log(f"WARNING: {mismatch}")
 
     def save(rows):
         write_results(path, header, rows)

@@ -273,6 +273,29 @@ def test_harness_interleaved_rows(tmp_path):
     assert "--interleave 3" in doc["command"]
 
 
+def test_a_library_built_at_another_commit_is_flagged_and_not_published(tmp_path):
+    info = "moeblaze 0.1.0 (git b18fd4923aea), ABI 0, backends: CPU"
+    assert run_bench.commit_mismatch("b18fd4923aea80f62997d53c8cdfc15410e7d3fa", info) is None
+    assert run_bench.commit_mismatch("b18fd49", info) is None  # $MOEBLAZE_COMMIT, short
+    assert run_bench.commit_mismatch("b18fd4923aea80f6-dirty", info.replace(")", "-dirty)")) \
+        is None
+    message = run_bench.commit_mismatch("0b79da43057e0081926fef7ea9d3bac85fe8ae2c-dirty", info)
+    assert "b18fd4923aea" in message and "MOEBLAZE_COMMIT" in message
+    for commit, build in (("unknown", info), ("release 0.1", info), ("b18fd49", None),
+                          ("0b79da4", "moeblaze 0.1.0 (git unknown), ABI 0")):
+        assert run_bench.commit_mismatch(commit, build) is None, (commit, build)
+    import make_report
+    doc = {"device": "cpu", "commit": "0b79da4", "commit_mismatch": message,
+           "environment": {"dtype": "bf16", "moeblaze_build_info": info}, "rows": []}
+    assert "**Commit mismatch:**" in make_report.markdown(doc)
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SystemExit, match="not published"):
+        make_report.publish(str(path), results_dir=str(tmp_path / "results"), doc_path=None,
+                            make_plots=False)
+    assert not (tmp_path / "results").exists()
+
+
 def test_harness_survives_a_crashing_configuration(tmp_path):
     doc, _ = _run_harness(tmp_path, ["--acts", "swiglu", "--isolate", "--impls", "loop,grouped_mm"],
                           env={"MOEBLAZE_BENCH_FAULT": "crash:tiny_a:loop"})
