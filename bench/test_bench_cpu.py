@@ -296,6 +296,16 @@ def test_a_library_built_at_another_commit_is_flagged_and_not_published(tmp_path
     assert not (tmp_path / "results").exists()
 
 
+def test_committed_result_sets_name_the_build_they_measured():
+    for name in ("latest.json", "layer.json", "megablocks.json"):
+        with open(os.path.join(HERE, "results", name)) as f:
+            doc = json.load(f)
+        build = doc["environment"]["moeblaze_build_info"]
+        assert "commit_mismatch" not in doc, name
+        assert run_bench.commit_mismatch(doc["commit"], build) is None, (name, doc["commit"], build)
+        assert "(git " in build and not doc["commit"].endswith("-dirty"), (name, doc["commit"])
+
+
 def test_harness_survives_a_crashing_configuration(tmp_path):
     doc, _ = _run_harness(tmp_path, ["--acts", "swiglu", "--isolate", "--impls", "loop,grouped_mm"],
                           env={"MOEBLAZE_BENCH_FAULT": "crash:tiny_a:loop"})
