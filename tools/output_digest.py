@@ -4,15 +4,16 @@ bits: run it once per library (MOEBLAZE_LIBRARY) with the same arguments and com
 
     MOEBLAZE_LIBRARY=build-before/src/libmoeblaze.so python3 tools/output_digest.py > before.txt
     MOEBLAZE_LIBRARY=build-device/src/libmoeblaze.so python3 tools/output_digest.py > after.txt
-    diff before.txt after.txt && echo "bitwise identical"
+    python3 tools/output_digest.py --compare before.txt after.txt [--may-differ dg]
 
 Each line: shape, activation, policy, then a SHA-256 prefix of y, dx, dg and each weight gradient
 (the tensors' bytes). The inputs are seeded (--seed), so two runs on one machine see the same
 inputs; with the default shapes the B1 forms of the Hopper path run at 8, 16, 32 and 64 k-steps
-(d = 512 ... 4096: split2, split, split, epilogue warps) and the last tile is partial (h not a
-multiple of 256). A kernel change that
-claims to keep every output's bits is checked with it; one that does not shows which outputs moved.
-Needs a GPU (or --device cpu), PyTorch and the Python bindings.
+(d = 512 ... 4096: split2, split, epilogue warps, epilogue warps) and the last tile is partial (h
+not a multiple of 256). A kernel change that claims to keep every output's bits is checked with it;
+one that does not shows which outputs moved (--compare names them per case and exits 1 when any
+output moved that --may-differ does not allow). Needs a GPU (or --device cpu), PyTorch and the
+Python bindings.
 """
 import argparse
 import hashlib
@@ -69,6 +70,31 @@ def run(shape, act, policy, seed, device):
         f"{n}={digest(grads.get(n))}" for n in names)
 
 
+def compare(before, after, may_differ=()):
+    """Two runs' lines (the same arguments) -> (report lines, ok): per line, the outputs whose
+    digests differ; ok when the runs have the same cases and only outputs named in may_differ (a
+    kernel change that reorders a sum, e.g. "dg") differ."""
+    report, ok = [], len(before) == len(after)
+    if not ok:
+        report.append(f"{len(before)} lines against {len(after)}: not the same cases")
+    for line_a, line_b in zip(before, after):
+        case_a, case_b = line_a.split()[:3], line_b.split()[:3]
+        if case_a != case_b:
+            report.append(f"{' '.join(case_a)} against {' '.join(case_b)}: not the same case")
+            ok = False
+            continue
+        outs_a = dict(w.split("=", 1) for w in line_a.split()[3:])
+        outs_b = dict(w.split("=", 1) for w in line_b.split()[3:])
+        moved = sorted(n for n in outs_a.keys() | outs_b.keys() if outs_a.get(n) != outs_b.get(n))
+        unexpected = [n for n in moved if n not in may_differ]
+        ok = ok and not unexpected
+        report.append(f"{' '.join(case_a)}: " + ("identical" if not moved else
+                      "differ: " + ", ".join(moved) + (" (unexpected)" if unexpected else "")))
+    report.append("same bits" + (f" except {', '.join(may_differ)}" if may_differ else "")
+                  if ok else "DIFFERENT BITS")
+    return report, ok
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,9 +106,22 @@ def main():
     p.add_argument("--self-test", action="store_true",
                    help="on the CPU backend, tiny shape: two runs give the same lines, another "
                         "seed different ones (CTest)")
+    p.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                   help="compare two runs' saved lines instead of running: per case the outputs "
+                        "that differ; exit 1 if any differs but those of --may-differ")
+    p.add_argument("--may-differ", default="",
+                   help="with --compare: outputs allowed to differ, e.g. dg (a new sum order)")
     a = p.parse_args()
     if a.self_test:
         return self_test()
+    if a.compare:
+        texts = []
+        for path in a.compare:
+            with open(path) as f:
+                texts.append([line for line in f.read().splitlines() if line.strip()])
+        report, ok = compare(*texts, may_differ=[n for n in a.may_differ.split(",") if n])
+        print("\n".join(report))
+        return 0 if ok else 1
     for shape in a.shapes.split(","):
         for act in a.acts.split(","):
             for policy in a.policies.split(","):
@@ -97,6 +136,15 @@ def self_test():
     first, again, other = lines(2026), lines(2026), lines(7)
     ok = first == again and all(a != b for a, b in zip(first, other))
     ok = ok and all(len(line.split()) == 9 for line in first)
+    # --compare: identical runs agree; another seed differs in every output, which naming one
+    # output as allowed does not excuse; a changed dg alone passes when dg may differ.
+    ok = ok and compare(first, again)[1] and not compare(first, other)[1]
+    ok = ok and not compare(first, other, may_differ=["dg"])[1]
+    moved_dg = [" ".join(w if not w.startswith("dg=") else "dg=0" for w in line.split())
+                for line in first]
+    ok = ok and compare(first, moved_dg, may_differ=["dg"])[1] and not compare(first, moved_dg)[1]
+    ok = ok and "differ: dg (unexpected)" in compare(first, moved_dg)[0][0]
+    ok = ok and not compare(first, first[:-1])[1]
     print("\n".join(first))
     print("output_digest self-test:", "ok" if ok else "FAILED")
     return 0 if ok else 1
