@@ -830,20 +830,24 @@ def fill_timing(row, times, clock_summary):
     row.update(gpu_clocks.row_clocks(clock_summary, row["ms"]))
 
 
+def samples_clocks(args):
+    """Whether the rows' timed repetitions run under a clock sampler."""
+    return args.device == "cuda" and not args.no_clock_samples
+
+
 def timed_block(step, reps, est_ms, args):
     """One block of a row's timed repetitions: (times in ms, clock samples while they ran)."""
     if est_ms < 250:
         step()  # one more warm-up right before timing (slow rows are warm enough by now)
-    sampling = args.device == "cuda" and not args.no_clock_samples
-    with (gpu_clocks.ClockSampler(interval_ms=ROW_CLOCK_INTERVAL_MS) if sampling
+    with (gpu_clocks.ClockSampler(interval_ms=ROW_CLOCK_INTERVAL_MS) if samples_clocks(args)
           else contextlib.nullcontext()) as sampler:
         times = time_reps(step, reps, args)
     return times, (sampler.samples if sampler else [])
 
 
-def clock_summary(samples):
-    """The summary of clock samples gathered over one or more blocks (None: no sampling)."""
-    if samples is None:
+def clock_summary(samples, args):
+    """The summary of clock samples gathered over one or more blocks (None: not sampling)."""
+    if not samples_clocks(args):
         return None
     sampler = gpu_clocks.ClockSampler(interval_ms=ROW_CLOCK_INTERVAL_MS)
     sampler.samples = list(samples)
@@ -885,11 +889,10 @@ def interleave_timing(pending, rounds, args, order_log=None):
             p.times += times
             p.samples += samples
             p.round_ms.append(statistics.median(times))
-    sampling = args.device == "cuda" and not args.no_clock_samples
     for p in pending:
         if id(p) in failed:
             continue
-        fill_timing(p.row, p.times, clock_summary(p.samples) if sampling else None)
+        fill_timing(p.row, p.times, clock_summary(p.samples, args))
         p.row["timing_rounds"] = rounds
         p.row["ms_rounds"] = p.round_ms
         p.step = None  # the implementation's state can go
@@ -994,8 +997,7 @@ def run_row(cfg, activation, impl, policy, inputs, ref, args, row_budget_s, defe
             deferred.append(PendingTiming(row, step, reps, est_ms))
             return row
         times, samples = timed_block(step, reps, est_ms, args)
-        sampling = args.device == "cuda" and not args.no_clock_samples
-        fill_timing(row, times, clock_summary(samples) if sampling else None)
+        fill_timing(row, times, clock_summary(samples, args))
     except Exception as error:  # noqa: BLE001 (recorded, the run goes on)
         row["error"] = " ".join(f"{stage}: {type(error).__name__}: {error}".split())
         row["error_trace"] = traceback.format_exc(limit=6)[-2000:]
@@ -1162,6 +1164,8 @@ def run_configs(configs, args, emit):
                     emit({"event": "row", "row": row})
                     log("  " + row_line(row))
                 if row.get("sticky_cuda_error"):
+                    for waiting in pending or ():  # checked rows the error leaves untimed
+                        waiting.row["error"] = "not timed: a sticky CUDA error in a later row"
                     for kept in held:
                         emit({"event": "row", "row": kept})
                     log(f"  sticky CUDA error in {label} {impl}/{policy}: ending this process")
