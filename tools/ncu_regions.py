@@ -29,7 +29,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_loops import backward_loops, epilogue_loop, kstep_loop  # noqa: E402
+from sass_loops import backward_loops, epilogue_loops, kstep_loop  # noqa: E402
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
 
@@ -97,11 +97,11 @@ def regions(ins):
     k = kstep_loop(plain)
     if k:
         found.append(("k-step loop", k[0], k[1]))
-    e = epilogue_loop(plain)
-    if e and not (k and e[0] <= k[0] and k[1] <= e[1]):  # not the tile loop around the k-steps
-        found.append((f"MUFU loop ({e[2]} MUFU)", e[0], e[1]))
-    elif e:
-        found.append((f"MUFU loop ({e[2]} MUFU; holds the k-step loop)", e[0], e[1]))
+    for e in epilogue_loops(plain):  # one per activation epilogue the kernel compiles
+        if not (k and e[0] <= k[0] and k[1] <= e[1]):  # not the tile loop around the k-steps
+            found.append((f"MUFU loop ({e[2]} MUFU)", e[0], e[1]))
+        else:
+            found.append((f"MUFU loop ({e[2]} MUFU; holds the k-step loop)", e[0], e[1]))
     for h, b, wait in wait_loops(plain):
         operand = re.search(r"\[[^\]]*\]", wait)
         inside = [lab for lab, lh, lb in found if lh <= h and b <= lb and "wait" not in lab]

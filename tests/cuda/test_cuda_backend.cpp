@@ -845,15 +845,17 @@ TEST_SUITE("cuda") {
 #endif
   }
 
-  TEST_CASE("cuda: F1's two epilogue forms match the CPU and each other bit for bit") {
+  TEST_CASE("cuda: F1's epilogue forms match the CPU and each other bit for bit") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
     // MOEBLAZE_CUDA_F1_FORM forces the Hopper F1's epilogue form (f1_gemm.cu) whatever the
-    // k-steps a tile: the consumers' form (the policy above 64 k-steps) and the epilogue warps
-    // (the policy up to 64) round a, b once and form u by the same arithmetic, so every output
-    // must keep its bits from one to the other. d = 64 (1 k-step), 576 (9), 2112 (33) and 4160
-    // (65: past the threshold, where the policy takes the consumers' form); h = 296: a last tile
-    // of 40 columns. SAVE_PREACT
+    // k-steps a tile: the consumers' form (the policy above 64 k-steps), the epilogue warps (the
+    // policy up to 64) and the split form, whose consumers store a quarter of the tile's rows from
+    // the hand-off (the policy up to 8 for non-gated activations), all round a, b once and form u
+    // by the same arithmetic, so every output must keep its bits from one to another.
+    // d = 64 (1 k-step), 576 (9), 2112 (33) and 4160 (65: past the threshold, where the policy
+    // takes the consumers' form); h = 296: a last tile of 40 columns; skewed routing leaves
+    // tiles of fewer rows than the consumers' quads cover. SAVE_PREACT
     // stores a, b (and u transiently); RECOMPUTE's backward runs F1 again into the rows of da|db
     // (ab_ld = 2h); SAVE_ALL keeps u.
     Rng rng(test_seed(9957));
@@ -869,8 +871,8 @@ TEST_SUITE("cuda") {
           cfg.checkpoint = ckpt;
           CAPTURE(describe(cfg));
           // "neither": any other value means the policy
-          check_switch_keeps_bits_skewed("MOEBLAZE_CUDA_F1_FORM", {"consumers", "warps", "neither"},
-                                         cfg, 200, rng);
+          check_switch_keeps_bits_skewed("MOEBLAZE_CUDA_F1_FORM",
+                                         {"consumers", "warps", "split", "neither"}, cfg, 200, rng);
         }
       }
     }

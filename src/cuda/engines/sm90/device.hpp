@@ -51,7 +51,7 @@ int sm90_parse_band_mtiles(const char* value);  // nullptr or not an integer in 
 // A backend's choices between the Hopper kernels' equivalent forms (each keeps every bit): read
 // once when the backend is created (tuning.hpp) and passed to every launch.
 struct Sm90Forms {
-  int f1_form = -1;    // f1_gemm.hpp: -1 the policy, 0 consumers, 1 epilogue warps
+  int f1_form = -1;    // f1_gemm.hpp: -1 the policy, 0 consumers, 1 epilogue warps, 2 split
   int f1_cluster = 0;  // f1_gemm.hpp: 0 the policy, 1 one CTA, 2 two-CTA clusters
   int b1_form = -1;    // rows_gemm.hpp: -1 the policy, else a B1Form
   int rows_form = -1;  // rows_gemm.hpp: F2 / B4, -1 the policy, 0 consumers, 1 warps, 2-4 ping-pong

@@ -12,7 +12,7 @@
 // four warps free and measured 2-10 % faster). Persistent grid of one CTA per SM; every CTA turns
 // expert_offsets into a prefix of tile counts in shared memory; tile ids map to (expert, m-tile,
 // n-tile) by binary search, rasterised in bands of 8 m-tiles so concurrent CTAs share A rows and
-// B tiles in L2. Two forms of one kernel, chosen per call by the k-steps of a tile (d / 64):
+// B tiles in L2. Three forms of one kernel, chosen per call by the k-steps of a tile (d / 64):
 //   long K (> 64 k-steps: no benchmark shape): 4 stages; the consumers run the epilogue
 //     after each tile's main loop: each consumer warp stages 16 rows x 64 columns of one output
 //     at a time in an XOR-swizzled 2 KB buffer and writes it with coalesced 16-byte stores;
@@ -24,6 +24,12 @@
 //   The epilogue warps win on every measured shape up to 64 k-steps (on the H200: conf3 -16 %,
 //   conf4 -16 %, mixtral -8 % for F1), where the overlapped epilogue outweighs the third stage
 //   the hand-off buffer takes; longer K keeps the 4-stage form, unmeasured.
+//   SPLIT (non-gated, <= 8 k-steps: d <= 512): the epilogue-warp form whose consumers also store
+//   the first quarter of the hand-off's rows before the next tile's main loop. A non-gated tile's
+//   epilogue (a and u of 256 columns, 32k activations) outlasts 8 k-steps on three warps: the
+//   consumers waited for the hand-off buffer 38 % of their time (Nsight Compute, conf5 SiLU).
+//   On the H200 the split takes F1 0.70 -> 0.63 ms at conf5 SiLU; it is slower for gated tiles
+//   (a lighter epilogue: 1.03 -> 1.08 ms at conf5 SwiGLU) and at 16 k-steps.
 //
 // The device code needs sm_90a (wgmma, setmaxnreg, TMA); the library is also compiled for other
 // architectures, whose image of the kernel only traps. sm90_f1_supported refuses to launch unless
@@ -49,10 +55,23 @@ constexpr int kBM = 128;        // routed rows per tile
 constexpr int kBBoxRows = 128;  // rows of one TMA weight box
 constexpr int kThreads = 384;   // warpgroup 0: producer (+ epilogue warps); 1, 2: consumers
 constexpr int kConsumerWarps = 8;
-constexpr int kEpiWarps = 3;  // EPI_WARPS: warps 1, 2 and 3 (warp 0 holds the TMA thread)
-// The form per call: epilogue warps when a tile has at most this many k-steps (see the top);
-// Sm90Forms::f1_form can force either (both keep every bit).
+static_assert(kConsumerWarps * 32 == 256, "consumer_warps_sync's thread count");
+constexpr int kEpiWarps = 3;  // the epilogue warps: 1, 2 and 3 (warp 0 holds the TMA thread)
+
+// F1's epilogue forms (FORM; Sm90Forms::f1_form forces one, f1_gemm.hpp): the consumers store
+// the tile; the epilogue warps store it from the hand-off; or (split) the consumers store the
+// hand-off's first quarter of the rows and the epilogue warps the rest. Every form keeps every bit.
+enum F1Form : int { kF1Consumers = 0, kF1Warps = 1, kF1Split = 2 };
+// The policy per call by the k-steps of a tile (d / 64; see the top): the split form for
+// non-gated activations up to kF1SplitMaxKTiles, the epilogue warps up to kEpiWarpsMaxKTiles, the
+// consumers past it.
+constexpr int kF1SplitMaxKTiles = 8;
 constexpr int kEpiWarpsMaxKTiles = 64;
+constexpr int kQuads = 32;  // row quads of a tile: the hand-off's unit of work
+// Row quads [0, consumer_quads) of every tile are the consumers' (one per consumer warp).
+constexpr int consumer_quads(int form) {
+  return form == kF1Split ? kQuads / 4 : 0;
+}
 
 constexpr int kATileBytes = kBM * kBK * 2;       // 16 KB
 constexpr int kBBoxBytes = kBBoxRows * kBK * 2;  // 16 KB, two per stage
@@ -140,15 +159,55 @@ __device__ __forceinline__ uint4 act_chunk(const uint4& a, const uint4& b) {
   return make_uint4(uw[0], uw[1], uw[2], uw[3]);
 }
 
+// Stores the row quads q = first, first + STEP, ... < end of every 64-column group of a tile from
+// the hand-off: each lane takes 16-byte chunk (lane & 7) of row 4 q + (lane >> 3), so a warp
+// instruction reads 4 whole 128-byte rows of the buffer (conflict-free) and stores 4 rows x 128
+// contiguous bytes of each output; u from the rounded a and b, as the consumers' form computes it.
+template <typename T, Activation kAct, int STEP>
+__device__ __forceinline__ void store_handoff_quads(const F1Params& p, const TileCoord& c,
+                                                    const uint32_t* hb, int lane, int first,
+                                                    int end) {
+  constexpr bool kGated = is_gated(kAct);
+  constexpr int kTileCols = tile_cols(kGated);
+  constexpr int kGroups = kTileCols / 64;  // 64-column groups per tile
+  const int n0 = c.n_tile * kTileCols;
+  T* out_a = static_cast<T*>(p.out_a);
+  T* out_b = static_cast<T*>(p.out_b);
+  T* out_u = static_cast<T*>(p.out_u);
+#pragma unroll 1
+  for (int group = 0; group < kGroups; ++group) {
+#pragma unroll 2
+    for (int quad = first; quad < end; quad += STEP) {
+      const int row = quad * 4 + (lane >> 3);
+      const int ch = lane & 7;
+      const int col = n0 + group * 64 + ch * 8;
+      if (row < c.rows && col < p.h) {  // h % 8 == 0: a chunk is all in or all out
+        const int word = row * 32 + ((ch ^ (row & 7)) << 2);
+        const uint4 av = *reinterpret_cast<const uint4*>(hb + group * kHandoffSubWords + word);
+        uint4 bv = make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (kGated)
+          bv = *reinterpret_cast<const uint4*>(hb + (2 + group) * kHandoffSubWords + word);
+        const int64_t grow = int64_t(c.row0) + row;
+        if (out_a != nullptr) *reinterpret_cast<uint4*>(out_a + grow * p.ab_ld + col) = av;
+        if (kGated && out_b != nullptr)
+          *reinterpret_cast<uint4*>(out_b + grow * p.ab_ld + col) = bv;
+        if (out_u != nullptr)
+          *reinterpret_cast<uint4*>(out_u + grow * p.h + col) = act_chunk<T, kAct>(av, bv);
+      }
+    }
+  }
+}
+
 #endif  // MB_SM90_DEVICE
 
 // ACT: the activation (Activation cast to int); gated ones read w_gate and w_up, non-gated ones
 // read 256 rows of w_gate (tmap_second is then the w_gate map, second box at n0 + 128).
-// EPI_WARPS: the short-K form (epilogue warps, 3 stages; see the top of the file). CLUSTER: 1, or
-// 2 for clusters of two CTAs on adjacent m-tiles of one expert that share B: each CTA's producer
-// loads one of the stage's two B boxes into both CTAs (TMA multicast), so B crosses L2 once for
-// the pair; a stage is refilled once both CTAs' consumers have released it.
-template <typename T, int ACT, bool EPI_WARPS, int CLUSTER>
+// FORM: the epilogue form (F1Form; the hand-off forms run 3 stages, see the top of the file).
+// CLUSTER: 1, or 2 (the epilogue-warp form) for clusters of two CTAs on adjacent m-tiles of one
+// expert that share B: each CTA's producer loads one of the stage's two B boxes into both CTAs (TMA
+// multicast), so B crosses L2 once for the pair; a stage is refilled once both CTAs' consumers have
+// released it.
+template <typename T, int ACT, int FORM, int CLUSTER>
 __global__ void __launch_bounds__(kThreads, 1)
     sm90_f1_kernel(const __grid_constant__ CUtensorMap tmap_gate,
                    const __grid_constant__ CUtensorMap tmap_second, const F1Params p) {
@@ -157,7 +216,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   constexpr bool kGated = is_gated(kAct);
   constexpr int kTileCols = tile_cols(kGated);
   constexpr int kSecondRowOffset = kGated ? 0 : kBBoxRows;
-  constexpr int kGroups = kTileCols / 64;  // 64-column epilogue groups per tile
+  constexpr int kGroups = kTileCols / 64;           // 64-column epilogue groups per tile
+  constexpr bool EPI_WARPS = FORM != kF1Consumers;  // epilogue warps and a hand-off
+  constexpr int kConsumerQuads = consumer_quads(FORM);
+  static_assert(CLUSTER == 1 || FORM == kF1Warps, "clusters: the epilogue-warp form");
   constexpr int kStages = stages_for(EPI_WARPS);
 
   extern __shared__ uint8_t smem_raw[];
@@ -185,43 +247,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (warp >= 4 - kEpiWarps) {
         // ================= epilogue warps 1, 2, 3 =================
         // Per tile (the same sequence of tile ids as every role): wait for the consumers'
-        // hand-off, then each lane takes 16-byte chunk (lane & 7) of rows 4 q + (lane >> 3), for
-        // the row quads q = ew, ew + 3, ... of every 64-column group: a warp instruction reads 4
-        // whole 128-byte rows of the buffer (conflict-free) and stores 4 rows x 128 contiguous
-        // bytes of each output. Then every lane releases the buffer (its reads are done).
+        // hand-off, store its row quads from kConsumerQuads on (store_handoff_quads), then every
+        // lane releases the buffer (its reads are done).
         const int ew = warp - (4 - kEpiWarps);
         const uint32_t* hb = reinterpret_cast<const uint32_t*>(shm.epi);
-        T* out_a = static_cast<T*>(p.out_a);
-        T* out_b = static_cast<T*>(p.out_b);
-        T* out_u = static_cast<T*>(p.out_u);
         uint32_t n = 0;  // this CTA's tiles so far: hand-off phase n
         for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
           const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
-          const int n0 = c.n_tile * kTileCols;
           mbar_wait(smem_u32(shm.handoff_full), n & 1);
-#pragma unroll 1
-          for (int group = 0; group < kGroups; ++group) {
-#pragma unroll 2
-            for (int quad = ew; quad < kBM / 4; quad += kEpiWarps) {
-              const int row = quad * 4 + (lane >> 3);
-              const int ch = lane & 7;
-              const int col = n0 + group * 64 + ch * 8;
-              if (row < c.rows && col < p.h) {  // h % 8 == 0: a chunk is all in or all out
-                const int word = row * 32 + ((ch ^ (row & 7)) << 2);
-                const uint4 av =
-                    *reinterpret_cast<const uint4*>(hb + group * kHandoffSubWords + word);
-                uint4 bv = make_uint4(0u, 0u, 0u, 0u);
-                if constexpr (kGated)
-                  bv = *reinterpret_cast<const uint4*>(hb + (2 + group) * kHandoffSubWords + word);
-                const int64_t grow = int64_t(c.row0) + row;
-                if (out_a != nullptr) *reinterpret_cast<uint4*>(out_a + grow * p.ab_ld + col) = av;
-                if (kGated && out_b != nullptr)
-                  *reinterpret_cast<uint4*>(out_b + grow * p.ab_ld + col) = bv;
-                if (out_u != nullptr)
-                  *reinterpret_cast<uint4*>(out_u + grow * p.h + col) = act_chunk<T, kAct>(av, bv);
-              }
-            }
-          }
+          store_handoff_quads<T, kAct, kEpiWarps>(p, c, hb, lane, kConsumerQuads + ew, kQuads);
           mbar_arrive(smem_u32(shm.handoff_empty));  // every lane, after its own reads
         }
         // One CTA: leave here, not at the common end; ptxas then keeps the activation's MUFU
@@ -322,13 +356,26 @@ __global__ void __launch_bounds__(kThreads, 1)
 
       if constexpr (EPI_WARPS) {
         // ---- hand-off: wait until the epilogue warps have released the previous tile's buffer
-        // (for n = 0, parity 1 of a fresh barrier returns at once), then round the accumulators
-        // into it (store_handoff; pack2 rounds as the epilogue below does) and go on to the next
-        // tile.
+        // (for n = 0, parity 1 of a fresh barrier returns at once) and, in the split form, every
+        // consumer warp has stored its quad of it; round the accumulators into it
+        // (store_handoff; pack2 rounds as the epilogue below does), then (split form) store the
+        // first kConsumerQuads row quads from it, and go on to the next tile.
+        constexpr bool kSplit = kConsumerQuads > 0;
+        if constexpr (kSplit) consumer_warps_sync();
         mbar_wait(smem_u32(shm.handoff_empty), (n & 1) ^ 1);
         store_handoff<0>(smem_u32(shm.epi), wg * 64 + warp_in_wg * 16, lane, acc,
                          [](int, float lo, float hi) { return pack2<T>(lo, hi); });
         mbar_arrive(smem_u32(shm.handoff_full));  // every lane, after its own writes
+        if constexpr (kSplit) {
+          // The accumulators are dead until the next tile's first k-step overwrites them: zeroed,
+          // their registers are free for the stores.
+#pragma unroll
+          for (int i = 0; i < 128; ++i) acc[i] = 0.f;
+          consumer_warps_sync();  // every consumer warp's rows are in the hand-off
+          const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
+          store_handoff_quads<T, kAct, kConsumerWarps>(
+              p, c, reinterpret_cast<const uint32_t*>(shm.epi), lane, cw, kConsumerQuads);
+        }
         continue;
       }
       const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
@@ -406,36 +453,52 @@ CUtensorMap make_weight_map(const void* w, int64_t E, int64_t h, int64_t d) {
 
 using KernelFn = void (*)(const CUtensorMap, const CUtensorMap, const F1Params);
 
-template <typename T, bool EPI_WARPS, int CLUSTER>
+template <typename T, int FORM, int CLUSTER>
 KernelFn kernel_for_act(Activation act) {
   switch (act) {
     // clang-format off
 #define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
-    case Activation::Name: return sm90_f1_kernel<T, int(Activation::Name), EPI_WARPS, CLUSTER>;
+    case Activation::Name: return sm90_f1_kernel<T, int(Activation::Name), FORM, CLUSTER>;
 #include "common/activations.def"
     // clang-format on
   }
   return nullptr;
 }
 
-// cluster 2 exists for the epilogue-warp form only (every shape with d <= 4096).
+constexpr F1Form kF1Forms[] = {kF1Consumers, kF1Warps, kF1Split};
+
+// cluster 2 exists for the epilogue-warp form only (clusters are opt-in: f1_gemm.hpp).
 template <typename T>
-KernelFn kernel_for_type(Activation act, bool epi_warps, int cluster) {
-  if (!epi_warps) return cluster == 1 ? kernel_for_act<T, false, 1>(act) : nullptr;
-  return cluster == 1 ? kernel_for_act<T, true, 1>(act) : kernel_for_act<T, true, 2>(act);
+KernelFn kernel_for_type(Activation act, int form, int cluster) {
+  if (cluster == 2) return form == kF1Warps ? kernel_for_act<T, kF1Warps, 2>(act) : nullptr;
+  switch (form) {
+    case kF1Consumers: return kernel_for_act<T, kF1Consumers, 1>(act);
+    case kF1Warps: return kernel_for_act<T, kF1Warps, 1>(act);
+    case kF1Split: return kernel_for_act<T, kF1Split, 1>(act);
+  }
+  return nullptr;
 }
 
-KernelFn kernel_for(Dtype dtype, Activation act, bool epi_warps, int cluster = 1) {
-  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(act, epi_warps, cluster);
-  if (dtype == Dtype::F16) return kernel_for_type<__half>(act, epi_warps, cluster);
+KernelFn kernel_for(Dtype dtype, Activation act, int form, int cluster = 1) {
+  if (dtype == Dtype::BF16) return kernel_for_type<__nv_bfloat16>(act, form, cluster);
+  if (dtype == Dtype::F16) return kernel_for_type<__half>(act, form, cluster);
   return nullptr;
 }
 
 // 2-CTA clusters of the epilogue-warp kernels that can be resident at once (0: none).
 int max_clusters() {
-  return max_resident_2cta_clusters({kernel_for(Dtype::BF16, Activation::SwiGLU, true, 2),
-                                     kernel_for(Dtype::F16, Activation::SwiGLU, true, 2)},
+  return max_resident_2cta_clusters({kernel_for(Dtype::BF16, Activation::SwiGLU, kF1Warps, 2),
+                                     kernel_for(Dtype::F16, Activation::SwiGLU, kF1Warps, 2)},
                                     kThreads, kMaxSmemBytes);
+}
+
+// The form of a call: forced (Sm90Forms::f1_form), else the policy by the k-steps of a tile.
+// Gated tiles' epilogue (a, b and u of 128 columns) is lighter than non-gated ones' (a and u of
+// 256) for the same main loop: the split only pays off for non-gated ones.
+int f1_form_for(int64_t k_tiles, bool gated, int forced) {
+  if (forced >= kF1Consumers && forced <= kF1Split) return forced;
+  if (!gated && k_tiles <= kF1SplitMaxKTiles) return kF1Split;
+  return k_tiles <= kEpiWarpsMaxKTiles ? kF1Warps : kF1Consumers;
 }
 
 }  // namespace
@@ -449,10 +512,11 @@ bool sm90_f1_prepare_kernels(int* max_2cta_clusters) {
   bool clusters_ok = true;
   for (Dtype dtype : {Dtype::BF16, Dtype::F16}) {
     for (Activation act : kActivations) {
-      for (bool epi_warps : {false, true})
-        if (!prepare_kernel(kernel_for(dtype, act, epi_warps), kMaxSmemBytes)) return false;
+      for (F1Form form : kF1Forms)
+        if (!prepare_kernel(kernel_for(dtype, act, form), kMaxSmemBytes)) return false;
       // The opt-in cluster form: where it cannot be prepared, F1 runs one CTA.
-      clusters_ok = clusters_ok && prepare_kernel(kernel_for(dtype, act, true, 2), kMaxSmemBytes);
+      clusters_ok =
+          clusters_ok && prepare_kernel(kernel_for(dtype, act, kF1Warps, 2), kMaxSmemBytes);
     }
   }
   if (clusters_ok) *max_2cta_clusters = max_clusters();
@@ -462,8 +526,9 @@ bool sm90_f1_prepare_kernels(int* max_2cta_clusters) {
 
 int sm90_parse_f1_form(const char* value) {
   if (value == nullptr) return -1;
-  if (std::strcmp(value, "consumers") == 0) return 0;
-  if (std::strcmp(value, "warps") == 0) return 1;
+  if (std::strcmp(value, "consumers") == 0) return kF1Consumers;
+  if (std::strcmp(value, "warps") == 0) return kF1Warps;
+  if (std::strcmp(value, "split") == 0) return kF1Split;
   return -1;
 }
 
@@ -477,7 +542,7 @@ int sm90_parse_f1_cluster(const char* value) {
 bool sm90_f1_supported(const LayerDesc& desc, const F1Op& op) {
   const int64_t T = op.rows.T, ab_ld = op.ab_ld;
   if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
-  if (kernel_for(desc.dtype, desc.activation, false) == nullptr) return false;
+  if (kernel_for(desc.dtype, desc.activation, kF1Consumers) == nullptr) return false;
   if (desc.d <= 0 || desc.h <= 0 || desc.d % 8 != 0 || desc.h % 8 != 0) return false;
   if (desc.E < 1 || desc.E > kMaxExperts || desc.k < 1 || T < 0) return false;
   const int64_t N = T * desc.k;
@@ -508,12 +573,14 @@ void sm90_f1_launch(const LayerDesc& desc, const F1Op& op, const Sm90Forms& form
   const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 F1 launched on an unsupported device");
   const int64_t k_tiles = (desc.d + kBK - 1) / kBK;
-  const bool epi_warps =
-      forms.f1_form == 0 || forms.f1_form == 1 ? forms.f1_form == 1 : k_tiles <= kEpiWarpsMaxKTiles;
-  // The policy is one CTA for every activation; clusters only when asked for (f1_gemm.hpp).
-  const bool want_cluster = forms.f1_cluster == 2;
-  const int cluster = epi_warps && want_cluster && info.f1_clusters > 0 ? 2 : 1;
-  const KernelFn kernel = kernel_for(desc.dtype, desc.activation, epi_warps, cluster);
+  int form = f1_form_for(k_tiles, gated, forms.f1_form);
+  // The policy is one CTA for every activation; clusters only when asked for (f1_gemm.hpp), in
+  // the epilogue-warp form (also where the policy would split the epilogue).
+  const bool want_cluster = forms.f1_cluster == 2 && info.f1_clusters > 0;
+  if (want_cluster && forms.f1_form < 0 && form != kF1Consumers) form = kF1Warps;
+  const bool epi_warps = form != kF1Consumers;
+  const int cluster = form == kF1Warps && want_cluster ? 2 : 1;
+  const KernelFn kernel = kernel_for(desc.dtype, desc.activation, form, cluster);
   MB_REQUIRE(kernel != nullptr, MOEBLAZE_ERR_CUDA, "sm90 F1: unsupported dtype or activation");
 
   F1Params p;

@@ -44,10 +44,12 @@ bool sm90_f1_prepare_kernels(int* max_2cta_clusters);
 // int range.
 bool sm90_f1_supported(const LayerDesc& desc, const F1Op& op);
 
-// F1's epilogue form (Sm90Forms::f1_form): -1 = the policy (epilogue warps for tiles of at most 64
-// k-steps, the consumers' form above); 0 forces the consumers' form and 1 the epilogue-warp form.
-// Both forms give the same bits. Parses MOEBLAZE_CUDA_F1_FORM's value ("consumers", "warps";
-// nullptr or anything else: -1).
+// F1's epilogue form (Sm90Forms::f1_form): -1 = the policy (by the k-steps of a tile: the split
+// form up to 8 for non-gated activations, the epilogue warps up to 64, the consumers' form above);
+// 0 forces the consumers' form, 1 the epilogue-warp form and 2 the split form (the consumers store
+// a quarter of each tile's rows from the hand-off, the epilogue warps the rest). Every form gives
+// the same bits. Parses MOEBLAZE_CUDA_F1_FORM's value ("consumers", "warps", "split"; nullptr or
+// anything else: -1).
 int sm90_parse_f1_form(const char* value);
 
 // F1 in 2-CTA clusters (the epilogue-warp form only): two CTAs on adjacent m-tiles of one expert

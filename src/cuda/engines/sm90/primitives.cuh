@@ -87,6 +87,12 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                : "memory");
 }
 
+// The consumer warpgroups' 256 threads (warps 4-11) at named barrier 1 (0 is __syncthreads'): the
+// split epilogue forms, whose consumers read each other's rows of the hand-off.
+__device__ __forceinline__ void consumer_warps_sync() {
+  asm volatile("bar.sync 1, 256;\n" ::: "memory");
+}
+
 // Arrives on `bar` once every cp.async this thread issued so far has landed. .noinc: the arrival
 // counts against the barrier's expected count (the issuing threads are part of it).
 __device__ __forceinline__ void cp_async_mbar_arrive_noinc(uint32_t bar) {

@@ -68,13 +68,9 @@ __device__ __forceinline__ void rows_store_warps(const RowsParams& p, const Tile
   }
 }
 
-// The 8 consumer warps (256 threads, warps 4-11) at named barrier 1 (0 is __syncthreads'): the
-// two-group split's consumers read each other's rows of the hand-off.
-__device__ __forceinline__ void consumer_warps_sync() {
-  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumerWarps * 32) : "memory");
-}
-
 #endif  // MB_SM90_DEVICE
+
+static_assert(kConsumerWarps * 32 == 256, "consumer_warps_sync's thread count");
 
 // ACT: the activation (Activation cast to int) for B1's epilogue; 0 for F2 and B4.
 // FORM: B1's epilogue form (B1Form); F2 and B4: kB1Consumers (the consumers store their rows) or
