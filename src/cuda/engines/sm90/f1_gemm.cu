@@ -202,7 +202,7 @@ __device__ __forceinline__ void store_handoff_quads(const F1Params& p, const Til
 
 // ACT: the activation (Activation cast to int); gated ones read w_gate and w_up, non-gated ones
 // read 256 rows of w_gate (tmap_second is then the w_gate map, second box at n0 + 128).
-// FORM: the epilogue form (F1Form; the hand-off forms run 3 stages, see the top of the file).
+// FORM: the epilogue form (F1Form; the hand-off forms have 3 stages, see the top of the file).
 // CLUSTER: 1, or 2 (the epilogue-warp form) for clusters of two CTAs on adjacent m-tiles of one
 // expert that share B: each CTA's producer loads one of the stage's two B boxes into both CTAs (TMA
 // multicast), so B crosses L2 once for the pair; a stage is refilled once both CTAs' consumers have
