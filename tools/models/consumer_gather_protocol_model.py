@@ -18,7 +18,10 @@
 #     handoff_empty (parity (n & 1) ^ 1), write its half of the hand-off (tile n), arrive on
 #     handoff_full;
 #   - with the hand-off, epilogue warps 0 and 1: per tile n, wait handoff_full (parity n & 1),
-#     read both halves (must be tile n's), then arrive on handoff_empty.
+#     read both halves (must be tile n's), then arrive on handoff_empty;
+#   - split (F1's split form, B1's two-group split): the consumers also store part of the tile
+#     from the hand-off, reading both warpgroups' halves. They meet at named barrier 1 (bar.sync
+#     over both warpgroups) before writing the hand-off and again after it, then read.
 # The CTA's tiles each have k_steps in 0..6 (0: an empty expert's tile in B2/B3, which the gather
 # cursor skips and whose consumer loop runs no k-step and releases nothing) or a constant (F1).
 #
@@ -32,7 +35,9 @@
 # handoff_empty), --handoff-empty-1 (handoff_empty counts 1 of the 2 epilogue warps),
 # --share-no-empty-wait (the producer's share of A issued before the slot's empty barrier),
 # --early-lag-S1 (the gather issued before wait_group 1 with lead S - 1: into the slot of k-step
-# it - 1, whose wgmma may still run). "early": the 4-stage kernels issue the gather
+# it - 1, whose wgmma may still run), --split-no-sync-before (split: the hand-off written without
+# the named barrier: over the other warpgroup's read), --split-no-sync-after (split: the read
+# without the named barrier after the write: the other half may be the previous tile's). "early": the 4-stage kernels issue the gather
 # between the commit and wait_group 1 with lead S - 2 (the slot of k-step it - 2).
 #   --self-test: the protocol must PASS and every mutation must FAIL (exit 0 only then); CTest
 #   runs this (label tools: tools_consumer_gather_protocol_model).
@@ -44,7 +49,7 @@ from mbarrier_model import Bar, Fail, interleave, main
 CP_GROUPS = 4
 
 
-def run(seed, S, handoff, mut, share=False, early=False):
+def run(seed, S, handoff, mut, share=False, early=False, split=False):
     rnd = random.Random(seed)
     if rnd.random() < 0.5:
         tiles = [rnd.randint(1, 7)] * rnd.randint(0, 8)  # F1 / rows: one k-step count
@@ -69,6 +74,8 @@ def run(seed, S, handoff, mut, share=False, early=False):
     reading_a = [[False] * S for _ in range(2)]
     hand = [None, None]  # tile id in each half of the hand-off
     hand_readers = set()
+    split_readers = set()  # split: consumer warpgroups reading the hand-off
+    named = {"gen": 0, "arrived": 0}  # named barrier 1 over the two consumer warpgroups
     events = []
 
     def check(cond, *what):
@@ -102,6 +109,14 @@ def run(seed, S, handoff, mut, share=False, early=False):
             events.append(land)
             if share and not early:
                 share_a(s, it)
+            yield
+
+    def named_sync():  # bar.sync 1, 256: both consumer warpgroups arrive, then both go on
+        gen = named["gen"]
+        named["arrived"] += 1
+        if named["arrived"] == 2:
+            named["arrived"], named["gen"] = 0, gen + 1
+        while named["gen"] == gen:
             yield
 
     # ---- consumer warpgroup w
@@ -171,13 +186,26 @@ def run(seed, S, handoff, mut, share=False, early=False):
             if prev is not None:
                 empty[prev].arrive()
             if handoff:
+                if split and not mut.get("split_no_sync_before"):
+                    yield from named_sync()
                 while not mut.get("no_handoff_wait") and not h_empty.passed((n & 1) ^ 1):
                     yield
                 check(w not in hand_readers and not hand_readers,
                       "hand-off written while the epilogue reads it", w, n)
+                check(not split_readers, "hand-off written while a consumer reads it", w, n)
                 hand[w] = n
                 h_full.arrive()
                 yield
+                if split:
+                    if not mut.get("split_no_sync_after"):
+                        yield from named_sync()
+                    check(hand[0] == n and hand[1] == n, "consumer read another tile's hand-off",
+                          w, n, hand)
+                    split_readers.add(w)
+                    yield  # reading
+                    check(hand[0] == n and hand[1] == n,
+                          "hand-off overwritten during the consumers' read", w, n)
+                    split_readers.discard(w)
 
     # ---- epilogue warp e (hand-off only)
     def epilogue(e):
@@ -199,7 +227,7 @@ def run(seed, S, handoff, mut, share=False, early=False):
 
 
 MUTATIONS = ("lag_S", "no_a_wait", "no_handoff_wait", "handoff_empty_1", "share_no_empty_wait",
-             "early_lag_S1")
+             "early_lag_S1", "split_no_sync_before", "split_no_sync_after")
 
 
 def check_all(trials, mut, quiet=False):
@@ -213,17 +241,22 @@ def check_all(trials, mut, quiet=False):
                     for early in ((False, True) if S >= 4 else (False,)):
                         if mut.get("early_lag_S1") and not early:
                             continue
-                        try:
-                            run(t * 7919 + S * 31 + handoff * 2 + share + 4 * early, S, handoff,
-                                mut, share, early)
-                        except Fail as f:
-                            if not quiet:
-                                print("FAIL seed %d S %d handoff %s share %s early %s: %s" %
-                                      (t, S, handoff, share, early, f.args[0]))
-                            return False
+                        for split in ((False, True) if handoff else (False,)):
+                            if (mut.get("split_no_sync_before") or
+                                    mut.get("split_no_sync_after")) and not split:
+                                continue
+                            try:
+                                run(t * 7919 + S * 31 + handoff * 2 + share + 4 * early +
+                                    8 * split, S, handoff, mut, share, early, split)
+                            except Fail as f:
+                                if not quiet:
+                                    print("FAIL seed %d S %d handoff %s share %s early %s split "
+                                          "%s: %s" % (t, S, handoff, share, early, split,
+                                                      f.args[0]))
+                                return False
     return True
 
 
 if __name__ == "__main__":
     sys.exit(main(check_all, MUTATIONS, "3/4 stages x hand-off off/on x producer share off/on x "
-                  "gather before/after wait_group 1"))
+                  "gather before/after wait_group 1 x split epilogue off/on"))
