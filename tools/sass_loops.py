@@ -22,7 +22,7 @@ Usage:
   tools/sass_loops.py FILE.sass [--filter REGEX]     cuobjdump -sass output
   tools/sass_loops.py LIB_OR_CUBIN [--filter R] [--arch sm_90a] [--cuobjdump PATH]
   tools/sass_loops.py --compile src/cuda/engines/sm90/wgrad_gemm.cu [--filter R] [--include DIR ...]
-  tools/sass_loops.py LIB --filter 'sm90_f1_kernel.*Li[03]ELb1E' --max-epilogue-ratio 2
+  tools/sass_loops.py LIB --filter 'sm90_f1_kernel.*Li[03]ELi[12]ELi1E' --max-epilogue-ratio 2
       exit 1 when an epilogue loop takes over twice the cycles its MUFU need (F1's SwiGLU and
       SiLU epilogue warps: 1.5-1.8x when their chains run side by side, 2.6-3.0x two at a time)
   tools/sass_loops.py --self-test
@@ -321,6 +321,14 @@ def self_test():
             or reads_register("IADD3 R1, UR20, 1, RZ", "R20")):
         print("sass_loops self-test FAILED: register reads")
         return 1
+    # A filter that matches none of the input's kernels fails a check; an input without kernels
+    # (a library built without sm_90a) is skipped where allowed.
+    with_kernels = "\t\tFunction : _Z6kernelv\n"
+    if (no_match_status(with_kernels, True, True) != 1
+            or no_match_status(with_kernels, True, False) is not None
+            or no_match_status("", True, True) != 77 or no_match_status("", False, True) != 1):
+        print("sass_loops self-test FAILED: a filter that matches nothing")
+        return 1
     print("sass_loops self-test: PASS")
     return 0
 
@@ -335,7 +343,8 @@ def main():
                          "cycles its MUFU need at one per MUFU_INTERVAL (a schedule that runs "
                          "the chains one or two at a time)")
     ap.add_argument("--skip-without-cuobjdump", action="store_true",
-                    help="exit 77 (a skipped test) without cuobjdump or a matching kernel")
+                    help="exit 77 (a skipped test) without cuobjdump or without any kernel of "
+                         "--arch in the input (a kernel that --filter misses fails the check)")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--cuobjdump", default=None)
     ap.add_argument("--compile", metavar="CU", help="compile this .cu for sm_90a first (nvcc)")
@@ -368,12 +377,26 @@ def main():
     else:
         sass = open(a.input, encoding="utf-8", errors="replace").read()
     rows = report(sass, a.filter)
-    if not rows and a.skip_without_cuobjdump:
-        print(f"sass_loops: SKIPPED: no {a.arch} kernel matching {a.filter!r}")
-        return 77
+    if not rows:
+        status = no_match_status(sass, a.skip_without_cuobjdump, bool(a.max_epilogue_ratio))
+        if status == 77:
+            print(f"sass_loops: SKIPPED: no {a.arch} kernel in {a.input}")
+        elif status == 1:
+            print(f"sass_loops: no kernel matches {a.filter!r}: nothing checked (renamed?)")
+        if status is not None:
+            return status
     if a.max_epilogue_ratio:
         return check_epilogue_ratio(rows, a.max_epilogue_ratio)
     return 0
+
+
+def no_match_status(sass, skip_allowed, checking):
+    """The exit status when --filter matches no kernel of `sass`: 77 (skipped) where the input has
+    no kernel at all and skipping is allowed, 1 where a check was asked for (a renamed kernel or
+    template must not pass it unchecked), else None (an empty listing)."""
+    if skip_allowed and not re.search(r"Function\s*:", sass):
+        return 77
+    return 1 if checking else None
 
 
 def check_epilogue_ratio(rows, limit):
