@@ -59,6 +59,13 @@
  * aligned. Tensors live on the layer's device: host memory for the CPU backend, device memory of
  * the context's GPU for the CUDA backend.
  *
+ * No memory a call writes (its outputs, its `workspace`, the `saved` buffer a forward fills or a
+ * backward with ::MOEBLAZE_BACKWARD_CONSUME_SAVED consumes, the expert-parallel buffers) may share a
+ * byte with another of its arguments, over the declared size of each buffer and the shape of each
+ * tensor: no in-place `dx` over `x`, no `workspace` inside `saved`. Such a call fails with
+ * ::MOEBLAZE_ERR_INVALID_ARGUMENT naming both arguments, before anything is written. Arguments that
+ * are only read may share memory.
+ *
  * \section streams Streams and synchronisation
  *
  * A `stream` argument is a `cudaStream_t` passed as `void*` (NULL = the legacy default stream); the

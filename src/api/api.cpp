@@ -366,6 +366,13 @@ moeblaze_status_t moeblaze_router_forward(moeblaze_layer_t layer, int64_t num_to
     require_tensor(c.backend, g, true, c.empty, relem, "g");
     require_tensor(c.backend, expert_counts, false, false, sizeof(int32_t), "expert_counts");
     require_tensor(c.backend, losses, false, false, relem, "losses");
+    const size_t T = size_t(num_tokens), E = size_t(c.desc().E), k = size_t(c.desc().k);
+    require_disjoint({{logits, T * E * relem, false, "logits"},
+                      {ids, T * k * sizeof(int32_t), true, "ids"},
+                      {g, T * k * relem, true, "g"},
+                      {expert_counts, E * sizeof(int32_t), true, "expert_counts"},
+                      {losses, 2 * relem, true, "losses"},
+                      {workspace, workspace_bytes, true, "workspace"}});
     RouterForwardCall call;
     call.T = num_tokens;
     call.logits = logits;
@@ -391,6 +398,13 @@ moeblaze_status_t moeblaze_router_backward(moeblaze_layer_t layer, int64_t num_t
     require_tensor(c.backend, dg, true, c.empty, relem, "dg");
     require_tensor(c.backend, d_losses, false, false, relem, "d_losses");
     require_tensor(c.backend, d_logits, true, c.empty, relem, "d_logits");
+    const size_t T = size_t(num_tokens), E = size_t(c.desc().E), k = size_t(c.desc().k);
+    require_disjoint({{logits, T * E * relem, false, "logits"},
+                      {ids, T * k * sizeof(int32_t), false, "ids"},
+                      {dg, T * k * relem, false, "dg"},
+                      {d_losses, 2 * relem, false, "d_losses"},
+                      {d_logits, T * E * relem, true, "d_logits"},
+                      {workspace, workspace_bytes, true, "workspace"}});
     RouterBackwardCall call;
     call.T = num_tokens;
     call.logits = logits;
@@ -415,6 +429,12 @@ moeblaze_status_t moeblaze_routing_build(moeblaze_layer_t layer, int64_t num_tok
     require_tensor(c.backend, expert_offsets, true, false, i32, "expert_offsets");
     require_tensor(c.backend, expert_token_indices, true, c.empty, i32, "expert_token_indices");
     require_tensor(c.backend, token_index_map, true, c.empty, i32, "token_index_map");
+    const size_t N = size_t(num_tokens) * size_t(c.desc().k), E = size_t(c.desc().E);
+    require_disjoint({{ids, N * i32, false, "ids"},
+                      {expert_offsets, (E + 1) * i32, true, "expert_offsets"},
+                      {expert_token_indices, N * i32, true, "expert_token_indices"},
+                      {token_index_map, N * i32, true, "token_index_map"},
+                      {workspace, workspace_bytes, true, "workspace"}});
     RoutingBuildCall call;
     call.T = num_tokens;
     call.ids = ids;

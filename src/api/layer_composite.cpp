@@ -145,6 +145,29 @@ void run_forward(LayerState& layer, const moeblaze_forward_args_t& a, Pass pass,
   const size_t ws_needed = workspace_size_for(layer, pass, T, ws_flags);
   require_buffer(backend, a.workspace, a.workspace_bytes, ws_needed, "args->workspace",
                  "args->workspace_bytes", query_name(pass, ws_flags));
+  {
+    const size_t Tn = size_t(T), d = size_t(desc.d), h = size_t(desc.h), E = size_t(desc.E),
+                 k = size_t(desc.k);
+    const auto layer_only = [&](const void* p) { return whole_layer ? p : nullptr; };
+    const auto experts_only = [&](const void* p) { return whole_layer ? nullptr : p; };
+    require_disjoint({
+        {a.x, Tn * d * es, false, "args->x"},
+        {a.w_gate, E * h * d * es, false, "args->w_gate"},
+        {desc.gated() ? a.w_up : nullptr, E * h * d * es, false, "args->w_up"},
+        {a.w_down, E * d * h * es, false, "args->w_down"},
+        {layer_only(a.w_router), E * d * es, false, "args->w_router"},
+        {experts_only(a.ids), Tn * k * sizeof(int32_t), false, "args->ids"},
+        {experts_only(a.g), Tn * k * rs, false, "args->g"},
+        {a.y, Tn * d * es, true, "args->y"},
+        {a.expert_counts, E * sizeof(int32_t), true, "args->expert_counts"},
+        {layer_only(a.logits_out), Tn * E * rs, true, "args->logits_out"},
+        {layer_only(a.ids_out), Tn * k * sizeof(int32_t), true, "args->ids_out"},
+        {layer_only(a.g_out), Tn * k * rs, true, "args->g_out"},
+        {layer_only(a.losses), 2 * rs, true, "args->losses"},
+        {a.saved, a.saved_bytes, true, "args->saved"},
+        {a.workspace, a.workspace_bytes, true, "args->workspace"},
+    });
+  }
 
   ExpertsForwardCall experts;
   experts.T = T;
@@ -250,6 +273,33 @@ void run_backward(LayerState& layer, const moeblaze_backward_args_t& a, Pass pas
   require_buffer(backend, a.workspace, a.workspace_bytes,
                  workspace_size_for(layer, pass, T, a.flags), "args->workspace",
                  "args->workspace_bytes", query_name(pass, a.flags));
+  {
+    const size_t Tn = size_t(T), d = size_t(desc.d), h = size_t(desc.h), E = size_t(desc.E),
+                 k = size_t(desc.k);
+    const auto layer_only = [&](const void* p) { return whole_layer ? p : nullptr; };
+    const auto experts_only = [&](const void* p) { return whole_layer ? nullptr : p; };
+    const bool gated = desc.gated();
+    require_disjoint({
+        {a.dy, Tn * d * es, false, "args->dy"},
+        {a.x, Tn * d * es, false, "args->x"},
+        {a.w_gate, E * h * d * es, false, "args->w_gate"},
+        {gated ? a.w_up : nullptr, E * h * d * es, false, "args->w_up"},
+        {a.w_down, E * d * h * es, false, "args->w_down"},
+        {layer_only(a.w_router), E * d * es, false, "args->w_router"},
+        {layer_only(a.d_losses), 2 * rs, false, "args->d_losses"},
+        {experts_only(a.ids), Tn * k * sizeof(int32_t), false, "args->ids"},
+        {experts_only(a.g), Tn * k * rs, false, "args->g"},
+        {a.saved, a.saved_bytes, (a.flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0, "args->saved"},
+        {a.dx, Tn * d * es, true, "args->dx"},
+        {a.dw_gate, E * h * d * es, true, "args->dw_gate"},
+        {gated ? a.dw_up : nullptr, E * h * d * es, true, "args->dw_up"},
+        {a.dw_down, E * d * h * es, true, "args->dw_down"},
+        {layer_only(a.dw_router), E * d * es, true, "args->dw_router"},
+        {layer_only(a.d_logits), Tn * E * rs, true, "args->d_logits"},
+        {experts_only(a.dg), Tn * k * rs, true, "args->dg"},
+        {a.workspace, a.workspace_bytes, true, "args->workspace"},
+    });
+  }
 
   Carver saved_carver(const_cast<void*>(a.saved));
   ExpertsBackwardCall experts;

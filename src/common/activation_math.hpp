@@ -84,9 +84,10 @@ MB_HOST_DEVICE T gelu_grad(T a) {
   return cdf + a * pdf;
 }
 
+// NaN passes through (as torch.relu's), so ReLU, ReLU^2 and ReGLU never hide one; -0 gives +0.
 template <typename T>
 MB_HOST_DEVICE T relu(T a) {
-  return a > T(0) ? a : T(0);
+  return !(a <= T(0)) ? a : T(0);
 }
 
 template <typename T>

@@ -2,7 +2,9 @@
 // moeblaze::Error with a message that names the argument as the caller wrote it ("args->x", "ids").
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 
 #include "common/backend.hpp"
 #include "common/status.hpp"
@@ -69,6 +71,33 @@ inline void require_buffer(const Backend& backend, const void* ptr, size_t bytes
                  argument, ptr);
   MB_REQUIRE_ARG(backend.pointer_usable(ptr), "%s (%p) is not memory the context's device can use",
                  argument, ptr);
+}
+
+// One argument's bytes for require_disjoint: [ptr, ptr + bytes), and whether the call writes them.
+struct ArgBytes {
+  const void* ptr;  // NULL: absent (skipped)
+  size_t bytes;
+  bool written;  // an output, the workspace, a saved buffer being filled or consumed
+  const char* argument;
+};
+
+// No byte a call writes may belong to another of its arguments. The execute calls read inputs
+// after they have begun writing (the router's backward reads x after dx is written; the experts
+// follow the routing index in `saved` after the workspace's scratch is written), so a shared byte
+// gives wrong results or sends a checked index out of bounds. Arguments only read may share.
+inline void require_disjoint(std::initializer_list<ArgBytes> args) {
+  for (auto i = args.begin(); i != args.end(); ++i) {
+    if (i->ptr == nullptr || i->bytes == 0) continue;
+    const uintptr_t i_begin = reinterpret_cast<uintptr_t>(i->ptr), i_end = i_begin + i->bytes;
+    for (auto j = args.begin(); j != i; ++j) {
+      if (j->ptr == nullptr || j->bytes == 0 || !(i->written || j->written)) continue;
+      const uintptr_t j_begin = reinterpret_cast<uintptr_t>(j->ptr), j_end = j_begin + j->bytes;
+      MB_REQUIRE_ARG(i_end <= j_begin || j_end <= i_begin,
+                     "%s (%p, %zu bytes) and %s (%p, %zu bytes) overlap: memory the call writes "
+                     "must not be shared with another argument",
+                     j->argument, j->ptr, j->bytes, i->argument, i->ptr, i->bytes);
+    }
+  }
 }
 
 }  // namespace moeblaze

@@ -492,6 +492,14 @@ int64_t EpLayer::forward_begin(const moeblaze_ep_forward_args_t& a, void* exchan
              "exchange_bytes = %zu, but this layer needs %zu (ask "
              "moeblaze_ep_layer_exchange_size)",
              exchange_bytes, exchange_size());
+  const size_t es = rd.elem_size();
+  require_disjoint({
+      {a.x, size_t(T) * size_t(rd.d) * es, false, "args->x"},
+      {a.w_router, size_t(E) * size_t(rd.d) * es, false, "args->w_router"},
+      {a.home_saved, a.home_saved_bytes, true, "args->home_saved"},
+      {a.workspace, a.workspace_bytes, true, "args->workspace"},
+      {exchange, exchange_bytes, true, "exchange"},
+  });
   // The caller's exchange is invalid until this step's table has arrived.
   auto* header = static_cast<ExchangeHeader*>(exchange);
   header->magic = 0;
@@ -622,6 +630,26 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
   require_tensor(backend, a.g_out, false, false, rs, "args->g_out");
   require_tensor(backend, a.expert_counts, false, false, sizeof(int32_t), "args->expert_counts");
   require_tensor(backend, a.losses, false, false, rs, "args->losses");
+  {
+    const size_t Tn = size_t(T), dn = size_t(d), h = size_t(rd.h), En = size_t(E), kn = size_t(k),
+                 local = size_t(expert_end_ - expert_begin_);
+    require_disjoint({
+        {a.x, Tn * dn * es, false, "args->x"},
+        {a.w_gate, local * h * dn * es, false, "args->w_gate"},
+        {rd.gated() ? a.w_up : nullptr, local * h * dn * es, false, "args->w_up"},
+        {a.w_down, local * dn * h * es, false, "args->w_down"},
+        {a.home_saved, a.home_saved_bytes, false, "args->home_saved"},
+        {a.y, Tn * dn * es, true, "args->y"},
+        {a.logits_out, Tn * En * rs, true, "args->logits_out"},
+        {a.ids_out, Tn * kn * sizeof(int32_t), true, "args->ids_out"},
+        {a.g_out, Tn * kn * rs, true, "args->g_out"},
+        {a.expert_counts, En * sizeof(int32_t), true, "args->expert_counts"},
+        {a.losses, 2 * rs, true, "args->losses"},
+        {a.expert_saved, a.expert_saved_bytes, true, "args->expert_saved"},
+        {a.workspace, a.workspace_bytes, true, "args->workspace"},
+        {exchange, exchange_bytes, true, "exchange"},
+    });
+  }
   open_step(step, a, EpPass::ForwardFinish);
 
   const HomeSaved& home = step.home;
@@ -725,6 +753,32 @@ void EpLayer::backward(const moeblaze_ep_backward_args_t& a, const void* exchang
   require_tensor(backend, a.dw_down, false, false, es, "args->dw_down");
   require_tensor(backend, a.dg, false, false, rs, "args->dg");
   require_tensor(backend, a.d_logits, false, false, rs, "args->d_logits");
+  {
+    const size_t Tn = size_t(T), dn = size_t(d), h = size_t(rd.h), En = size_t(E), kn = size_t(k),
+                 local = size_t(expert_end_ - expert_begin_);
+    const bool consumed = (a.flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;
+    const bool gated = rd.gated();
+    require_disjoint({
+        {a.dy, Tn * dn * es, false, "args->dy"},
+        {a.d_losses, 2 * rs, false, "args->d_losses"},
+        {a.x, Tn * dn * es, false, "args->x"},
+        {a.w_router, En * dn * es, false, "args->w_router"},
+        {a.w_gate, local * h * dn * es, false, "args->w_gate"},
+        {gated ? a.w_up : nullptr, local * h * dn * es, false, "args->w_up"},
+        {a.w_down, local * dn * h * es, false, "args->w_down"},
+        {exchange, exchange_bytes, false, "exchange"},
+        {a.home_saved, a.home_saved_bytes, consumed, "args->home_saved"},
+        {a.expert_saved, a.expert_saved_bytes, consumed, "args->expert_saved"},
+        {a.dx, Tn * dn * es, true, "args->dx"},
+        {a.dw_router, En * dn * es, true, "args->dw_router"},
+        {a.dw_gate, local * h * dn * es, true, "args->dw_gate"},
+        {gated ? a.dw_up : nullptr, local * h * dn * es, true, "args->dw_up"},
+        {a.dw_down, local * dn * h * es, true, "args->dw_down"},
+        {a.dg, Tn * kn * rs, true, "args->dg"},
+        {a.d_logits, Tn * En * rs, true, "args->d_logits"},
+        {a.workspace, a.workspace_bytes, true, "args->workspace"},
+    });
+  }
   open_step(step, a, EpPass::Backward);
   const bool accumulate = (a.flags & MOEBLAZE_BACKWARD_ACCUMULATE_WGRAD) != 0;
   const bool consume = (a.flags & MOEBLAZE_BACKWARD_CONSUME_SAVED) != 0;

@@ -54,9 +54,22 @@ void LocalGroupState::barrier(std::unique_lock<std::mutex>& lock, int32_t rank, 
 void LocalGroupState::exchange(int32_t rank, Backend& backend, const ExchangeTensor* tensors,
                                size_t count, const char* step, uint64_t layer_tag, void* stream) {
   backend.synchronize(stream);  // the send data must be complete before another rank reads it
+  uint64_t generation = 0;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    postings_[size_t(rank)] = Posting{tensors, count, step, layer_tag};
+    MB_REQUIRE(!broken_, MOEBLAZE_ERR_INTERNAL, "LOCAL group is unusable: %s",
+               broken_reason_.c_str());
+    generation = generation_;
+    if (postings_[size_t(rank)].generation == generation) {
+      broken_ = true;
+      broken_reason_ = format(
+          "two calls claimed rank %d in '%s' at once (two layers or threads on one rank of the "
+          "group)",
+          int(rank), step);
+      arrived_.notify_all();
+      fail(MOEBLAZE_ERR_INVALID_ARGUMENT, "%s", broken_reason_.c_str());
+    }
+    postings_[size_t(rank)] = Posting{tensors, count, step, layer_tag, generation};
     barrier(lock, rank, step, true);
   }
 
@@ -66,6 +79,8 @@ void LocalGroupState::exchange(int32_t rank, Backend& backend, const ExchangeTen
   try {
     for (int32_t source = 0; source < world_size_; ++source) {
       const Posting& theirs = postings_[size_t(source)];
+      MB_REQUIRE(theirs.generation == generation, MOEBLAZE_ERR_INTERNAL,
+                 "'%s': rank %d's posting is not of this exchange", step, int(source));
       MB_REQUIRE_ARG(std::strcmp(theirs.step, step) == 0 && theirs.layer_tag == layer_tag &&
                          theirs.count == count,
                      "collective mismatch: rank %d is in '%s' (layer tag %016llx), rank %d in "

@@ -4,7 +4,9 @@
 // copies the chunks addressed to it out of the senders' buffers; a second barrier keeps the send
 // buffers alive until every receiver is done. Each rank checks that the senders' sizes match its
 // own receive sizes and that every rank is in the same collective; any failure fails the exchange
-// on every rank. A barrier that waits more than kLocalGroupTimeoutSeconds breaks the group.
+// on every rank. A barrier that waits more than kLocalGroupTimeoutSeconds breaks the group, and so
+// does a second caller for a rank already inside the exchange (two layers, or two threads, claiming
+// one rank): the barrier counts arrivals, so it would otherwise pass without that rank's real peer.
 #pragma once
 
 #include <condition_variable>
@@ -37,11 +39,14 @@ class LocalGroupState {
  private:
   // Borrowed from the posting rank, which stays inside its exchange until the second barrier: no
   // copies, so that an exchange makes no heap allocation.
+  // `generation`: the barrier generation it was posted in; a posting of another generation is
+  // stale (its rank has left that exchange, its buffers may be gone) and never read.
   struct Posting {
     const ExchangeTensor* tensors = nullptr;
     size_t count = 0;
     const char* step = "";
     uint64_t layer_tag = 0;
+    uint64_t generation = UINT64_MAX;
   };
 
   // Waits until all ranks arrive; with `reset_collected`, the last to arrive clears the collected

@@ -1,8 +1,10 @@
 // Misuse that must give a clear status and never touch memory it should not: handles used after
-// destroy while their memory is reused, struct_size values no struct has, and saved buffers whose
-// routing indices the caller overwrote between forward and backward. Each case here failed before
-// the library checked it (a stale handle wrote past the caller's ids_out, a 2.9 GB memset, reads
-// past the saved buffer).
+// destroy while their memory is reused, struct_size values no struct has, saved buffers whose
+// routing indices the caller overwrote between forward and backward, and buffers a call writes
+// that share memory with another argument. Each case here failed before the library checked it (a
+// stale handle wrote past the caller's ids_out, a 2.9 GB memset, reads past the saved buffer, a
+// wild write from a workspace laid over the saved buffer, dw_router computed from a dx written
+// over x).
 
 #include <atomic>
 #include <cstring>
@@ -262,6 +264,129 @@ TEST_SUITE("api") {
       }
       std::memcpy(run.saved.data(), pristine.data(), pristine.size());
       MB_CHECK(backward());
+    }
+  }
+
+  TEST_CASE("misuse: a buffer the call writes may not overlap another argument") {
+    Context context;
+    Rng rng(test_seed(2502));
+    const int64_t T = 6, E = 4, k = 2;
+    Layer layer(context, config_with(E, k));
+    const auto overlap = MOEBLAZE_ERR_INVALID_ARGUMENT;
+
+    // Forward: the workspace laid over the saved buffer (it wrote scratch over the routing index,
+    // then followed it past w_gate), y over x, the saved buffer over a weight.
+    for (int32_t pass : {MOEBLAZE_PASS_EXPERTS_FORWARD, MOEBLAZE_PASS_LAYER_FORWARD}) {
+      CAPTURE(pass);
+      LayerRun run(layer, T);
+      run.init_random(rng);
+      run.prepare(pass, true);
+      const auto forward = [&](moeblaze_forward_args_t a) {
+        if (pass == MOEBLAZE_PASS_EXPERTS_FORWARD)
+          return moeblaze_experts_forward(layer.get(), &a, nullptr);
+        a.ids = nullptr;
+        a.g = nullptr;
+        return moeblaze_layer_forward(layer.get(), &a, nullptr);
+      };
+      AlignedBytes arena(std::max(run.saved.size(), run.workspace.size()));
+      moeblaze_forward_args_t a = run.forward_args(true);
+      a.saved = a.workspace = arena.data();
+      MB_CHECK_STATUS_MENTIONS(forward(a), overlap, "args->saved");
+      a = run.forward_args(true);
+      a.y = const_cast<void*>(a.x);
+      MB_CHECK_STATUS_MENTIONS(forward(a), overlap, "args->x");
+      a = run.forward_args(true);
+      a.w_gate = a.saved;
+      MB_CHECK_STATUS_MENTIONS(forward(a), overlap, "args->w_gate");
+      // Buffers that only touch (one arena, back to back) and inputs that share memory are fine,
+      // with the bits of separate buffers.
+      MB_CHECK(forward(run.forward_args(true)));
+      const std::vector<double> y_separate = run.y.to_vector();
+      AlignedBytes both(run.saved.size() + run.workspace.size());
+      a = run.forward_args(true);
+      a.saved = both.data();
+      a.workspace = static_cast<unsigned char*>(both.data()) + run.saved.size();
+      MB_CHECK_OK(forward(a));
+      CHECK(run.y.to_vector() == y_separate);
+      a = run.forward_args(true);
+      a.w_down = a.w_gate;  // arguments only read may share memory
+      MB_CHECK_OK(forward(a));
+    }
+
+    // Backward: dx over x (the router's backward read x after the experts wrote dx: dw_router
+    // silently wrong), the workspace over the saved buffer (a wild write), d_logits inside the
+    // workspace, a weight gradient over its weight.
+    for (int32_t pass : {MOEBLAZE_PASS_EXPERTS_BACKWARD, MOEBLAZE_PASS_LAYER_BACKWARD}) {
+      CAPTURE(pass);
+      const bool whole = pass == MOEBLAZE_PASS_LAYER_BACKWARD;
+      LayerRun run(layer, T);
+      run.init_random(rng);
+      MB_CHECK(whole ? run.layer_forward() : run.experts_forward());
+      run.prepare(pass, false);
+      const auto backward = [&](moeblaze_backward_args_t a) {
+        if (!whole) {
+          a.dw_router = nullptr;
+          a.d_logits = nullptr;
+          return moeblaze_experts_backward(layer.get(), &a, nullptr);
+        }
+        a.ids = nullptr;
+        a.g = nullptr;
+        a.dg = nullptr;
+        return moeblaze_layer_backward(layer.get(), &a, nullptr);
+      };
+      moeblaze_backward_args_t a = run.backward_args(LayerRun::Outputs(), 0);
+      a.dx = const_cast<void*>(a.x);
+      MB_CHECK_STATUS_MENTIONS(backward(a), overlap, "args->dx");
+      a = run.backward_args(LayerRun::Outputs(), 0);
+      AlignedBytes arena(std::max(run.saved.size(), run.workspace.size()));
+      std::memcpy(arena.data(), run.saved.data(), run.saved.size());
+      a.saved = a.workspace = arena.data();
+      a.workspace_bytes = run.workspace.size();
+      MB_CHECK_STATUS_MENTIONS(backward(a), overlap, "args->workspace");
+      a = run.backward_args(LayerRun::Outputs(), 0);
+      a.dw_gate = const_cast<void*>(a.w_gate);
+      MB_CHECK_STATUS_MENTIONS(backward(a), overlap, "args->dw_gate");
+      if (whole) {
+        a = run.backward_args(LayerRun::Outputs(), 0);
+        a.d_logits = static_cast<unsigned char*>(run.workspace.data()) + 64;
+        MB_CHECK_STATUS_MENTIONS(backward(a), overlap, "args->d_logits");
+      }
+      MB_CHECK(backward(run.backward_args(LayerRun::Outputs(), 0)));
+    }
+
+    // The router and routing entry points.
+    {
+      size_t ws_bytes = 0;
+      MB_CHECK(
+          moeblaze_layer_workspace_size(layer.get(), MOEBLAZE_PASS_ROUTING_BUILD, T, &ws_bytes));
+      AlignedBytes ws(ws_bytes);
+      std::vector<int32_t> ids = random_ids(rng, T, E, k);
+      std::vector<int32_t> offsets(size_t(E + 1)), eti(size_t(T * k)), tim(size_t(T * k));
+      MB_CHECK_STATUS_MENTIONS(
+          moeblaze_routing_build(layer.get(), T, ids.data(), offsets.data(), eti.data(), eti.data(),
+                                 ws.data(), ws_bytes, nullptr),
+          overlap, "token_index_map");
+      MB_CHECK_STATUS_MENTIONS(
+          moeblaze_routing_build(layer.get(), T, ids.data(), offsets.data(), eti.data(), ids.data(),
+                                 ws.data(), ws_bytes, nullptr),
+          overlap, "ids");
+      MB_CHECK_OK(moeblaze_routing_build(layer.get(), T, ids.data(), offsets.data(), eti.data(),
+                                         tim.data(), ws.data(), ws_bytes, nullptr));
+    }
+    {
+      size_t ws_bytes = 0;
+      MB_CHECK(
+          moeblaze_layer_workspace_size(layer.get(), MOEBLAZE_PASS_ROUTER_FORWARD, T, &ws_bytes));
+      AlignedBytes ws(ws_bytes);
+      std::vector<float> logits(size_t(T * E)), g(size_t(T * k));
+      for (float& v : logits) v = float(rng.uniform(-1.0, 1.0));
+      std::vector<int32_t> ids(size_t(T * k));
+      MB_CHECK_STATUS_MENTIONS(
+          moeblaze_router_forward(layer.get(), T, logits.data(), ids.data(), logits.data(), nullptr,
+                                  nullptr, ws.data(), ws_bytes, nullptr),
+          overlap, "logits");
+      MB_CHECK_OK(moeblaze_router_forward(layer.get(), T, logits.data(), ids.data(), g.data(),
+                                          nullptr, nullptr, ws.data(), ws_bytes, nullptr));
     }
   }
 }

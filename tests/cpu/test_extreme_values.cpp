@@ -5,6 +5,8 @@
 //    the exact (finite) values, not 0/0.
 //  - the z-loss of logits near the largest finite value: its square is not representable, which
 //    is reported, not returned as Inf.
+// And a NaN in a token's input reaches that token's output under every activation (ReLU's
+// `a > 0 ? a : 0` turned it into 0).
 #include <cfloat>
 #include <cmath>
 #include <limits>
@@ -222,6 +224,27 @@ TEST_SUITE("cpu") {
       CHECK(all_finite(r.g));
       CHECK(all_finite(r.losses));
       CHECK(all_finite(r.d_logits));
+    }
+  }
+
+  TEST_CASE("extreme values: a NaN in x reaches y under every activation") {
+    Context context;
+    Rng rng(test_seed(2601));
+    const int64_t T = 4;
+    for (int32_t activation : kAllActivations) {
+      CAPTURE(activation);
+      moeblaze_layer_config_t config = make_config(MOEBLAZE_DTYPE_F32, 8, 12, 4, 2);
+      config.activation = activation;
+      Layer layer(context, config);
+      LayerRun run(layer, T);
+      run.init_random(rng);
+      run.x.set(1 * run.d + 3, NAN);  // token 1
+      MB_CHECK(run.experts_forward());
+      for (int64_t t = 0; t < T; ++t) {
+        bool has_nan = false;
+        for (int64_t j = 0; j < run.d; ++j) has_nan |= std::isnan(run.y.get(t * run.d + j));
+        CHECK_MESSAGE(has_nan == (t == 1), "token " << t);
+      }
     }
   }
 }

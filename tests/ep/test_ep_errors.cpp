@@ -1,6 +1,7 @@
 // Argument validation of the expert-parallel entry points: every failure has the right status and a
 // message naming the argument; nothing crashes, nothing hangs (one-rank groups, or a mismatch that
 // every rank of the group detects).
+#include <chrono>
 #include <thread>
 
 #include "ep/ep_support.hpp"
@@ -413,6 +414,13 @@ TEST_CASE("ep errors: arguments of the execute calls") {
     a = one.fa;
     a.workspace = nullptr;
     CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->workspace");
+    // Memory a call writes shared with another argument.
+    a = one.fa;
+    a.workspace = a.home_saved;
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "overlap");
+    a = one.fa;
+    a.home_saved = const_cast<void*>(a.x);
+    CHECK_ERROR_NAMES(one.begin(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->home_saved");
   }
   MB_CHECK(one.begin(one.fa));
   {
@@ -432,6 +440,12 @@ TEST_CASE("ep errors: arguments of the execute calls") {
     a = one.fa;
     a.workspace_bytes = 64;
     CHECK_ERROR_NAMES(one.finish(a), MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE, "args->workspace_bytes");
+    a = one.fa;
+    a.workspace = a.expert_saved;
+    CHECK_ERROR_NAMES(one.finish(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->expert_saved");
+    a = one.fa;
+    a.y = const_cast<void*>(a.x);
+    CHECK_ERROR_NAMES(one.finish(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->y");
   }
   MB_CHECK(one.finish(one.fa));
   {
@@ -447,6 +461,12 @@ TEST_CASE("ep errors: arguments of the execute calls") {
     a = one.ba;
     a.dg = static_cast<unsigned char*>(one.dx.data()) + 2;
     CHECK_ERROR_NAMES(one.backward(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->dg");
+    a = one.ba;
+    a.dx = const_cast<void*>(a.x);  // the router's dw_router reads x after dx is written
+    CHECK_ERROR_NAMES(one.backward(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->dx");
+    a = one.ba;
+    a.workspace = const_cast<void*>(a.expert_saved);
+    CHECK_ERROR_NAMES(one.backward(a), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->workspace");
   }
   MB_CHECK(one.backward(one.ba));
 }
@@ -502,6 +522,60 @@ TEST_CASE("ep errors: a collective mismatch fails on every rank instead of corru
                   "rank " << rank << ": " << message[size_t(rank)]);
     CHECK_MESSAGE(message[size_t(rank)].find("collective mismatch") != std::string::npos,
                   message[size_t(rank)]);
+  }
+}
+
+TEST_CASE("ep errors: two layers calling as one rank of a LOCAL group fail at once") {
+  // Rank 1's layer exists but stays idle; two layers both claim rank 0. The group's barrier counts
+  // arrivals, so without the check it passed with two rank-0 postings and read rank 1's stale one
+  // (a use after free once that layer was gone). Both calls must fail now, without waiting out the
+  // group's timeout, and the group stays broken.
+  Group group(2);
+  Context context;
+  EpCase c;
+  c.tokens = {4, 4};
+  Global g = make_global(c, false);
+  const moeblaze_layer_config_t config = c.config();
+  EpLayer idle_rank1(context, config, local_config(group, 1, 2));
+  EpLayer first(context, config, local_config(group, 0, 2));
+  EpLayer second(context, config, local_config(group, 0, 2));
+  std::vector<moeblaze_status_t> status(2, MOEBLAZE_OK);
+  std::vector<std::string> message(2);
+  auto body = [&](int which) {
+    moeblaze_ep_layer_t layer = which == 0 ? first.handle : second.handle;
+    size_t bytes = 0, ws = 0;
+    moeblaze_ep_layer_exchange_size(layer, &bytes);
+    AlignedBytes exchange(bytes);
+    moeblaze_ep_layer_saved_size(layer, MOEBLAZE_EP_SAVED_HOME, 4, 0, &bytes);
+    AlignedBytes home(bytes);
+    moeblaze_ep_layer_workspace_size(layer, MOEBLAZE_EP_PASS_FORWARD_BEGIN, 4, 0, &ws);
+    AlignedBytes workspace(ws);
+    moeblaze_ep_forward_args_t fa;
+    moeblaze_ep_forward_args_init(&fa, sizeof fa);
+    fa.num_tokens = 4;
+    fa.x = g.x.data();
+    fa.w_router = g.w_router.data();
+    fa.home_saved = home.data();
+    fa.home_saved_bytes = home.size();
+    fa.workspace = workspace.data();
+    fa.workspace_bytes = workspace.size();
+    int64_t recv = 0;
+    status[size_t(which)] =
+        moeblaze_ep_forward_begin(layer, &fa, exchange.data(), exchange.size(), &recv, nullptr);
+    message[size_t(which)] = moeblaze_last_error();
+  };
+  const auto start = std::chrono::steady_clock::now();
+  std::thread a(body, 0), b(body, 1);
+  a.join();
+  b.join();
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+  // The second to arrive is refused; the first, waiting at the barrier, fails with the group.
+  const bool first_refused = status[0] == MOEBLAZE_ERR_INVALID_ARGUMENT;
+  const int refused = first_refused ? 0 : 1;
+  CHECK_MESSAGE(status[size_t(refused)] == MOEBLAZE_ERR_INVALID_ARGUMENT, message[size_t(refused)]);
+  CHECK_MESSAGE(status[size_t(1 - refused)] == MOEBLAZE_ERR_INTERNAL, message[size_t(1 - refused)]);
+  for (const std::string& m : message) {
+    CHECK_MESSAGE(m.find("claimed rank 0") != std::string::npos, m);
   }
 }
 
