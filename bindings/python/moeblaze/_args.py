@@ -3,8 +3,8 @@
 ctypes and int() are lenient where a wrong value should be an error: int(8.5) and int('8') give
 8, a ctypes int64 field silently keeps the low 64 bits of 2**64 + 8, and numpy's same-kind cast
 narrows int64 ids beyond int32. Every integer argument goes through integer() (an int, or an
-object with __index__ such as a numpy integer, in the C type's range) and every coefficient
-through real(); a failure names the argument.
+object with __index__ such as a numpy integer, in the C type's range), every coefficient through
+real() and every on/off option through flag() (bool('no') is True); a failure names the argument.
 """
 
 from __future__ import annotations
@@ -37,6 +37,13 @@ def real(value, name: str) -> float:
     if _is_bool(value) or not _is_real(value):
         raise TypeError(f"{name} must be a real number, got {value!r} ({type(value).__name__})")
     return float(value)
+
+
+def flag(value, name: str) -> bool:
+    """`value` as a bool: a Python or numpy bool only (not 0/1, not a string such as 'no')."""
+    if not _is_bool(value):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return bool(value)
 
 
 def _is_bool(value) -> bool:

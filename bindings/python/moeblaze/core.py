@@ -233,11 +233,25 @@ def make_config(*, d_model, d_ffn, num_experts, top_k=1, activation="swiglu", dt
     config.activation = _lib.lookup(_lib.ACTIVATIONS, activation, "activation")
     config.checkpoint = _lib.lookup(_lib.CHECKPOINTS, checkpoint, "checkpoint")
     config.score_function = _lib.lookup(_lib.SCORE_FUNCTIONS, score_function, "score_function")
-    config.renormalize = 1 if renormalize else 0
+    config.renormalize = 1 if _args.flag(renormalize, "renormalize") else 0
     config.aux_loss_coeff = _args.real(aux_loss_coeff, "aux_loss_coeff")
     config.z_loss_coeff = _args.real(z_loss_coeff, "z_loss_coeff")
-    config.deterministic = 1 if deterministic else 0
+    config.deterministic = 1 if _args.flag(deterministic, "deterministic") else 0
     return config
+
+
+def needed(need, valid, what: str = "gradients") -> set:
+    """The names in `need` (a collection of names), each one of `valid`. A bare string is refused
+    (set('dx') is {'d', 'x'}), and so is an unknown name: either would silently skip outputs."""
+    if isinstance(need, (str, bytes)):
+        raise ValueError(f"need: expected a collection of names such as ({need!r},), got the "
+                         f"string {need!r}; valid names: {sorted(valid)}")
+    need = set(need)
+    unknown = need - set(valid)
+    if unknown:
+        raise ValueError(f"need: unknown {what} {sorted(unknown, key=str)}; expected some of "
+                         f"{sorted(valid)}")
+    return need
 
 
 def _name_of(table: dict, code: int) -> str:
@@ -338,11 +352,16 @@ class Layer(_OwnedHandle):
         size = self.workspace_size(pass_code, num_tokens, flags)
         return aligned_empty(size, np.uint8) if size else None
 
-    def _num_tokens(self, x) -> int:
+    def _num_tokens(self, x, pass_code: int) -> int:
+        """T of x [T, d_model], which the library checks (through a size query of `pass_code`)
+        before any input is copied or output allocated: a T with T * top_k >= 2^31 is refused
+        with the library's message, not after gigabytes of allocations."""
         x = np.asarray(x)
         if x.ndim != 2:
             raise ValueError(f"x: expected a 2-D [T, d_model] array, got shape {list(x.shape)}")
-        return int(x.shape[0])
+        T = int(x.shape[0])
+        self.workspace_size(pass_code, T)
+        return T
 
     def _weights(self, w_gate, w_up, w_down):
         E, h, d = self.num_experts, self.d_ffn, self.d_model
@@ -362,7 +381,7 @@ class Layer(_OwnedHandle):
                 ) -> LayerForwardResult:
         """Router + experts. x [T,d]; w_router [E,d]; w_gate/w_up [E,h,d]; w_down [E,d,h]."""
         self._require_host()
-        T = self._num_tokens(x)
+        T = self._num_tokens(x, _lib.PASS_LAYER_FORWARD)
         E, k, d = self.num_experts, self.top_k, self.d_model
         x = self._storage_input(x, "x", (T, d))
         w_router = self._storage_input(w_router, "w_router", (E, d))
@@ -392,18 +411,24 @@ class Layer(_OwnedHandle):
         self._lib.moeblaze_layer_forward(self.handle, ctypes.byref(args), None)
         return result
 
+    #: The gradient names of backward() and experts_backward() (their `need`).
+    GRADIENTS = frozenset({"dx", "dw_router", "dw_gate", "dw_up", "dw_down", "d_logits"})
+    EXPERTS_GRADIENTS = frozenset({"dx", "dg", "dw_gate", "dw_up", "dw_down"})
+
     def backward(self, saved, dy, x, w_router, w_gate, w_up, w_down, *, d_losses=None,
                  need=("dx", "dw_router", "dw_gate", "dw_up", "dw_down"), grads_out=None,
                  accumulate: bool = False) -> LayerGradients:
         """Every gradient of forward(). `saved` is LayerForwardResult.saved (or the result itself).
-        `need` names the gradients to compute (others are skipped: NULL). `d_losses` [2] defaults
-        to {1, 1}. With `accumulate=True` weight gradients are added into `grads_out`'s arrays."""
+        `need` names the gradients to compute (others are skipped: NULL), some of `GRADIENTS`
+        ("dx", "dw_router", "dw_gate", "dw_up", "dw_down", "d_logits"). `d_losses` [2] defaults
+        to {1, 1}. With `accumulate=True` the weight gradients are added into `grads_out`'s
+        arrays; without `grads_out` they are added into zeros (the same as accumulate=False)."""
         self._require_host()
         if isinstance(saved, LayerForwardResult):
             saved = saved.saved
         if saved is None:
             raise ValueError("saved is None: the forward pass ran with training=False")
-        T = self._num_tokens(x)
+        T = self._num_tokens(x, _lib.PASS_LAYER_BACKWARD)
         E, d = self.num_experts, self.d_model
         x = self._storage_input(x, "x", (T, d))
         dy = self._storage_input(dy, "dy", (T, d))
@@ -412,15 +437,16 @@ class Layer(_OwnedHandle):
         saved = self._input(saved, "saved", (np.asarray(saved).size,), np.uint8)
         if d_losses is not None:
             d_losses = self._input(d_losses, "d_losses", (2,), self.routing_dtype)
-        need = set(need)
+        need = needed(need, self.GRADIENTS)
+        # accumulate=True adds the weight gradients into what the arrays hold: fresh ones are zeros
+        wgrad = aligned_zeros if accumulate else aligned_empty
         grads = grads_out if grads_out is not None else LayerGradients(
             dx=aligned_empty((T, d), self.storage_dtype) if "dx" in need else None,
-            dw_router=aligned_empty(w_router.shape, self.storage_dtype)
-            if "dw_router" in need else None,
-            dw_gate=aligned_empty(w_gate.shape, self.storage_dtype) if "dw_gate" in need else None,
-            dw_up=aligned_empty(w_up.shape, self.storage_dtype)
+            dw_router=wgrad(w_router.shape, self.storage_dtype) if "dw_router" in need else None,
+            dw_gate=wgrad(w_gate.shape, self.storage_dtype) if "dw_gate" in need else None,
+            dw_up=wgrad(w_up.shape, self.storage_dtype)
             if "dw_up" in need and w_up is not None else None,
-            dw_down=aligned_empty(w_down.shape, self.storage_dtype) if "dw_down" in need else None,
+            dw_down=wgrad(w_down.shape, self.storage_dtype) if "dw_down" in need else None,
             d_logits=aligned_empty((T, E), self.routing_dtype) if "d_logits" in need else None)
         if grads_out is not None:  # written in place: must already be exactly right
             expected = {"dx": ((T, d), self.storage_dtype),
@@ -460,7 +486,7 @@ class Layer(_OwnedHandle):
                         ) -> ExpertsForwardResult:
         """Expert MLPs + weighted combine for given routing. ids [T,k] int32, g [T,k]."""
         self._require_host()
-        T = self._num_tokens(x)
+        T = self._num_tokens(x, _lib.PASS_EXPERTS_FORWARD)
         k, d = self.top_k, self.d_model
         x = self._storage_input(x, "x", (T, d))
         ids = self._input(ids, "ids", (T, k), np.int32)
@@ -485,12 +511,14 @@ class Layer(_OwnedHandle):
 
     def experts_backward(self, saved, dy, x, ids, g, w_gate, w_up, w_down, *,
                          need=("dx", "dg", "dw_gate", "dw_up", "dw_down")) -> ExpertsGradients:
+        """The gradients of experts_forward(); `need` names those to compute, some of
+        `EXPERTS_GRADIENTS` ("dx", "dg", "dw_gate", "dw_up", "dw_down")."""
         self._require_host()
         if isinstance(saved, ExpertsForwardResult):
             saved = saved.saved
         if saved is None:
             raise ValueError("saved is None: the forward pass ran with training=False")
-        T = self._num_tokens(x)
+        T = self._num_tokens(x, _lib.PASS_EXPERTS_BACKWARD)
         k, d = self.top_k, self.d_model
         x = self._storage_input(x, "x", (T, d))
         dy = self._storage_input(dy, "dy", (T, d))
@@ -498,7 +526,7 @@ class Layer(_OwnedHandle):
         g = self._input(g, "g", (T, k), self.routing_dtype)
         w_gate, w_up, w_down = self._weights(w_gate, w_up, w_down)
         saved = self._input(saved, "saved", (np.asarray(saved).size,), np.uint8)
-        need = set(need)
+        need = needed(need, self.EXPERTS_GRADIENTS)
         grads = ExpertsGradients(
             dx=aligned_empty((T, d), self.storage_dtype) if "dx" in need else None,
             dg=aligned_empty((T, k), self.routing_dtype) if "dg" in need else None,
@@ -528,6 +556,7 @@ class Layer(_OwnedHandle):
         if logits.ndim != 2:
             raise ValueError(f"logits: expected [T, E], got shape {list(logits.shape)}")
         T, E, k = int(logits.shape[0]), self.num_experts, self.top_k
+        self.workspace_size(_lib.PASS_ROUTER_FORWARD, T)  # the library's T check, before copies
         logits = self._input(logits, "logits", (T, E), self.routing_dtype)
         result = RouterResult(ids=aligned_empty((T, k), np.int32),
                               g=aligned_empty((T, k), self.routing_dtype),
@@ -547,6 +576,7 @@ class Layer(_OwnedHandle):
         if logits.ndim != 2:
             raise ValueError(f"logits: expected [T, E], got shape {list(logits.shape)}")
         T, E, k = int(logits.shape[0]), self.num_experts, self.top_k
+        self.workspace_size(_lib.PASS_ROUTER_BACKWARD, T)  # the library's T check, before copies
         logits = self._input(logits, "logits", (T, E), self.routing_dtype)
         ids = self._input(ids, "ids", (T, k), np.int32)
         dg = self._input(dg, "dg", (T, k), self.routing_dtype)
@@ -566,6 +596,7 @@ class Layer(_OwnedHandle):
         if ids.ndim != 2:
             raise ValueError(f"ids: expected [T, k], got shape {list(ids.shape)}")
         T, k, E = int(ids.shape[0]), self.top_k, self.num_experts
+        self.workspace_size(_lib.PASS_ROUTING_BUILD, T)  # the library's T check, before copies
         ids = self._input(ids, "ids", (T, k), np.int32)
         result = RoutingIndices(expert_offsets=aligned_empty((E + 1,), np.int32),
                                 expert_token_indices=aligned_empty((T * k,), np.int32),

@@ -74,8 +74,11 @@ def view(tensor, stream: Optional[int] = None, name: str = "tensor") -> TensorVi
             # DLPack forbids 0 for CUDA (ambiguous): 1 names the legacy default stream, which is
             # what a NULL cudaStream_t (torch's default stream handle, 0) means to moeblaze.
             capsule = tensor.__dlpack__(stream=1 if stream == 0 else stream)
-    else:
+    elif type(tensor).__name__ == "PyCapsule":
         capsule = tensor  # already a capsule
+    else:
+        raise TypeError(f"{name}: expected a DLPack tensor (an object with __dlpack__, or a "
+                        f"'dltensor' capsule), got {type(tensor).__name__}")
     address = _get_pointer(capsule, b"dltensor")
     managed = DLManagedTensor.from_address(address)
     t = managed.dl_tensor
@@ -126,6 +129,14 @@ class _Binder:
         return v.pointer
 
 
+def _num_tokens(x, stream) -> int:
+    """T of x, which must be a 2-D [T, d_model] DLPack tensor."""
+    shape = view(x, stream, "x").shape
+    if len(shape) != 2:
+        raise ValueError(f"x: expected a 2-D [T, d_model] tensor, got shape {list(shape)}")
+    return shape[0]
+
+
 def _layer_types(layer):
     storage = _STORAGE[layer.config.dtype]
     routing = (KDL_FLOAT, 64) if layer.config.dtype == _lib.DTYPE_F64 else (KDL_FLOAT, 32)
@@ -140,7 +151,7 @@ def layer_forward(layer, *, x, w_router, w_gate, w_up, w_down, y, workspace=None
     layer.workspace_size(PASS_LAYER_FORWARD, T, FORWARD_WITH_SAVED), which is smaller."""
     storage, routing, i32, u8 = _layer_types(layer)
     bind = _Binder(layer, stream)
-    T = view(x, stream, "x").shape[0]
+    T = _num_tokens(x, stream)
     E, k, d, h = layer.num_experts, layer.top_k, layer.d_model, layer.d_ffn
     args = _lib.ForwardArgs.create()
     args.num_tokens = T
@@ -176,7 +187,7 @@ def layer_backward(layer, *, saved, dy, x, w_router, w_gate, w_up, w_down, works
     layer.workspace_size(PASS_LAYER_BACKWARD, T, BACKWARD_CONSUME_SAVED) bytes of workspace."""
     storage, routing, _, u8 = _layer_types(layer)
     bind = _Binder(layer, stream)
-    T = view(x, stream, "x").shape[0]
+    T = _num_tokens(x, stream)
     E, d, h = layer.num_experts, layer.d_model, layer.d_ffn
     gated = layer.gated
     args = _lib.BackwardArgs.create()

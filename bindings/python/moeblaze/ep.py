@@ -58,6 +58,7 @@ from .core import (
     aligned_zeros,
     default_context,
     make_config,
+    needed,
 )
 
 TRANSPORTS = {"nccl": _lib.EP_TRANSPORT_NCCL, "local": _lib.EP_TRANSPORT_LOCAL}
@@ -337,12 +338,16 @@ class EpLayer(_OwnedHandle):
         size = self.workspace_size(pass_code, num_tokens, recv_rows)
         return aligned_empty(size, np.uint8) if size else None
 
-    def _num_tokens(self, x, name: str = "x") -> int:
+    def _num_tokens(self, x, pass_code: int, name: str = "x") -> int:
+        """T of `x` [T, d_model], checked by the library (a size query of `pass_code`) before
+        anything is copied or allocated, as in moeblaze.Layer."""
         x = np.asarray(x)
         if x.ndim != 2:
             raise ValueError(f"{name}: expected a 2-D [T, d_model] array, got shape "
                              f"{list(x.shape)}")
-        return int(x.shape[0])
+        T = int(x.shape[0])
+        self.workspace_size(pass_code, T)
+        return T
 
     def _weights(self, w_gate, w_up, w_down):
         E_r, h, d = self.num_local_experts, self.d_ffn, self.d_model
@@ -373,12 +378,8 @@ class EpLayer(_OwnedHandle):
         workspace are then allocated for exactly that many rows.
         """
         self._require_host()
-        need = set(need)
-        unknown = need - _FORWARD_OUTPUTS
-        if unknown:
-            raise ValueError(f"need: unknown outputs {sorted(unknown)}; expected some of "
-                             f"{sorted(_FORWARD_OUTPUTS)}")
-        T = self._num_tokens(x)
+        need = needed(need, _FORWARD_OUTPUTS, "outputs")
+        T = self._num_tokens(x, _lib.EP_PASS_FORWARD_BEGIN)
         E, k, d = self.num_experts, self.top_k, self.d_model
         # Every Python-side check happens before begin: a rank failing later would leave the other
         # ranks waiting in a collective call.
@@ -445,12 +446,8 @@ class EpLayer(_OwnedHandle):
             step = step.step
         if step is None:
             step = self._last_step
-        need = set(need)
-        unknown = need - _GRADIENTS
-        if unknown:
-            raise ValueError(f"need: unknown gradients {sorted(unknown)}; expected some of "
-                             f"{sorted(_GRADIENTS)}")
-        T = self._num_tokens(dy, "dy")
+        need = needed(need, _GRADIENTS)
+        T = self._num_tokens(dy, _lib.EP_PASS_BACKWARD, "dy")
         E, k, d = self.num_experts, self.top_k, self.d_model
         E_r, h = self.num_local_experts, self.d_ffn
         dy = self._storage_input(dy, "dy", (T, d))

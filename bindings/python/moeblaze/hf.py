@@ -55,9 +55,40 @@ def experts_modules(model: torch.nn.Module) -> Iterator[Tuple[str, torch.nn.Modu
             yield name, module
 
 
+# Class (or function) names of activations known to be exactly one of moeblaze's: torch.nn's and
+# torch.nn.functional's, and transformers' ACT2FN classes ("gelu", "silu", "swish", "relu",
+# "relu2"). A known name must also pass the numeric probe (nn.GELU(approximate="tanh") does not).
+_KNOWN_ACTIVATIONS = {
+    "SiLU": "silu", "SiLUActivation": "silu", "silu": "silu", "swish": "silu",
+    "GELU": "gelu", "GELUActivation": "gelu", "gelu": "gelu",
+    "ReLU": "relu", "relu": "relu",
+    "ReLUSquaredActivation": "relu2",
+}
+
+
+def _activation_probe() -> torch.Tensor:
+    """Points on which an activation must equal moeblaze's: a fine grid over [-8, 8], values just
+    below, at and above the clamp points of clamped or capped variants (ReLU6 at 6, transformers'
+    ClippedGELU at -10 and 10, ...), and magnitudes up to 1e12, so that a clamp or soft cap
+    anywhere below ~1e9 shows."""
+    limits = torch.tensor([0.5, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 10.0, 12.0, 15.0, 16.0,
+                           20.0, 25.0, 30.0, 32.0, 50.0, 64.0, 100.0, 128.0, 256.0, 1000.0],
+                          dtype=torch.float64)
+    near = torch.cat([limits * (1 - 1e-3), limits, limits * (1 + 1e-3)])
+    large = torch.logspace(0, 12, 49, dtype=torch.float64)
+    positive = torch.cat([near, large])
+    return torch.cat([torch.linspace(-8.0, 8.0, 129, dtype=torch.float64), positive, -positive])
+
+
 def _activation_of(act_fn, gated: bool) -> Optional[str]:
-    """moeblaze's name for `act_fn` (probed numerically, so any equivalent module matches)."""
-    probe = torch.linspace(-6.0, 6.0, 97, dtype=torch.float64)
+    """moeblaze's name for `act_fn`, or None when it is not exactly one of moeblaze's.
+
+    The activation is probed numerically (`_activation_probe`: wide, with large magnitudes and
+    the usual clamp points) and must equal a moeblaze activation everywhere there; when its class
+    or function name is a known one (`_KNOWN_ACTIVATIONS`), the probe must give that activation.
+    So an equivalent module of another name matches, and a clamped or capped variant (ReLU6,
+    ClippedGELU, a soft cap) does not."""
+    probe = _activation_probe()
     try:
         with torch.no_grad():
             out = act_fn(probe.clone())
@@ -71,7 +102,10 @@ def _activation_of(act_fn, gated: bool) -> Optional[str]:
         "relu": torch.relu(probe),
         "relu2": torch.relu(probe).square(),
     }
+    known = _KNOWN_ACTIVATIONS.get(getattr(act_fn, "__name__", None) or type(act_fn).__name__)
     for name, expected in candidates.items():
+        if known is not None and name != known:
+            continue
         if torch.allclose(out.to(torch.float64), expected, rtol=1e-6, atol=1e-9):
             if gated:
                 return {"silu": "swiglu", "gelu": "geglu", "relu": "reglu"}.get(name)
@@ -127,6 +161,21 @@ def swap_blocker(experts: torch.nn.Module) -> Optional[str]:
 # ------------------------------------------------------------------------------------------------
 # The moeblaze experts module
 # ------------------------------------------------------------------------------------------------
+
+
+def _expert_ids(top_k_index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """transformers' (int64) expert ids as moeblaze's int32 ids, without wrapping: ids wider than
+    int32 are first clamped to [-1, num_experts], which keeps every invalid id invalid (outside
+    0..num_experts-1), so moe_experts refuses it as out of range (the CPU backend raises; the CUDA
+    backend drops such pairs, see moe_experts) instead of seeing id + 2^32 as a valid id. No host
+    synchronisation, nothing data-dependent for torch.compile."""
+    dtype = top_k_index.dtype
+    if dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(f"top_k_index: expected integer expert ids, got dtype {dtype}")
+    info = torch.iinfo(dtype)
+    if info.min < -(1 << 31) or info.max >= (1 << 31):
+        top_k_index = top_k_index.clamp(-1, num_experts)
+    return top_k_index.to(torch.int32)
 
 
 class MoeblazeExperts(torch.nn.Module):
@@ -197,7 +246,7 @@ class MoeblazeExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        ids = top_k_index.to(torch.int32)
+        ids = _expert_ids(top_k_index, self.num_experts)
         g = top_k_weights.to(routing_dtype(hidden_states.dtype))
         return moe_experts(hidden_states, ids, g, self.w_gate, self.w_up, self.down_proj,
                            activation=self.activation, checkpoint=self.checkpoint,

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _lib
+from . import _args, _lib
 from .core import Context, Layer
 
 __all__ = ["moe_experts", "moe_layer", "routing_dtype", "shim_path", "platforms"]
@@ -319,6 +319,9 @@ def _check_x(x) -> str:
                         f"{', '.join(_STORAGE_DTYPES.values())}")
     if x.ndim < 1:
         raise ValueError("x: expected [..., d_model], got a scalar")
+    if x.shape[-1] < 1:
+        raise ValueError(f"x: d_model (the last dimension) must be positive, got shape "
+                         f"{list(x.shape)}")
     return _STORAGE_DTYPES[dtype]
 
 
@@ -496,7 +499,7 @@ def moe_experts(x, ids, g, w_gate, w_up, w_down, *, activation: str = "swiglu",
     k = _check_top_k(k, E, T)
     config = _Config(dtype=dtype, d_model=d, d_ffn=h, num_experts=E, top_k=k,
                      activation=activation, checkpoint=checkpoint,
-                     consume_saved=bool(consume_saved))
+                     consume_saved=_args.flag(consume_saved, "consume_saved"))
     y = _experts(config, x2, ids.reshape(-1, k), g.reshape(-1, k), w_gate, w_up, w_down)
     return y.reshape(x.shape)
 
@@ -563,9 +566,13 @@ def moe_layer(x, w_router, w_gate, w_up, w_down, *, top_k: int, activation: str 
     if score_function not in _lib.SCORE_FUNCTIONS:
         raise ValueError(f"score_function: unknown {score_function!r}; expected one of "
                          f"{sorted(_lib.SCORE_FUNCTIONS)}")
+    aux_loss_coeff = _args.real(aux_loss_coeff, "aux_loss_coeff")
+    z_loss_coeff = _args.real(z_loss_coeff, "z_loss_coeff")
     for name, coeff in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
-        if not np.isfinite(float(coeff)) or float(coeff) < 0:
+        if not np.isfinite(coeff) or coeff < 0:
             raise ValueError(f"{name} = {coeff} must be finite and >= 0")
+    renormalize = _args.flag(renormalize, "renormalize")
+    consume_saved = _args.flag(consume_saved, "consume_saved")
     x, w_router, w_gate, w_down = _as_arrays(x=x, w_router=w_router, w_gate=w_gate, w_down=w_down)
     dtype = _check_x(x)
     d = int(x.shape[-1])
@@ -576,8 +583,8 @@ def moe_layer(x, w_router, w_gate, w_up, w_down, *, top_k: int, activation: str 
     k = _check_top_k(top_k, E, T)
     config = _Config(dtype=dtype, d_model=d, d_ffn=h, num_experts=E, top_k=k,
                      activation=activation, checkpoint=checkpoint, score_function=score_function,
-                     renormalize=bool(renormalize), aux_loss_coeff=float(aux_loss_coeff),
-                     z_loss_coeff=float(z_loss_coeff), consume_saved=bool(consume_saved))
+                     renormalize=renormalize, aux_loss_coeff=aux_loss_coeff,
+                     z_loss_coeff=z_loss_coeff, consume_saved=consume_saved)
     y, losses, counts = _layer(config, x2, w_router, w_gate, w_up, w_down)
     result = (y.reshape(x.shape), losses[0], losses[1])
     return result + (counts,) if return_expert_counts else result

@@ -32,8 +32,9 @@ import weakref
 from typing import List, Optional, Sequence, Tuple
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
-from . import _lib
+from . import _args, _lib
 from .core import Context, Layer
 
 _STORAGE_DTYPES = {
@@ -351,6 +352,7 @@ def _layer_forward_body(x, w_router, w_gate, w_up, w_down, top_k, activation, ch
                            renormalize, aux_loss_coeff, z_loss_coeff)
     layer = get_layer(x.device, **config)
     T, d = x.shape
+    _check_num_tokens(layer, _lib.PASS_LAYER_FORWARD, T)
     E, k = layer.num_experts, layer.top_k
     device = x.device
     x, w_router, w_gate, w_up, w_down = map(_ready, (x, w_router, w_gate, w_up, w_down))
@@ -437,6 +439,13 @@ def _layer_backward_body(dy, d_losses, x, w_router, w_gate, w_up, w_down, saved,
                  for g in (dx, dw_router, dw_gate, dw_up, dw_down))
 
 
+def _check_num_tokens(layer: Layer, pass_code: int, T: int) -> None:
+    """The library's check of the token count (T * top_k < 2^31), through a size query, before
+    the body copies an input or allocates an output: a too large T fails with its message, not
+    in torch's allocator after gigabytes of allocations."""
+    layer.workspace_size(pass_code, T)
+
+
 def _ptr_or_none(tensor: Optional[torch.Tensor]) -> Optional[int]:
     return None if tensor is None else tensor.data_ptr()
 
@@ -480,6 +489,7 @@ def _experts_forward_body(x, ids, g, w_gate, w_up, w_down, activation, checkpoin
     _, _, k = _experts_checks(x, ids, g, w_gate, w_up, w_down, activation, checkpoint)
     layer = get_layer(x.device, **_experts_config(x, w_gate, k, activation, checkpoint))
     T = x.shape[0]
+    _check_num_tokens(layer, _lib.PASS_EXPERTS_FORWARD, T)
     device = x.device
     x, ids, g, w_gate, w_up, w_down = map(_ready, (x, ids, g, w_gate, w_up, w_down))
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -839,6 +849,27 @@ def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def _refuse_forward_ad(*tensors) -> None:
+    """Raises NotImplementedError when an input carries a forward-mode tangent (torch.func.jvp,
+    jacfwd, torch.autograd.forward_ad): the operators have only a reverse-mode formula, and
+    torch.library has no jvp hook for custom operators, so the tangent would silently be dropped
+    (a zero or missing output tangent). Inside torch.compile's tracing nothing is checked (the
+    check is eager Python)."""
+    if _compiling():
+        return
+    for tensor in tensors:
+        if tensor is not None and _forward_ad.unpack_dual(tensor).tangent is not None:
+            raise NotImplementedError(
+                "moeblaze: forward-mode AD (torch.func.jvp / jacfwd, torch.autograd.forward_ad) "
+                "is not supported: moeblaze's operators have a reverse-mode formula only; use "
+                "reverse mode (backward(), torch.autograd.grad)")
+
+
+def _compiling() -> bool:
+    is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return bool(is_compiling()) if is_compiling is not None else False
+
+
 # ------------------------------------------------------------------------------------------------
 # Public functions
 # ------------------------------------------------------------------------------------------------
@@ -859,12 +890,14 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, w_gate: tor
     (retain_graph=True, gradcheck) first recomputes the activations from x (one more forward),
     so it stays correct; consume_saved=False keeps them instead."""
     _check_x(x)
+    consume_saved = _args.flag(consume_saved, "consume_saved")
     x, w_gate, w_up, w_down = _autocast((x, w_gate, w_up, w_down), x.device.type)
     activation, checkpoint = str(activation).lower(), str(checkpoint).lower()
     _experts_checks(x, ids, g, w_gate, w_up, w_down, activation, checkpoint)
+    _refuse_forward_ad(x, g, w_gate, w_up, w_down)
     training = _wants_grad(x, g, w_gate, w_up, w_down)
     y, _ = _call_experts_forward(x, ids, g, w_gate, w_up, w_down, activation, checkpoint,
-                                 training, bool(consume_saved))
+                                 training, consume_saved)
     return y
 
 
@@ -878,19 +911,25 @@ def moe_layer(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.Tensor,
 
     Returns (y [T,d], losses [2] = (aux, z) in the routing dtype, expert_counts [E] int32,
     ids [T,k] int32, g [T,k]). Under autocast, x and the weights run in the autocast dtype.
+    top_k must be an int, renormalize and consume_saved bools, the coefficients real numbers.
     consume_saved: as in moe_experts()."""
     _check_x(x)
+    top_k = _args.integer(top_k, "top_k")
+    renormalize = _args.flag(renormalize, "renormalize")
+    consume_saved = _args.flag(consume_saved, "consume_saved")
+    aux_loss_coeff = _args.real(aux_loss_coeff, "aux_loss_coeff")
+    z_loss_coeff = _args.real(z_loss_coeff, "z_loss_coeff")
     x, w_router, w_gate, w_up, w_down = _autocast((x, w_router, w_gate, w_up, w_down),
                                                   x.device.type)
     activation, checkpoint = str(activation).lower(), str(checkpoint).lower()
     score_function = str(score_function).lower()
     _layer_forward_checks(x, w_router, w_gate, w_up, w_down, top_k, activation, checkpoint,
                           score_function)
+    _refuse_forward_ad(x, w_router, w_gate, w_up, w_down)
     training = _wants_grad(x, w_router, w_gate, w_up, w_down)
     y, losses, counts, ids, g, _ = _call_layer_forward(
-        x, w_router, w_gate, w_up, w_down, int(top_k), activation, checkpoint, score_function,
-        bool(renormalize), float(aux_loss_coeff), float(z_loss_coeff), training,
-        bool(consume_saved))
+        x, w_router, w_gate, w_up, w_down, top_k, activation, checkpoint, score_function,
+        renormalize, aux_loss_coeff, z_loss_coeff, training, consume_saved)
     return y, losses, counts, ids, g
 
 
@@ -904,19 +943,28 @@ def _init_moe_module(module: torch.nn.Module, d_model: int, d_ffn: int, num_expe
                      score_function: str, renormalize: bool, aux_loss_coeff: float,
                      z_loss_coeff: float, dtype, device) -> None:
     """The settings and (uninitialised) parameters shared by MoE and the expert-parallel layer:
-    the router weight over all `num_experts`, expert weights for `num_local_experts` of them."""
+    the router weight over all `num_experts`, expert weights for `num_local_experts` of them.
+    Every setting is checked here, so a bad one fails at construction, naming the argument."""
     factory = {"dtype": dtype, "device": device}
+    d_model, d_ffn = _positive(d_model, "d_model"), _positive(d_ffn, "d_ffn")
+    num_experts, top_k = _positive(num_experts, "num_experts"), _positive(top_k, "top_k")
+    if num_experts > _lib.MAX_EXPERTS:
+        raise ValueError(f"num_experts = {num_experts} exceeds {_lib.MAX_EXPERTS}")
+    if top_k > min(num_experts, _lib.MAX_TOP_K):
+        raise ValueError(f"top_k: expected 1..min(num_experts={num_experts}, {_lib.MAX_TOP_K}), "
+                         f"got {top_k}")
     module.d_model, module.d_ffn = d_model, d_ffn
     module.num_experts, module.top_k = num_experts, top_k
-    module.activation = activation.lower()
+    module.activation = str(activation).lower()
     if module.activation not in _lib.ACTIVATIONS:
         raise ValueError(f"activation: unknown {activation!r}; expected one of "
                          f"{sorted(_lib.ACTIVATIONS)}")
+    _check_names(str(checkpoint).lower(), str(score_function).lower())
     module.checkpoint = checkpoint
     module.score_function = score_function
-    module.renormalize = renormalize
-    module.aux_loss_coeff = aux_loss_coeff
-    module.z_loss_coeff = z_loss_coeff
+    module.renormalize = _args.flag(renormalize, "renormalize")
+    module.aux_loss_coeff = _coefficient(aux_loss_coeff, "aux_loss_coeff")
+    module.z_loss_coeff = _coefficient(z_loss_coeff, "z_loss_coeff")
     local = num_local_experts
     module.w_router = torch.nn.Parameter(torch.empty(num_experts, d_model, **factory))
     module.w_gate = torch.nn.Parameter(torch.empty(local, d_ffn, d_model, **factory))
@@ -926,6 +974,20 @@ def _init_moe_module(module: torch.nn.Module, d_model: int, d_ffn: int, num_expe
         module.register_parameter("w_up", None)
     module.w_down = torch.nn.Parameter(torch.empty(local, d_model, d_ffn, **factory))
     module.last_expert_counts = None
+
+
+def _positive(value, name: str) -> int:
+    value = _args.integer(value, name)
+    if value < 1:
+        raise ValueError(f"{name} = {value} must be >= 1")
+    return value
+
+
+def _coefficient(value, name: str) -> float:
+    value = _args.real(value, name)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} = {value} must be finite and >= 0")
+    return value
 
 
 def _reset_moe_parameters(module: torch.nn.Module) -> None:
@@ -988,7 +1050,7 @@ class MoE(torch.nn.Module):
                  aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, dtype=None, device=None,
                  process_group=None, consume_saved: bool = True):
         super().__init__()
-        self.consume_saved = consume_saved  # see moe_experts()
+        self.consume_saved = _args.flag(consume_saved, "consume_saved")  # see moe_experts()
         _init_moe_module(self, d_model, d_ffn, num_experts, top_k, num_experts, activation,
                          checkpoint, score_function, renormalize, aux_loss_coeff, z_loss_coeff,
                          dtype, device)

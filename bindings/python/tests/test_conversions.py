@@ -45,6 +45,17 @@ def test_coefficients_must_be_real_numbers(field, value):
         layer(**{field: value})
 
 
+@pytest.mark.parametrize("field", ["renormalize", "deterministic"])
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None, 1.0])
+def test_flags_must_be_bools(field, value):
+    with pytest.raises(TypeError, match=field):  # bool("no") would be True
+        layer(**{field: value})
+
+
+def test_numpy_bools_are_bools():
+    assert layer(renormalize=np.True_, deterministic=np.bool_(True)).config.renormalize == 1
+
+
 @pytest.mark.parametrize("value", [2**31, -(2**31) - 1, 2**40])
 def test_enum_codes_beyond_int32_are_overflow_errors(value):
     with pytest.raises(OverflowError, match="activation"):

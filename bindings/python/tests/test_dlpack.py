@@ -79,3 +79,18 @@ def test_cuda_tensors_match_cpu():
                          w_down=t(w_down), y=y, workspace=ws,
                          stream=torch.cuda.current_stream().cuda_stream)
     np.testing.assert_allclose(y.cpu().numpy(), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_x_is_named():
+    layer = mb.Layer(d_model=8, d_ffn=6, num_experts=4, top_k=2)
+    _, w_router, w_gate, w_up, w_down, _ = problem(0)
+    weights = dict(w_router=w_router, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                   y=np.zeros((9, 8), np.float32))
+    with pytest.raises(ValueError, match=r"x: expected a 2-D \[T, d_model\] tensor, got shape "
+                                         r"\[\]"):
+        dlpack.layer_forward(layer, x=np.ones((), np.float32), **weights)
+    with pytest.raises(TypeError, match="x: expected a DLPack tensor .* got list"):
+        dlpack.layer_forward(layer, x=[[1.0] * 8] * 9, **weights)
+    with pytest.raises(TypeError, match="w_gate: expected a DLPack tensor"):
+        dlpack.layer_forward(layer, x=np.zeros((9, 8), np.float32),
+                             **dict(weights, w_gate=w_gate.tolist()))

@@ -298,6 +298,11 @@ def test_python_side_argument_errors():
                           np.zeros((4, 3, 4), np.float32), np.zeros((4, 4, 3), np.float32))
         with pytest.raises(ValueError, match="need"):
             layer.forward(x, None, None, None, None, need=("y2",))
+        # a bare string would be a set of letters: nothing valid, so every output skipped
+        with pytest.raises(ValueError, match=r"need: .*string 'ids'"):
+            layer.forward(x, None, None, None, None, need="ids")
+        with pytest.raises(ValueError, match=r"need: .*string 'dx'"):
+            layer.backward(x, need="dx")
 
 
 def test_device_arrays_are_out_of_scope():

@@ -291,6 +291,80 @@ def test_unknown_activation_is_refused():
     assert "activation moeblaze does not have" in mhf.swap_blocker(experts)
 
 
+class _Clamped(torch.nn.Module):
+    """SiLU clamped far beyond the usual activation range (equal to SiLU below 500)."""
+
+    def forward(self, x):
+        return torch.nn.functional.silu(x).clamp(max=500.0)
+
+
+@pytest.mark.parametrize("has_gate", [True, False])
+@pytest.mark.parametrize("act", ["relu6", "gelu_10", "gelu_new", "leaky_relu", _Clamped])
+def test_clamped_or_approximate_activations_are_refused(has_gate, act):
+    """ReLU6 equals ReLU and ClippedGELU(-10, 10) equals GELU on [-6, 6]: they must not be taken
+    for them (the swapped model would compute other values for larger pre-activations)."""
+    experts = _experts_class(False, has_gate, act if isinstance(act, str) else "silu")(_Config())
+    if not isinstance(act, str):
+        experts.act_fn = act()
+    assert "activation moeblaze does not have" in mhf.swap_blocker(experts)
+    with pytest.raises(ValueError, match="activation moeblaze does not have"):
+        mhf.MoeblazeExperts.from_transformers(experts)
+
+
+def test_activations_are_recognised_by_value_and_name():
+    act_of = mhf._activation_of
+    assert act_of(torch.nn.SiLU(), True) == "swiglu"
+    assert act_of(torch.nn.functional.silu, False) == "silu"
+    assert act_of(lambda t: t * torch.sigmoid(t), True) == "swiglu"  # equal values, any name
+    assert act_of(torch.nn.GELU(), True) == "geglu"
+    assert act_of(torch.nn.GELU(approximate="tanh"), True) is None
+    assert act_of(torch.nn.ReLU(), False) == "relu"
+    assert act_of(torch.nn.ReLU6(), False) is None
+    assert act_of(torch.nn.Hardtanh(0.0, 1e6), False) is None  # ReLU up to 1e6
+    assert act_of(lambda t: 1e6 * torch.tanh(torch.nn.functional.silu(t) / 1e6), True) is None
+
+    class SiLU(torch.nn.Module):  # a known name must compute what the name says
+        def forward(self, x):
+            return torch.relu(x)
+    assert act_of(SiLU(), False) is None
+
+
+def test_whole_model_with_relu6_keeps_the_original():
+    torch.manual_seed(0)
+    model = tiny_mixtral(hidden_act="relu6").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "experts" in name:
+                p.mul_(40.0)  # pre-activations well beyond 6
+    ids = torch.randint(0, VOCAB, (1, 12))
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(ValueError, match="ReLU6"):
+        mhf.replace_moe_blocks(model)
+    assert mhf.replace_moe_blocks(model, strict=False) == 0
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+
+
+def test_int64_expert_ids_are_not_wrapped(seed):
+    """ids + 2^32 would narrow to the valid ids: they are refused as out of range instead."""
+    torch.manual_seed(seed)
+    experts = mhf.MoeblazeExperts.from_transformers(_experts_class(False, True, "silu")(_Config()))
+    T, k = 7, 2
+    x = torch.randn(T, 12)
+    ids = torch.stack([torch.randperm(5)[:k] for _ in range(T)])
+    w = torch.rand(T, k)
+    y = experts(x, ids, w)
+    torch.testing.assert_close(experts(x, ids.to(torch.int32), w), y, rtol=0, atol=0)
+    for wrap in (1 << 32, -(1 << 32), 1 << 40):
+        bad = ids.clone()
+        bad[3, 1] += wrap
+        with pytest.raises(mb.InvalidArgumentError, match="out of range"):
+            experts(x, bad, w)
+    with pytest.raises(TypeError, match="top_k_index"):
+        experts(x, ids.double(), w)
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU: bf16
 # ------------------------------------------------------------------------------------------------

@@ -367,6 +367,28 @@ def test_top_k_larger_than_experts_raises():
         mbj.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=1.5)
 
 
+@pytest.mark.parametrize("options,error,name", [
+    (dict(aux_loss_coeff="0.5"), TypeError, "aux_loss_coeff"),
+    (dict(z_loss_coeff=None), TypeError, "z_loss_coeff"),
+    (dict(renormalize="no"), TypeError, "renormalize"),
+    (dict(consume_saved=1), TypeError, "consume_saved")])
+def test_layer_options_are_converted_strictly(options, error, name):
+    x, _, _, w_gate, w_up, w_down = experts_problem(1, 4, 8, 6, 2, 2, "swiglu")[:6]
+    with pytest.raises(error, match=name):
+        mbj.moe_layer(x, jnp.zeros((2, 8)), w_gate, w_up, w_down, top_k=1, **options)
+
+
+def test_zero_d_model_is_named():
+    T, h, E = 6, 16, 4
+    zeros = lambda *shape: np.zeros(shape, np.float32)  # noqa: E731
+    with pytest.raises(ValueError, match=r"x: d_model \(the last dimension\) must be positive"):
+        mbj.moe_layer(zeros(T, 0), zeros(E, 0), zeros(E, h, 0), zeros(E, h, 0), zeros(E, 0, h),
+                      top_k=1)
+    with pytest.raises(ValueError, match="x: d_model"):
+        mbj.moe_experts(zeros(T, 0), np.zeros((T, 1), np.int32), zeros(T, 1), zeros(E, h, 0),
+                        zeros(E, h, 0), zeros(E, 0, h))
+
+
 def test_library_error_reaches_python_with_its_message():
     """An expert id out of range passes every shape check; the CPU backend rejects it and its
     message arrives as the XLA error."""

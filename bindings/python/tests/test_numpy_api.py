@@ -283,3 +283,108 @@ def test_accumulate_weight_gradients(seed):
     grads.dw_down = np.ones((E, h, d))  # wrong shape: rejected before the library sees it
     with pytest.raises(ValueError, match="dw_down"):
         layer.backward(out, dy, *arrays, grads_out=grads, accumulate=True)
+
+
+def test_accumulate_without_grads_out_adds_into_zeros(seed):
+    """accumulate=True with fresh arrays: the same gradients as accumulate=False (zeros + grads),
+    never whatever the uninitialised memory held."""
+    T, d, h, E, k = 6, 8, 6, 4, 2
+    x, w_router, w_gate, w_up, w_down = make_problem(seed, T, d, h, E, dtype=torch.float64)
+    arrays = [np_(t) for t in (x, w_router, w_gate, w_up, w_down)]
+    layer = mb.Layer(d_model=d, d_ffn=h, num_experts=E, top_k=k, dtype="float64")
+    dy = np.random.default_rng(seed).standard_normal((T, d))
+    out = layer.forward(*arrays)
+    once = layer.backward(out, dy, *arrays)
+    for _ in range(3):
+        # leave freed memory of the gradients' sizes full of NaN, for np.empty to reuse
+        dirty = [mb.aligned_empty(a.shape, np.float64) for a in arrays[1:] for _ in range(4)]
+        for a in dirty:
+            a.fill(np.nan)
+        del dirty
+        grads = layer.backward(out, dy, *arrays, accumulate=True)
+        for name in ("dw_router", "dw_gate", "dw_up", "dw_down"):
+            np.testing.assert_array_equal(getattr(grads, name), getattr(once, name), err_msg=name)
+        np.testing.assert_array_equal(grads.dx, once.dx)
+
+
+@pytest.mark.parametrize("need", ["dx", "dw_gate", b"dx"])
+def test_need_as_a_bare_string_is_refused(seed, need):
+    T, d, h, E, k = 5, 4, 3, 3, 2
+    x, w_router, w_gate, w_up, w_down = make_problem(seed, T, d, h, E)
+    arrays = [np_(t) for t in (x, w_router, w_gate, w_up, w_down)]
+    layer = mb.Layer(d_model=d, d_ffn=h, num_experts=E, top_k=k, dtype="float64")
+    out = layer.forward(*arrays)
+    with pytest.raises(ValueError, match=r"need: .*string.*'dw_router'"):
+        layer.backward(out, np.ones((T, d)), *arrays, need=need)
+    experts = layer.experts_forward(arrays[0], out.ids, out.g, *arrays[2:])
+    with pytest.raises(ValueError, match=r"need: .*string.*'dg'"):
+        layer.experts_backward(experts, np.ones((T, d)), arrays[0], out.ids, out.g, *arrays[2:],
+                               need=need)
+
+
+def test_unknown_need_names_are_refused(seed):
+    T, d, h, E, k = 5, 4, 3, 3, 2
+    x, w_router, w_gate, w_up, w_down = make_problem(seed, T, d, h, E)
+    arrays = [np_(t) for t in (x, w_router, w_gate, w_up, w_down)]
+    layer = mb.Layer(d_model=d, d_ffn=h, num_experts=E, top_k=k, dtype="float64")
+    out = layer.forward(*arrays)
+    with pytest.raises(ValueError, match=re.escape("unknown gradients ['dX', 'dw_gates']; "
+                                                   "expected some of ['d_logits', 'dw_down'")):
+        layer.backward(out, np.ones((T, d)), *arrays, need=("dX", "dw_gates"))
+    with pytest.raises(ValueError, match=r"unknown gradients \['dg'\]"):  # experts only
+        layer.backward(out, np.ones((T, d)), *arrays, need=("dx", "dg"))
+    experts = layer.experts_forward(arrays[0], out.ids, out.g, *arrays[2:])
+    with pytest.raises(ValueError, match=r"unknown gradients \['d_g'\].*'dg'"):
+        layer.experts_backward(experts, np.ones((T, d)), arrays[0], out.ids, out.g, *arrays[2:],
+                               need=("d_g",))
+    # the valid names still select (a list, a set, or none at all)
+    grads = layer.backward(out, np.ones((T, d)), *arrays, need=["dx", "d_logits"])
+    assert grads.dx is not None and grads.d_logits is not None and grads.dw_gate is None
+    assert layer.backward(out, np.ones((T, d)), *arrays, need=set()).dx is None
+
+
+_OVERSIZED = """
+import resource
+import numpy as np
+import moeblaze as mb
+T, d, h, E, k = (1 << 30) + 1, 1, 1, 2, 2  # T * k = 2^31 + 2
+layer = mb.Layer(d_model=d, d_ffn=h, num_experts=E, top_k=k)
+w = (np.ones((E, d), np.float32), np.ones((E, h, d), np.float32), np.ones((E, h, d), np.float32),
+     np.ones((E, d, h), np.float32))
+layer.forward(np.zeros((2, d), np.float32), *w)  # everything loaded
+pages = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (pages + (1536 << 20), resource.RLIM_INFINITY))
+x = np.broadcast_to(np.zeros((1, d), np.float32), (T, d))  # stride 0: no memory
+ids = np.broadcast_to(np.array([[0, 1]], np.int32), (T, k))
+g = np.broadcast_to(np.zeros((1, k), np.float32), (T, k))
+calls = (("forward", lambda: layer.forward(x, *w)),
+         ("experts_forward", lambda: layer.experts_forward(x, ids, g, *w[1:])),
+         ("router_forward", lambda: layer.router_forward(np.broadcast_to(w[0][:, 0], (T, E)))),
+         ("routing_build", lambda: layer.routing_build(ids)))
+for name, call in calls:
+    try:
+        call()
+    except mb.InvalidArgumentError as error:
+        assert "too large" in str(error), error
+        print(name, "refused")
+"""
+
+
+def test_oversized_token_count_is_refused_before_allocating(tmp_path):
+    """T * top_k >= 2^31: the library's size error, before gigabytes of copies and outputs (the
+    child process may allocate at most 1.5 GB more)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "oversized.py"
+    script.write_text(_OVERSIZED)
+    package_root = str(Path(mb.__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=path))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:4] == ["forward refused", "experts_forward refused",
+                                           "router_forward refused", "routing_build refused"], \
+        done.stdout + done.stderr[-2000:]

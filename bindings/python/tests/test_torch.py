@@ -1,5 +1,6 @@
 """moeblaze.torch against the plain-PyTorch reference: outputs, gradients, gradcheck, the module."""
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")  # the reference implementation is PyTorch
@@ -254,3 +255,136 @@ def test_cuda_uses_current_stream():
         y_side = mbt.moe_experts(x, ids, g, w_gate, w_up, w_down)
     torch.cuda.current_stream().wait_stream(stream)
     torch.testing.assert_close(y_side, y_default, rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------
+# Refused uses: forward-mode AD, loose arguments, oversized token counts
+# ------------------------------------------------------------------------------------------------
+
+
+def test_forward_mode_ad_is_refused_not_silently_zero():
+    """The operators have a reverse-mode formula only: a tangent would be dropped silently."""
+    import torch.autograd.forward_ad as fwAD
+
+    T, d, h, E, k = 6, 8, 16, 4, 2
+    x, ids, g, w_gate, w_up, w_down = experts_problem(0, T, d, h, E, k, "swiglu", torch.float64)
+    w_router = torch.randn(E, d, dtype=torch.float64)
+    v = torch.ones_like(x)
+    layer = lambda x: mbt.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=k)[0]  # noqa: E731
+    experts = lambda x: mbt.moe_experts(x, ids, g, w_gate, w_up, w_down)  # noqa: E731
+    for fn in (layer, experts):
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jvp(fn, (x,), (v,))
+        with pytest.raises(NotImplementedError, match="forward-mode AD"):
+            torch.func.jacfwd(fn)(x)
+        with fwAD.dual_level():
+            with pytest.raises(NotImplementedError, match="forward-mode AD"):
+                fn(fwAD.make_dual(x, v))
+            fn(x)  # inside a dual level, inputs without a tangent are fine
+    # a tangent on a weight (g here) is refused as well; the module path too
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda g: mbt.moe_experts(x, ids, g, w_gate, w_up, w_down), (g,),
+                       (torch.ones_like(g),))
+    module = mbt.MoE(d, h, E, top_k=k, dtype=torch.float64)
+    with pytest.raises(NotImplementedError, match="forward-mode AD"):
+        torch.func.jvp(lambda x: module(x)[0], (x,), (v,))
+    if not mbt.CUSTOM_OPS:
+        return  # the autograd.Function fallback does not support vmap
+    # vmap (no tangent) still works
+    batched = torch.func.vmap(experts)(x.unsqueeze(0).repeat(2, 1, 1))
+    torch.testing.assert_close(batched[1], experts(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("options,error,name", [
+    (dict(top_k=2.9), TypeError, "top_k"), (dict(top_k=True), TypeError, "top_k"),
+    (dict(top_k="2"), TypeError, "top_k"), (dict(top_k=2, renormalize="no"), TypeError,
+                                           "renormalize"),
+    (dict(top_k=2, renormalize=1), TypeError, "renormalize"),
+    (dict(top_k=2, aux_loss_coeff="0.5"), TypeError, "aux_loss_coeff"),
+    (dict(top_k=2, z_loss_coeff=None), TypeError, "z_loss_coeff"),
+    (dict(top_k=2, consume_saved="yes"), TypeError, "consume_saved")])
+def test_moe_layer_converts_arguments_strictly(options, error, name):
+    x, _, _, w_gate, w_up, w_down = experts_problem(0, 5, 4, 3, 4, 2, "swiglu", torch.float32)
+    w_router = torch.randn(4, 4)
+    with pytest.raises(error, match=name):
+        mbt.moe_layer(x, w_router, w_gate, w_up, w_down, **options)
+    ids, g = ref.random_routing(5, 4, 2)
+    if name == "consume_saved":
+        with pytest.raises(error, match=name):
+            mbt.moe_experts(x, ids, g.float(), w_gate, w_up, w_down,
+                            consume_saved=options["consume_saved"])
+    # numpy scalars are numbers and bools
+    mbt.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=np.int64(2), renormalize=np.True_,
+                  aux_loss_coeff=np.float32(0.5))
+
+
+@pytest.mark.parametrize("args,options,error,name", [
+    ((8, 16, 4), dict(top_k=1.5), TypeError, "top_k"),
+    ((8, 16, 4), dict(top_k=5), ValueError, "top_k"),
+    ((8, 16, 4), dict(top_k=0), ValueError, "top_k"),
+    ((8, 16, 0), {}, ValueError, "num_experts"),
+    ((8, 16, 2000), {}, ValueError, "num_experts"),
+    ((0, 16, 4), {}, ValueError, "d_model"),
+    ((8, 16.0, 4), {}, TypeError, "d_ffn"),
+    ((8, 16, 4), dict(aux_loss_coeff=-1.0), ValueError, "aux_loss_coeff"),
+    ((8, 16, 4), dict(z_loss_coeff=float("nan")), ValueError, "z_loss_coeff"),
+    ((8, 16, 4), dict(aux_loss_coeff="0.1"), TypeError, "aux_loss_coeff"),
+    ((8, 16, 4), dict(renormalize="no"), TypeError, "renormalize"),
+    ((8, 16, 4), dict(consume_saved=0), TypeError, "consume_saved"),
+    ((8, 16, 4), dict(checkpoint="none"), ValueError, "checkpoint"),
+    ((8, 16, 4), dict(score_function="softmax"), ValueError, "score_function")])
+def test_moe_module_checks_its_settings_at_construction(args, options, error, name):
+    with pytest.raises(error, match=name):
+        mbt.MoE(*args, **options)
+
+
+def test_moe_module_settings_are_converted():
+    module = mbt.MoE(np.int64(8), 16, 4, top_k=np.int32(2), aux_loss_coeff=np.float32(0.5))
+    assert type(module.top_k) is int and module.top_k == 2 and type(module.d_model) is int
+    assert type(module.aux_loss_coeff) is float
+    assert "top_k=2," in repr(module)
+
+
+def run_python(script):
+    """Runs `script` in a fresh interpreter that imports this moeblaze package."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package_root = str(Path(mb.__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=path))
+
+
+_OVERSIZED = """
+import resource, sys
+import torch
+import moeblaze as mb, moeblaze.torch as mbt
+T, d, h, E, k = (1 << 30) + 1, 1, 1, 2, 2  # T * k = 2^31 + 2
+w = (torch.randn(E, d), torch.randn(E, h, d), torch.randn(E, h, d), torch.randn(E, d, h))
+mbt.moe_layer(torch.zeros(2, d), *w, top_k=k)  # everything loaded
+pages = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+resource.setrlimit(resource.RLIMIT_AS, (pages + (1536 << 20), resource.RLIM_INFINITY))
+x = torch.zeros(1, d).expand(T, d)  # stride 0: no memory
+ids, g = torch.zeros(1, k, dtype=torch.int32).expand(T, k), torch.zeros(1, k).expand(T, k)
+for name, call in (("moe_layer", lambda: mbt.moe_layer(x, *w, top_k=k)),
+                   ("moe_experts", lambda: mbt.moe_experts(x, ids, g, w[1], w[2], w[3]))):
+    try:
+        call()
+    except mb.InvalidArgumentError as error:
+        assert "too large" in str(error), error
+        print(name, "refused")
+"""
+
+
+def test_oversized_token_count_is_refused_before_allocating(tmp_path):
+    """T * top_k >= 2^31: the library's size error, before gigabytes of copies and outputs (the
+    child process may allocate at most 1.5 GB more)."""
+    script = tmp_path / "oversized.py"
+    script.write_text(_OVERSIZED)
+    done = run_python(script)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["moe_layer refused", "moe_experts refused"], \
+        done.stdout + done.stderr[-2000:]
