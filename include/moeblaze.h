@@ -706,7 +706,10 @@ typedef struct moeblaze_ep_group_s* moeblaze_ep_group_t;
  *  each rank copies what it receives, then a second barrier). With the CUDA backend a rank first
  *  synchronises its stream and the copies are synchronous `cudaMemcpy` calls: this transport is
  *  for testing, not for speed. A rank that waits longer than 120 s for the others fails with
- *  ::MOEBLAZE_ERR_INTERNAL (a missing collective call) and the group is unusable from then on.
+ *  ::MOEBLAZE_ERR_INTERNAL (a missing collective call) and the group is unusable from then on. A
+ *  call that fails on one rank outside an exchange (a bad argument), or two calls on one rank at
+ *  once, make the group unusable at once: the other ranks' calls then fail with that status and
+ *  reason instead of waiting (a group of one rank never becomes unusable this way).
  *
  *  \param[out] out         receives the group; NULL on failure.
  *  \param[in]  world_size  ranks in the group.

@@ -215,10 +215,12 @@ moeblaze_status_t moeblaze_ep_forward_begin(moeblaze_ep_layer_t layer,
   if (recv_rows != nullptr) *recv_rows = 0;
   return guarded(__func__, [&] {
     const auto plan = ep_layer_of(layer);
-    const auto a =
-        read_versioned(args, zeroed<moeblaze_ep_forward_args_t>(), kEpForwardArgsV0Size, "args");
-    MB_REQUIRE_ARG(recv_rows != nullptr, "recv_rows is NULL");
-    *recv_rows = plan->forward_begin(a, exchange, exchange_bytes, stream);
+    *recv_rows = plan->run_call([&] {
+      const auto a =
+          read_versioned(args, zeroed<moeblaze_ep_forward_args_t>(), kEpForwardArgsV0Size, "args");
+      MB_REQUIRE_ARG(recv_rows != nullptr, "recv_rows is NULL");
+      return plan->forward_begin(a, exchange, exchange_bytes, stream);
+    });
   });
 }
 
@@ -227,9 +229,11 @@ moeblaze_status_t moeblaze_ep_forward_finish(moeblaze_ep_layer_t layer,
                                              size_t exchange_bytes, void* stream) {
   return guarded(__func__, [&] {
     const auto plan = ep_layer_of(layer);
-    const auto a =
-        read_versioned(args, zeroed<moeblaze_ep_forward_args_t>(), kEpForwardArgsV0Size, "args");
-    plan->forward_finish(a, exchange, exchange_bytes, stream);
+    plan->run_call([&] {
+      const auto a =
+          read_versioned(args, zeroed<moeblaze_ep_forward_args_t>(), kEpForwardArgsV0Size, "args");
+      plan->forward_finish(a, exchange, exchange_bytes, stream);
+    });
   });
 }
 
@@ -238,9 +242,11 @@ moeblaze_status_t moeblaze_ep_backward(moeblaze_ep_layer_t layer,
                                        const void* exchange, size_t exchange_bytes, void* stream) {
   return guarded(__func__, [&] {
     const auto plan = ep_layer_of(layer);
-    const auto a =
-        read_versioned(args, zeroed<moeblaze_ep_backward_args_t>(), kEpBackwardArgsV0Size, "args");
-    plan->backward(a, exchange, exchange_bytes, stream);
+    plan->run_call([&] {
+      const auto a = read_versioned(args, zeroed<moeblaze_ep_backward_args_t>(),
+                                    kEpBackwardArgsV0Size, "args");
+      plan->backward(a, exchange, exchange_bytes, stream);
+    });
   });
 }
 

@@ -75,6 +75,20 @@ class EpLayer {
   // local layer's int32 row indices.
   void require_recv_rows(int64_t R, const char* argument) const;
 
+  // Runs one execute call (`body` calls forward_begin, forward_finish or backward) so that a
+  // failure of this rank's own is passed to the transport (Transport::abandon) before it is
+  // rethrown: the other ranks must not wait for collectives this rank will not make.
+  template <class Body>
+  auto run_call(Body&& body) -> decltype(body()) {
+    transport_->begin_call();
+    try {
+      return body();
+    } catch (const Error& e) {
+      transport_->abandon(e.status(), e.what());
+      throw;
+    }
+  }
+
   int64_t forward_begin(const moeblaze_ep_forward_args_t& args, void* exchange,
                         size_t exchange_bytes, void* stream);
   void forward_finish(const moeblaze_ep_forward_args_t& args, void* exchange, size_t exchange_bytes,

@@ -20,10 +20,19 @@ void LocalGroupState::check_backend(int32_t backend_kind, int32_t rank) {
                  int(backend_kind_), int(rank), int(backend_kind));
 }
 
+void LocalGroupState::abandon(int32_t rank, moeblaze_status_t status, const char* reason) {
+  if (world_size_ == 1) return;  // nobody waits for a group of one
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (broken_) return;
+  broken_ = true;
+  broken_status_ = status;
+  broken_reason_ = format("rank %d's call failed outside an exchange: %s", int(rank), reason);
+  arrived_.notify_all();
+}
+
 void LocalGroupState::barrier(std::unique_lock<std::mutex>& lock, int32_t rank, const char* step,
                               bool reset_collected) {
-  MB_REQUIRE(!broken_, MOEBLAZE_ERR_INTERNAL, "LOCAL group is unusable: %s",
-             broken_reason_.c_str());
+  MB_REQUIRE(!broken_, broken_status_, "LOCAL group is unusable: %s", broken_reason_.c_str());
   const uint64_t generation = generation_;
   if (++waiting_ == world_size_) {
     waiting_ = 0;
@@ -38,10 +47,11 @@ void LocalGroupState::barrier(std::unique_lock<std::mutex>& lock, int32_t rank, 
   const bool arrived = arrived_.wait_for(lock, std::chrono::seconds(kLocalGroupTimeoutSeconds),
                                          [&] { return generation_ != generation || broken_; });
   if (broken_ && generation_ == generation) {
-    fail(MOEBLAZE_ERR_INTERNAL, "LOCAL group is unusable: %s", broken_reason_.c_str());
+    fail(broken_status_, "LOCAL group is unusable: %s", broken_reason_.c_str());
   }
   if (!arrived) {
     broken_ = true;
+    broken_status_ = MOEBLAZE_ERR_INTERNAL;
     broken_reason_ = format(
         "rank %d waited %d s in '%s' for the other ranks (a rank did not make the same collective "
         "call)",
@@ -57,11 +67,11 @@ void LocalGroupState::exchange(int32_t rank, Backend& backend, const ExchangeTen
   uint64_t generation = 0;
   {
     std::unique_lock<std::mutex> lock(mutex_);
-    MB_REQUIRE(!broken_, MOEBLAZE_ERR_INTERNAL, "LOCAL group is unusable: %s",
-               broken_reason_.c_str());
+    MB_REQUIRE(!broken_, broken_status_, "LOCAL group is unusable: %s", broken_reason_.c_str());
     generation = generation_;
     if (postings_[size_t(rank)].generation == generation) {
       broken_ = true;
+      broken_status_ = MOEBLAZE_ERR_INVALID_ARGUMENT;
       broken_reason_ = format(
           "two calls claimed rank %d in '%s' at once (two layers or threads on one rank of the "
           "group)",
@@ -133,10 +143,19 @@ class LocalTransport final : public Transport {
 
   void exchange(const ExchangeTensor* tensors, size_t count, const char* step, uint64_t layer_tag,
                 void* stream) override {
+    exchange_failed_ = true;  // until it returns: its failure is every rank's, already reported
     group_->exchange(rank_, backend_, tensors, count, step, layer_tag, stream);
+    exchange_failed_ = false;
+  }
+
+  void begin_call() override { exchange_failed_ = false; }
+
+  void abandon(moeblaze_status_t status, const char* reason) override {
+    if (!exchange_failed_) group_->abandon(rank_, status, reason);
   }
 
  private:
+  bool exchange_failed_ = false;
   std::shared_ptr<LocalGroupState> group_;
   int32_t rank_;
   Backend& backend_;

@@ -36,6 +36,11 @@ class LocalGroupState {
   void exchange(int32_t rank, Backend& backend, const ExchangeTensor* tensors, size_t count,
                 const char* step, uint64_t layer_tag, void* stream);
 
+  // Rank `rank`'s call failed with `status` outside an exchange (Transport::abandon): with more
+  // than one rank the group breaks, and every rank's exchange then fails with that status and
+  // the reason.
+  void abandon(int32_t rank, moeblaze_status_t status, const char* reason);
+
  private:
   // Borrowed from the posting rank, which stays inside its exchange until the second barrier: no
   // copies, so that an exchange makes no heap allocation.
@@ -60,6 +65,7 @@ class LocalGroupState {
   int32_t waiting_ = 0;
   uint64_t generation_ = 0;
   bool broken_ = false;
+  moeblaze_status_t broken_status_ = MOEBLAZE_ERR_INTERNAL;  // what a call on the broken group gets
   std::string broken_reason_;
   int32_t backend_kind_ = 0;
   std::vector<Posting> postings_;

@@ -34,6 +34,13 @@ class Transport {
   // heap allocation (it is on the execute path), except to build an error message.
   virtual void exchange(const ExchangeTensor* tensors, size_t count, const char* step,
                         uint64_t layer_tag, void* stream) = 0;
+  // Around one execute call: begin_call at its start; abandon when it fails, with its status and
+  // message. A failure that this rank raised itself (not a failed exchange, which every rank
+  // reports alike) leaves the other ranks waiting in a collective this rank will not make; the
+  // LOCAL transport then breaks its group with the reason, so they fail at once instead of
+  // waiting out the timeout. NCCL's collectives cannot be told: no-ops there.
+  virtual void begin_call() {}
+  virtual void abandon(moeblaze_status_t /*status*/, const char* /*reason*/) {}
 };
 
 class LocalGroupState;  // ep/local_group.hpp
