@@ -60,8 +60,8 @@
  * the context's GPU for the CUDA backend.
  *
  * No memory a call writes (its outputs, its `workspace`, the `saved` buffer a forward fills or a
- * backward with ::MOEBLAZE_BACKWARD_CONSUME_SAVED consumes, the expert-parallel buffers) may share a
- * byte with another of its arguments, over the declared size of each buffer and the shape of each
+ * backward with ::MOEBLAZE_BACKWARD_CONSUME_SAVED consumes, the expert-parallel buffers) may share
+ * a byte with another of its arguments, over the declared size of each buffer and the shape of each
  * tensor: no in-place `dx` over `x`, no `workspace` inside `saved`. Such a call fails with
  * ::MOEBLAZE_ERR_INVALID_ARGUMENT naming both arguments, before anything is written. Arguments that
  * are only read may share memory.
