@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
-from . import _lib
+from . import _args, _lib
 from .torch import (MoE, _init_moe_module, _reset_moe_parameters, get_layer, moe_experts,
                     routing_dtype)
 
@@ -376,8 +376,10 @@ def expert_parallel_moe(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.T
     ranges = expert_ranges(num_experts, world)
     begin, end = ranges[rank]
     T, d = x.shape
-    k = int(top_k)
-    E = int(num_experts)
+    k = _args.integer(top_k, "top_k")
+    E = _args.integer(num_experts, "num_experts")
+    renormalize = _args.flag(renormalize, "renormalize")
+    consume_saved = _args.flag(consume_saved, "consume_saved")
     h = w_gate.shape[1]
     if tuple(w_router.shape) != (E, d):
         raise ValueError(f"w_router: expected shape {[E, d]}, got {list(w_router.shape)}")
@@ -391,7 +393,7 @@ def expert_parallel_moe(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.T
     router_layer = get_layer(device, d_model=d, d_ffn=h, num_experts=E, top_k=k,
                              activation=activation.lower(), dtype=_storage_name(x.dtype),
                              checkpoint=checkpoint.lower(), score_function=score_function.lower(),
-                             renormalize=bool(renormalize))
+                             renormalize=renormalize)
     logits = torch.matmul(x.to(route_dtype), w_router.to(route_dtype).t())
     ids, g = _Router.apply(logits, router_layer)
 
@@ -485,7 +487,7 @@ class ExpertParallelMoE(torch.nn.Module):
                  weights_on: str = "expert", process_group=None, dtype=None, device=None,
                  consume_saved: bool = True):
         super().__init__()
-        self.consume_saved = consume_saved  # see moeblaze.torch.moe_experts()
+        self.consume_saved = _args.flag(consume_saved, "consume_saved")  # see moe_experts()
         if weights_on not in _WEIGHTS_ON:
             raise ValueError(f"weights_on must be one of {_WEIGHTS_ON}, got {weights_on!r}")
         self.process_group = process_group

@@ -274,8 +274,10 @@ class _ConsumedBuffers:
     Kept on the host, keyed by (device, address): the operators' Python bodies run on every call
     (eager and compiled graphs alike), so a later backward on the same buffer knows, without
     reading the device, that it must first recompute the activations from x. A forward that
-    fills a buffer at an address clears its mark, and so does the buffer's end (a finalizer), so
-    the record holds only live buffers."""
+    fills a buffer at an address clears its mark, and so does the end of the buffer's storage (a
+    finalizer on the storage, which torch keeps as one Python object: a tensor object over it can
+    die while the buffer lives on, e.g. behind a saved-tensor hook that returns t.detach()), so the
+    record holds only live buffers."""
 
     def __init__(self):
         self._lock = threading.Lock()
@@ -291,7 +293,7 @@ class _ConsumedBuffers:
             if key in self._keys:
                 return
             self._keys.add(key)
-        weakref.finalize(saved, self._discard, key)
+        weakref.finalize(saved.untyped_storage(), self._discard, key)
 
     def clear(self, saved: torch.Tensor) -> None:
         self._discard(self._key(saved))

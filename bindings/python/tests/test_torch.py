@@ -158,6 +158,27 @@ def test_consume_saved_same_gradients_and_second_backward(device, checkpoint):
         assert torch.equal(plain, consumed)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_consumed_record_survives_a_saved_tensor_hook(device):
+    """The record that a backward consumed the saved activations outlives the tensor object the
+    backward received: a saved-tensor hook that unpacks to t.detach() (a new object over the same
+    storage) must not make the second backward skip its recompute (on the GPU it would read the
+    overwritten activations)."""
+    x, ids, g, w_gate, w_up, w_down = experts_problem(7, 37, 16, 24, 5, 2, "swiglu",
+                                                      torch.bfloat16, device)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, g, w_gate, w_up, w_down)]
+    lx, lg, lgate, lup, ldown = leaves
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t.detach()):
+        y = mbt.moe_experts(lx, ids, lg, lgate, lup, ldown, consume_saved=True)
+    dy = torch.randn(y.shape, generator=torch.Generator().manual_seed(3)).to(y)
+    first = torch.autograd.grad(y, leaves, dy, retain_graph=True)
+    before = mbt.recompute_count
+    second = torch.autograd.grad(y, leaves, dy)
+    assert mbt.recompute_count == before + 1
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 def test_moe_experts_rejects_bad_input():
     x, ids, g, w_gate, w_up, w_down = experts_problem(0, 5, 4, 3, 3, 2, "swiglu", torch.float32)
     with pytest.raises(TypeError, match="g"):
