@@ -136,6 +136,18 @@ int64_t moeblaze_java_buffer_address(moeblaze_java_direct_buffer buffer) {
 }
 %}
 
+/* ---- struct proxies after delete() -------------------------------------------------------------
+ * delete() frees the C struct and zeroes the proxy's pointer. SWIG's field setters then skip the
+ * write silently and its getters dereference NULL (a JVM crash): every accessor refuses a deleted
+ * struct instead, as the com.moeblaze classes refuse a closed handle. */
+%typemap(check) SWIGTYPE* self {
+  if (!$1) {
+    SWIG_JavaThrowException(jenv, SWIG_JavaIllegalStateException,
+                            "$1_basetype: used after delete()");
+    return $null;
+  }
+}
+
 /* ---- versioned structs ----------------------------------------------------------------------- */
 %define MOEBLAZE_VERSIONED_STRUCT(TAG, INIT)
 %immutable TAG::struct_size;

@@ -1,6 +1,8 @@
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 
+use crate::error::{Error, Result, Status};
+
 /// Alignment of workspace and saved buffers (the library requires 16 bytes).
 pub const BUFFER_ALIGNMENT: usize = 64;
 
@@ -27,6 +29,23 @@ impl AlignedBytes {
         let ptr = unsafe { alloc_zeroed(layout) };
         let ptr = NonNull::new(ptr).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
         AlignedBytes { ptr, len }
+    }
+
+    /// As [`AlignedBytes::zeroed`], but a size the allocator cannot serve is an
+    /// `Err(OUT_OF_MEMORY)` naming `name` instead of a panic or a process abort.
+    pub fn try_zeroed(name: &str, len: usize) -> Result<AlignedBytes> {
+        if len == 0 {
+            return Ok(AlignedBytes::zeroed(0));
+        }
+        let too_large = || {
+            Error::new(
+                Status::OUT_OF_MEMORY,
+                format!("{name}: cannot allocate {len} bytes"),
+            )
+        };
+        let layout = Layout::from_size_align(len, BUFFER_ALIGNMENT).map_err(|_| too_large())?;
+        let ptr = NonNull::new(unsafe { alloc_zeroed(layout) }).ok_or_else(too_large)?;
+        Ok(AlignedBytes { ptr, len })
     }
 
     pub fn len(&self) -> usize {

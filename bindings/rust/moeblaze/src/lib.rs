@@ -391,6 +391,33 @@ fn expect_len(name: &str, actual: usize, expected: usize) -> Result<()> {
     Ok(())
 }
 
+/// `n` zeros for an output named `name`: an allocation the allocator cannot serve is an
+/// `Err(OUT_OF_MEMORY)`, never a process abort (`vec!` aborts).
+fn zeros<V: Copy + Default>(name: &str, n: usize) -> Result<Vec<V>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::new(
+            Status::OUT_OF_MEMORY,
+            format!(
+                "{name}: cannot allocate {n} elements of {} bytes",
+                std::mem::size_of::<V>()
+            ),
+        )
+    })?;
+    v.resize(n, V::default());
+    Ok(v)
+}
+
+/// `num_tokens` as the C API's `int64_t`: a `usize` above `i64::MAX` would wrap to a negative
+/// count (and a message about a number the caller never passed).
+fn tokens_i64(num_tokens: usize) -> Result<i64> {
+    i64::try_from(num_tokens).map_err(|_| {
+        Error::invalid_argument(format!(
+            "num_tokens = {num_tokens} does not fit the C API's int64_t"
+        ))
+    })
+}
+
 fn cptr<T>(slice: &[T]) -> *const c_void {
     slice.as_ptr() as *const c_void
 }
@@ -437,13 +464,15 @@ impl Layer {
         check(unsafe { sys::moeblaze_layer_create(&mut raw, context.as_raw(), &c) })?;
         let raw = NonNull::new(raw)
             .ok_or_else(|| Error::new(Status::INTERNAL, "moeblaze_layer_create returned NULL"))?;
-        let mut validated = config.to_sys()?;
-        check(unsafe { sys::moeblaze_layer_get_config(raw.as_ptr(), &mut validated) })?;
-        let layer = Layer {
+        // Owned at once, so that a failure below destroys the handle instead of leaking it.
+        let mut layer = Layer {
             raw,
-            config: LayerConfig::from_sys(&validated)?,
+            config: config.clone(),
             backend: context.backend,
         };
+        let mut validated = config.to_sys()?;
+        check(unsafe { sys::moeblaze_layer_get_config(layer.as_raw(), &mut validated) })?;
+        layer.config = LayerConfig::from_sys(&validated)?;
         Ok(layer)
     }
 
@@ -462,7 +491,7 @@ impl Layer {
             sys::moeblaze_layer_workspace_size(
                 self.as_raw(),
                 pass.code(),
-                num_tokens as i64,
+                tokens_i64(num_tokens)?,
                 &mut bytes,
             )
         })?;
@@ -484,7 +513,7 @@ impl Layer {
             sys::moeblaze_layer_workspace_size_with_flags(
                 self.as_raw(),
                 pass.code(),
-                num_tokens as i64,
+                tokens_i64(num_tokens)?,
                 flags,
                 &mut bytes,
             )
@@ -498,7 +527,7 @@ impl Layer {
             sys::moeblaze_layer_saved_size(
                 self.as_raw(),
                 pass.code(),
-                num_tokens as i64,
+                tokens_i64(num_tokens)?,
                 &mut bytes,
             )
         })?;
@@ -619,7 +648,7 @@ impl Layer {
     }
 
     fn workspace(&self, pass: Pass, num_tokens: usize) -> Result<AlignedBytes> {
-        Ok(AlignedBytes::zeroed(self.workspace_size(pass, num_tokens)?))
+        AlignedBytes::try_zeroed("workspace", self.workspace_size(pass, num_tokens)?)
     }
 
     /// A forward's workspace: the smaller training size when the call has a saved buffer.
@@ -634,9 +663,10 @@ impl Layer {
         } else {
             0
         };
-        Ok(AlignedBytes::zeroed(
+        AlignedBytes::try_zeroed(
+            "workspace",
             self.workspace_size_with_flags(pass, num_tokens, flags)?,
-        ))
+        )
     }
 
     fn gated_up<'a, T>(&self, w_up: Option<&'a [T]>) -> Option<&'a [T]> {
@@ -660,18 +690,19 @@ impl Layer {
         expect_len("w_router", weights.w_router.len(), e * d)?;
         self.check_expert_weights(&weights.experts())?;
         let mut out = LayerOutput::<T> {
-            y: vec![T::default(); t * d],
-            logits: vec![T::Routing::default(); t * e],
-            ids: vec![0; t * k],
-            g: vec![T::Routing::default(); t * k],
+            y: zeros("y", t * d)?,
+            logits: zeros("logits", t * e)?,
+            ids: zeros("ids", t * k)?,
+            g: zeros("g", t * k)?,
             expert_counts: vec![0; e],
             losses: [T::Routing::default(); 2],
             saved: None,
         };
         let mut saved = if training {
-            Some(AlignedBytes::zeroed(
+            Some(AlignedBytes::try_zeroed(
+                "saved",
                 self.saved_size(Pass::LayerForward, t)?,
-            ))
+            )?)
         } else {
             None
         };
@@ -727,16 +758,16 @@ impl Layer {
         }
         let gated = self.config.activation.is_gated();
         let mut grads = LayerGradients::<T> {
-            dx: vec![T::default(); t * d],
-            dw_router: vec![T::default(); e * d],
-            dw_gate: vec![T::default(); e * h * d],
+            dx: zeros("dx", t * d)?,
+            dw_router: zeros("dw_router", e * d)?,
+            dw_gate: zeros("dw_gate", e * h * d)?,
             dw_up: if gated {
-                Some(vec![T::default(); e * h * d])
+                Some(zeros("dw_up", e * h * d)?)
             } else {
                 None
             },
-            dw_down: vec![T::default(); e * d * h],
-            d_logits: vec![T::Routing::default(); t * e],
+            dw_down: zeros("dw_down", e * d * h)?,
+            d_logits: zeros("d_logits", t * e)?,
         };
         let mut workspace = self.workspace(Pass::LayerBackward, t)?;
         let mut args = backward_args()?;
@@ -779,14 +810,15 @@ impl Layer {
         self.check_expert_routing(routing, t)?;
         self.check_expert_weights(weights)?;
         let mut out = ExpertsOutput::<T> {
-            y: vec![T::default(); t * d],
+            y: zeros("y", t * d)?,
             expert_counts: vec![0; e],
             saved: None,
         };
         let mut saved = if training {
-            Some(AlignedBytes::zeroed(
+            Some(AlignedBytes::try_zeroed(
+                "saved",
                 self.saved_size(Pass::ExpertsForward, t)?,
-            ))
+            )?)
         } else {
             None
         };
@@ -839,15 +871,15 @@ impl Layer {
         }
         let gated = self.config.activation.is_gated();
         let mut grads = ExpertsGradients::<T> {
-            dx: vec![T::default(); t * d],
-            dg: vec![T::Routing::default(); t * k],
-            dw_gate: vec![T::default(); e * h * d],
+            dx: zeros("dx", t * d)?,
+            dg: zeros("dg", t * k)?,
+            dw_gate: zeros("dw_gate", e * h * d)?,
             dw_up: if gated {
-                Some(vec![T::default(); e * h * d])
+                Some(zeros("dw_up", e * h * d)?)
             } else {
                 None
             },
-            dw_down: vec![T::default(); e * d * h],
+            dw_down: zeros("dw_down", e * d * h)?,
         };
         let mut workspace = self.workspace(Pass::ExpertsBackward, t)?;
         let mut args = backward_args()?;
@@ -886,8 +918,8 @@ impl Layer {
         }
         let t = logits.len() / e;
         let mut out = RouterOutput {
-            ids: vec![0; t * k],
-            g: vec![T::Routing::default(); t * k],
+            ids: zeros("ids", t * k)?,
+            g: zeros("g", t * k)?,
             expert_counts: vec![0; e],
             losses: [T::Routing::default(); 2],
         };
@@ -923,8 +955,8 @@ impl Layer {
         let t = ids.len() / k;
         let mut out = RoutingIndices {
             expert_offsets: vec![0; e + 1],
-            expert_token_indices: vec![0; t * k],
-            token_index_map: vec![0; t * k],
+            expert_token_indices: zeros("expert_token_indices", t * k)?,
+            token_index_map: zeros("token_index_map", t * k)?,
         };
         let mut workspace = self.workspace(Pass::RoutingBuild, t)?;
         check(unsafe {

@@ -185,6 +185,64 @@ fn error_mapping() {
     assert_eq!(err.status, Status::NON_FINITE);
 }
 
+/// A batch whose saved buffer no allocator can serve (211 TB, above the 128 TiB of a 47-bit
+/// address space) is an `Err(OUT_OF_MEMORY)` naming the buffer. The crate used to allocate it with
+/// `handle_alloc_error`, which aborts the process (SIGABRT). The inputs are zero pages (calloc),
+/// never touched: only the binding's length checks read their lengths.
+#[test]
+fn oversized_buffers_are_errors_not_aborts() {
+    let context = Context::cpu().unwrap();
+    let (d, h, e, k) = (1usize, 1usize << 20, 32usize, 32usize);
+    let config =
+        LayerConfig::new(d as i64, h as i64, e as i64, k as i64).checkpoint(Checkpoint::SaveAll);
+    let layer = Layer::new(&context, &config).unwrap();
+    let t = 1usize << 19;
+    let saved_bytes = layer.saved_size(Pass::LayerForward, t).unwrap();
+    assert!(saved_bytes > 1usize << 47, "{saved_bytes}");
+    let x = vec![0f32; t * d];
+    let w_router = vec![0f32; e * d];
+    let w_gate = vec![0f32; e * h * d];
+    let w_up = vec![0f32; e * h * d];
+    let w_down = vec![0f32; e * d * h];
+    let weights = Weights {
+        w_router: &w_router,
+        w_gate: &w_gate,
+        w_up: Some(&w_up),
+        w_down: &w_down,
+    };
+    let err = layer.forward(&x, &weights, true).unwrap_err();
+    assert_eq!(err.status, Status::OUT_OF_MEMORY);
+    assert!(err.message.starts_with("saved: "), "{}", err.message);
+    // Without a saved buffer the workspace holds the activations instead.
+    let err = layer.forward(&x, &weights, false).unwrap_err();
+    assert_eq!(err.status, Status::OUT_OF_MEMORY);
+    assert!(err.message.starts_with("workspace: "), "{}", err.message);
+}
+
+/// A token count above `i64::MAX` is refused by the crate, naming the value the caller passed; it
+/// used to reach the library wrapped to a negative `int64_t` ("num_tokens = -1 must be >= 0").
+#[test]
+fn num_tokens_beyond_int64_are_refused_as_passed() {
+    let context = Context::cpu().unwrap();
+    let layer = Layer::new(&context, &LayerConfig::new(4, 3, 4, 2)).unwrap();
+    for n in [usize::MAX, 1usize << 63] {
+        let checks = [
+            layer.workspace_size(Pass::LayerForward, n),
+            layer.workspace_size_with_flags(Pass::LayerBackward, n, 0),
+            layer.saved_size(Pass::LayerForward, n),
+        ];
+        for err in checks {
+            let err = err.unwrap_err();
+            assert_eq!(err.status, Status::INVALID_ARGUMENT);
+            assert!(
+                err.message.contains(&format!("num_tokens = {n}")),
+                "{}",
+                err.message
+            );
+        }
+    }
+}
+
 fn loss(layer: &Layer, p: &Problem, r: &[f64]) -> f64 {
     let out = layer.forward(&p.x, &p.weights(), false).unwrap();
     out.y.iter().zip(r).map(|(y, r)| y * r).sum::<f64>() + 0.7 * out.losses[0] + 1.3 * out.losses[1]

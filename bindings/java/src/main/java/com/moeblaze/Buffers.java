@@ -11,8 +11,14 @@ public final class Buffers {
 
   /** A zero-filled direct buffer of {@code bytes} bytes, aligned to {@link #ALIGNMENT}. */
   public static ByteBuffer allocate(long bytes) {
+    return allocate("buffer", bytes);
+  }
+
+  /** As {@link #allocate(long)}; {@code name} names the buffer in the exception for a bad size. */
+  static ByteBuffer allocate(String name, long bytes) {
     if (bytes < 0 || bytes > Integer.MAX_VALUE - 2 * ALIGNMENT) {
-      throw new IllegalArgumentException("buffer size " + bytes + " out of range");
+      throw new IllegalArgumentException(name + ": size " + bytes + " bytes is out of range (a "
+          + "ByteBuffer holds at most " + (Integer.MAX_VALUE - 2 * ALIGNMENT) + " here)");
     }
     // alignedSlice rounds the start up and the end down: leave room for both.
     long rounded = (bytes + ALIGNMENT - 1) / ALIGNMENT * ALIGNMENT;

@@ -4,13 +4,20 @@ import com.moeblaze.internal.moeblaze;
 import com.moeblaze.internal.moeblaze_backward_args_t;
 import com.moeblaze.internal.moeblaze_forward_args_t;
 import com.moeblaze.internal.moeblaze_layer_config_t;
+import java.lang.ref.Reference;
 import java.nio.ByteBuffer;
+import java.util.Objects;
 
 /**
  * An immutable MoE layer plan. Host data (CPU backend) goes in direct, native-order ByteBuffers
  * (see {@link Buffers}), read from their start; device memory (CUDA) through the *Raw methods with
  * pointers as longs. Thread-safe: a layer may execute concurrently; each call allocates its own
  * workspace and saved buffers.
+ *
+ * <p>The host methods pass buffer addresses to C: every buffer whose address is in flight is kept
+ * strongly reachable ({@link Reference#reachabilityFence}) until the native call has returned, or
+ * a garbage collection during the call could free it (its Cleaner) while the library still reads or
+ * writes it.
  */
 public final class Layer implements AutoCloseable {
   private long handle;
@@ -40,6 +47,8 @@ public final class Layer implements AutoCloseable {
   }
 
   public Layer(Context context, LayerConfig config) {
+    Objects.requireNonNull(context, "context is null");
+    Objects.requireNonNull(config, "config is null");
     moeblaze_layer_config_t c = new moeblaze_layer_config_t();
     try {
       c.setDtype(config.dtype.code);
@@ -57,7 +66,13 @@ public final class Layer implements AutoCloseable {
       long[] out = new long[1];
       moeblaze.moeblaze_layer_create(out, context.handle(), c);
       handle = out[0];
-      moeblaze.moeblaze_layer_get_config(handle, c); // the validated values
+      try {
+        moeblaze.moeblaze_layer_get_config(handle, c); // the validated values
+      } catch (RuntimeException error) {
+        moeblaze.moeblaze_layer_destroy(handle); // not yet owned by anyone: do not leak it
+        handle = 0;
+        throw error;
+      }
       LayerConfig validated = new LayerConfig(c.getD_model(), c.getD_ffn(), c.getNum_experts(),
           c.getTop_k());
       validated.dtype = Enums.DType.of(c.getDtype());
@@ -94,6 +109,7 @@ public final class Layer implements AutoCloseable {
   }
 
   public long workspaceSize(Enums.Pass pass, long numTokens) {
+    Objects.requireNonNull(pass, "pass is null");
     long[] bytes = new long[1];
     moeblaze.moeblaze_layer_workspace_size(handle(), pass.code, numTokens, bytes);
     return bytes[0];
@@ -105,6 +121,12 @@ public final class Layer implements AutoCloseable {
    * forward, given a saved buffer, needs less). A flag that does not apply to the pass is ignored.
    */
   public long workspaceSize(Enums.Pass pass, long numTokens, long flags) {
+    Objects.requireNonNull(pass, "pass is null");
+    // The C flags are a uint32_t: SWIG would keep the low 32 bits of anything larger (silently
+    // turning 1L << 32 into 0).
+    if (flags < 0 || flags > 0xFFFFFFFFL) {
+      throw new IllegalArgumentException("flags = " + flags + " is not a uint32_t flag set");
+    }
     long[] bytes = new long[1];
     moeblaze.moeblaze_layer_workspace_size_with_flags(handle(), pass.code, numTokens, flags, bytes);
     return bytes[0];
@@ -115,6 +137,7 @@ public final class Layer implements AutoCloseable {
       com.moeblaze.internal.moeblazeConstants.MOEBLAZE_FORWARD_WITH_SAVED;
 
   public long savedSize(Enums.Pass pass, long numTokens) {
+    Objects.requireNonNull(pass, "pass is null");
     long[] bytes = new long[1];
     moeblaze.moeblaze_layer_saved_size(handle(), pass.code, numTokens, bytes);
     return bytes[0];
@@ -186,17 +209,17 @@ public final class Layer implements AutoCloseable {
     if (w[0] == 0) throw new IllegalArgumentException("wRouter is null");
     ForwardResult result = new ForwardResult();
     result.numTokens = t;
-    result.y = Buffers.allocate(t * d * es);
-    result.logits = Buffers.allocate(t * e * rs);
-    result.ids = Buffers.allocate(t * k * 4);
-    result.g = Buffers.allocate(t * k * rs);
-    result.expertCounts = Buffers.allocate(e * 4);
-    result.losses = Buffers.allocate(2L * rs);
+    result.y = Buffers.allocate("y", t * d * es);
+    result.logits = Buffers.allocate("logits", t * e * rs);
+    result.ids = Buffers.allocate("ids", t * k * 4);
+    result.g = Buffers.allocate("g", t * k * rs);
+    result.expertCounts = Buffers.allocate("expertCounts", e * 4);
+    result.losses = Buffers.allocate("losses", 2L * rs);
     long savedBytes = training ? savedSize(Enums.Pass.LAYER_FORWARD, t) : 0;
-    result.saved = training ? Buffers.allocate(savedBytes) : null;
+    result.saved = training ? Buffers.allocate("saved", savedBytes) : null;
     long workspaceBytes =
         workspaceSize(Enums.Pass.LAYER_FORWARD, t, training ? FORWARD_WITH_SAVED : 0);
-    ByteBuffer workspace = Buffers.allocate(workspaceBytes);
+    ByteBuffer workspace = Buffers.allocate("workspace", workspaceBytes);
     moeblaze_forward_args_t args = new moeblaze_forward_args_t();
     try {
       args.setNum_tokens(t);
@@ -218,6 +241,14 @@ public final class Layer implements AutoCloseable {
       moeblaze.moeblaze_layer_forward(handle(), args, 0);
     } finally {
       args.delete();
+      // Only their addresses were passed: keep them alive across the native call.
+      Reference.reachabilityFence(x);
+      Reference.reachabilityFence(wRouter);
+      Reference.reachabilityFence(wGate);
+      Reference.reachabilityFence(wUp);
+      Reference.reachabilityFence(wDown);
+      Reference.reachabilityFence(workspace);
+      Reference.reachabilityFence(result);
     }
     return result;
   }
@@ -226,7 +257,9 @@ public final class Layer implements AutoCloseable {
   public Gradients backward(ForwardResult forward, ByteBuffer dy, ByteBuffer x, ByteBuffer wRouter,
       ByteBuffer wGate, ByteBuffer wUp, ByteBuffer wDown, ByteBuffer dLosses) {
     requireHost();
-    if (forward.saved == null) {
+    Objects.requireNonNull(forward, "forward is null");
+    ByteBuffer saved = forward.saved; // read once: the field is public and mutable
+    if (saved == null) {
       throw new IllegalArgumentException("forward ran with training = false: nothing saved");
     }
     long t = numTokens(x);
@@ -234,14 +267,14 @@ public final class Layer implements AutoCloseable {
     int es = config.dtype.elementSize, rs = config.dtype.routingElementSize();
     long[] w = weightAddresses(wRouter, wGate, wUp, wDown);
     Gradients grads = new Gradients();
-    grads.dx = Buffers.allocate(t * d * es);
-    grads.dwRouter = Buffers.allocate(e * d * es);
-    grads.dwGate = Buffers.allocate(e * h * d * es);
-    grads.dwUp = config.activation.gated ? Buffers.allocate(e * h * d * es) : null;
-    grads.dwDown = Buffers.allocate(e * d * h * es);
-    grads.dLogits = Buffers.allocate(t * e * rs);
+    grads.dx = Buffers.allocate("dx", t * d * es);
+    grads.dwRouter = Buffers.allocate("dwRouter", e * d * es);
+    grads.dwGate = Buffers.allocate("dwGate", e * h * d * es);
+    grads.dwUp = config.activation.gated ? Buffers.allocate("dwUp", e * h * d * es) : null;
+    grads.dwDown = Buffers.allocate("dwDown", e * d * h * es);
+    grads.dLogits = Buffers.allocate("dLogits", t * e * rs);
     long workspaceBytes = workspaceSize(Enums.Pass.LAYER_BACKWARD, t);
-    ByteBuffer workspace = Buffers.allocate(workspaceBytes);
+    ByteBuffer workspace = Buffers.allocate("workspace", workspaceBytes);
     moeblaze_backward_args_t args = new moeblaze_backward_args_t();
     try {
       args.setNum_tokens(t);
@@ -252,8 +285,8 @@ public final class Layer implements AutoCloseable {
       args.setW_gate(w[1]);
       args.setW_up(w[2]);
       args.setW_down(w[3]);
-      args.setSaved(Buffers.address("forward.saved", forward.saved));
-      args.setSaved_bytes(forward.saved.capacity());
+      args.setSaved(Buffers.address("forward.saved", saved));
+      args.setSaved_bytes(saved.capacity());
       args.setDx(Buffers.address(grads.dx));
       args.setDw_router(Buffers.address(grads.dwRouter));
       args.setDw_gate(Buffers.address(grads.dwGate));
@@ -265,6 +298,17 @@ public final class Layer implements AutoCloseable {
       moeblaze.moeblaze_layer_backward(handle(), args, 0);
     } finally {
       args.delete();
+      // Only their addresses were passed: keep them alive across the native call.
+      Reference.reachabilityFence(saved);
+      Reference.reachabilityFence(dy);
+      Reference.reachabilityFence(x);
+      Reference.reachabilityFence(wRouter);
+      Reference.reachabilityFence(wGate);
+      Reference.reachabilityFence(wUp);
+      Reference.reachabilityFence(wDown);
+      Reference.reachabilityFence(dLosses);
+      Reference.reachabilityFence(workspace);
+      Reference.reachabilityFence(grads);
     }
     return grads;
   }
@@ -273,16 +317,26 @@ public final class Layer implements AutoCloseable {
   public ByteBuffer[] routingBuild(ByteBuffer ids) {
     requireHost();
     long k = config.topK, e = config.numExperts;
+    if (ids == null) throw new IllegalArgumentException("ids is null");
     if (ids.capacity() % (4 * k) != 0) throw new IllegalArgumentException("ids must be [T, k]");
     long t = ids.capacity() / (4 * k);
-    ByteBuffer offsets = Buffers.allocate((e + 1) * 4);
-    ByteBuffer tokenIndices = Buffers.allocate(t * k * 4);
-    ByteBuffer indexMap = Buffers.allocate(t * k * 4);
+    ByteBuffer offsets = Buffers.allocate("expertOffsets", (e + 1) * 4);
+    ByteBuffer tokenIndices = Buffers.allocate("tokenIndices", t * k * 4);
+    ByteBuffer indexMap = Buffers.allocate("indexMap", t * k * 4);
     long workspaceBytes = workspaceSize(Enums.Pass.ROUTING_BUILD, t);
-    ByteBuffer workspace = Buffers.allocate(workspaceBytes);
-    moeblaze.moeblaze_routing_build(handle(), t, Buffers.address("ids", ids),
-        Buffers.address(offsets), Buffers.address(tokenIndices), Buffers.address(indexMap),
-        workspaceBytes == 0 ? 0 : Buffers.address(workspace), workspaceBytes, 0);
+    ByteBuffer workspace = Buffers.allocate("workspace", workspaceBytes);
+    try {
+      moeblaze.moeblaze_routing_build(handle(), t, Buffers.address("ids", ids),
+          Buffers.address(offsets), Buffers.address(tokenIndices), Buffers.address(indexMap),
+          workspaceBytes == 0 ? 0 : Buffers.address(workspace), workspaceBytes, 0);
+    } finally {
+      // Only their addresses were passed: keep them alive across the native call.
+      Reference.reachabilityFence(ids);
+      Reference.reachabilityFence(offsets);
+      Reference.reachabilityFence(tokenIndices);
+      Reference.reachabilityFence(indexMap);
+      Reference.reachabilityFence(workspace);
+    }
     return new ByteBuffer[] {offsets, tokenIndices, indexMap};
   }
 

@@ -285,6 +285,120 @@ public class LayerTest {
     }
   }
 
+  /**
+   * The host methods pass only addresses to C. Once the JIT has compiled them, a buffer they no
+   * longer use after taking its address (the workspace they allocate, or a caller's temporary) is
+   * unreachable during the native call: a garbage collection then runs its Cleaner, which frees
+   * (for a large buffer: unmaps) the memory the library is writing. That was a JVM crash (SIGSEGV
+   * in first_gemm writing the freed 64 MiB workspace) on the first large call below.
+   */
+  @Test
+  public void buffersStayAliveDuringNativeCallsUnderGc() throws Exception {
+    Random rng = new Random(seed("gc_fence"));
+    int d = 8, h = 1024, e = 4, k = 2, t = 8192; // forward workspace 64 MiB: mmap'ed by malloc
+    try (Context context = Context.cpu();
+        Layer tiny = new Layer(context, new LayerConfig(2, 2, 2, 1));
+        Layer big = new Layer(context, new LayerConfig(d, h, e, k))) {
+      ByteBuffer tx = Buffers.allocate(8), tr = Buffers.allocate(16), tw = Buffers.allocate(32);
+      for (int i = 0; i < 30000; i++) tiny.forward(tx, tr, tw, tw, tw, false); // JIT-compile it
+      ByteBuffer x = Buffers.of(toFloats(random(rng, t * d, 1)));
+      ByteBuffer wRouter = Buffers.of(toFloats(random(rng, e * d, 1)));
+      ByteBuffer wGate = Buffers.of(toFloats(random(rng, e * h * d, 0.5)));
+      ByteBuffer wUp = Buffers.of(toFloats(random(rng, e * h * d, 0.5)));
+      ByteBuffer wDown = Buffers.of(toFloats(random(rng, e * d * h, 0.5)));
+      float[] expected = Buffers.toFloats(big.forward(x, wRouter, wGate, wUp, wDown, false).y);
+      java.util.concurrent.atomic.AtomicBoolean stop =
+          new java.util.concurrent.atomic.AtomicBoolean();
+      Thread collector = new Thread(() -> {
+        while (!stop.get()) System.gc();
+      });
+      collector.setDaemon(true);
+      collector.start();
+      try {
+        for (int i = 0; i < 4; i++) {
+          float[] y = Buffers.toFloats(big.forward(x, wRouter, wGate, wUp, wDown, false).y);
+          assertArrayEquals("iteration " + i, expected, y, 0f);
+        }
+      } finally {
+        stop.set(true);
+        collector.join();
+      }
+    }
+  }
+
+  @Test
+  public void badArgumentsAreNamed() {
+    try (Context context = Context.cpu(); Layer layer = new Layer(context,
+        new LayerConfig(D, H, E, K))) {
+      try {
+        layer.routingBuild(null);
+        fail("expected IllegalArgumentException");
+      } catch (IllegalArgumentException error) {
+        assertEquals("ids is null", error.getMessage());
+      }
+      try {
+        layer.backward(null, null, null, null, null, null, null, null);
+        fail("expected NullPointerException");
+      } catch (NullPointerException error) {
+        assertEquals("forward is null", error.getMessage());
+      }
+      try {
+        new Layer(context, null);
+        fail("expected NullPointerException");
+      } catch (NullPointerException error) {
+        assertEquals("config is null", error.getMessage());
+      }
+      // flags is a uint32_t in C: 1L << 32 used to be truncated to 0 and accepted.
+      for (long flags : new long[] {1L << 32, (1L << 32) | 4, -1}) {
+        try {
+          layer.workspaceSize(Enums.Pass.LAYER_BACKWARD, T, flags);
+          fail("expected IllegalArgumentException for flags " + flags);
+        } catch (IllegalArgumentException error) {
+          assertTrue(error.getMessage(), error.getMessage().startsWith("flags = " + flags));
+        }
+      }
+      // An output too large for a ByteBuffer names the output (logits: [T, E] = 4 GiB here).
+      try (Layer wide = new Layer(context, new LayerConfig(1, 1, 1024, 1))) {
+        wide.forward(Buffers.allocate(4L << 20), Buffers.allocate(4096), Buffers.allocate(4096),
+            Buffers.allocate(4096), Buffers.allocate(4096), false);
+        fail("expected IllegalArgumentException");
+      } catch (IllegalArgumentException error) {
+        assertTrue(error.getMessage(), error.getMessage().startsWith("logits: size 4294967296"));
+      }
+    }
+  }
+
+  /** A deleted args struct: SWIG's getters dereferenced NULL (a JVM crash), its setters did
+   *  nothing. Both now throw IllegalStateException. */
+  @Test
+  public void deletedArgsStructsAreRefused() {
+    com.moeblaze.internal.moeblaze_forward_args_t args =
+        new com.moeblaze.internal.moeblaze_forward_args_t();
+    args.delete();
+    args.delete(); // a second delete() is a no-op
+    try {
+      args.getNum_tokens();
+      fail("expected IllegalStateException");
+    } catch (IllegalStateException error) {
+      assertTrue(error.getMessage(), error.getMessage().contains("used after delete()"));
+    }
+    try {
+      args.setNum_tokens(3);
+      fail("expected IllegalStateException");
+    } catch (IllegalStateException error) {
+      assertTrue(error.getMessage(), error.getMessage().contains("used after delete()"));
+    }
+    com.moeblaze.internal.moeblaze_backward_args_t back =
+        new com.moeblaze.internal.moeblaze_backward_args_t();
+    back.delete();
+    try {
+      back.getSaved_bytes();
+      fail("expected IllegalStateException");
+    } catch (IllegalStateException expected) {
+      // deleted
+    }
+  }
+
   private static float[] toFloats(double[] values) {
     float[] out = new float[values.length];
     for (int i = 0; i < values.length; i++) out[i] = (float) values[i];
