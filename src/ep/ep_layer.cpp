@@ -46,6 +46,7 @@ HomeSaved carve_home(Carver& c, const LayerDesc& desc, int64_t W, int64_t T) {
 
 // The EXPERT saved buffer: the received rows are the `x` of the local experts' backward.
 struct ExpertSaved {
+  ExpertHeader* header = nullptr;
   void* recv = nullptr;          // [R,d] dtype
   void* recv_g = nullptr;        // [R] rtype
   int32_t* local_ids = nullptr;  // [R] local expert of each row
@@ -54,6 +55,7 @@ struct ExpertSaved {
 
 ExpertSaved carve_expert(Carver& c, const LayerDesc& local, int64_t R) {
   ExpertSaved s;
+  s.header = c.carve<ExpertHeader>(sizeof(ExpertHeader));
   s.recv = c.carve(local.elem_size() * size_t(R * local.d));
   s.recv_g = c.carve(local.relem_size() * size_t(R));
   s.local_ids = c.carve<int32_t>(sizeof(int32_t) * size_t(R));
@@ -354,6 +356,19 @@ void EpLayer::check_home_saved(const Step& step, int64_t T) const {
                                 "args->home_saved ids", "args->home_saved");
 }
 
+void EpLayer::check_expert_saved(const Step& step) const {
+  const ExpertHeader& h = *step.expert.header;
+  MB_REQUIRE_ARG(h.magic == kExpertMagic && h.version == uint32_t(MOEBLAZE_VERSION) &&
+                     h.layer_tag == layer_tag_ && h.rank == rank_ && h.world_size == world_size_,
+                 "args->expert_saved was not filled by moeblaze_ep_forward_finish of this layer "
+                 "and rank (or was overwritten since)");
+  MB_REQUIRE_ARG(h.step == step.header->step && h.num_tokens == step.R,
+                 "args->expert_saved belongs to another forward step than `exchange` (step %llu "
+                 "with %lld received rows; `exchange` holds step %llu with %lld)",
+                 (unsigned long long)h.step, (long long)h.num_tokens,
+                 (unsigned long long)step.header->step, (long long)step.R);
+}
+
 template <class Args>
 void EpLayer::open_step(Step& step, const Args& a, EpPass pass) {
   const Backend& backend = *context_->backend;
@@ -394,7 +409,10 @@ void EpLayer::open_step(Step& step, const Args& a, EpPass pass) {
   step.home = carve_home(home_carver, router_desc_, world_size_, T);
   Carver expert_carver(const_cast<void*>(a.expert_saved));
   step.expert = carve_expert(expert_carver, local_desc_, R);
-  if (backend.kind() == MOEBLAZE_BACKEND_CPU) check_home_saved(step, T);
+  if (backend.kind() == MOEBLAZE_BACKEND_CPU) {
+    check_home_saved(step, T);
+    if (pass == EpPass::Backward) check_expert_saved(step);
+  }
 }
 
 void EpLayer::compute_splits(const ExchangeHeader& header, const int32_t* table) {
@@ -689,6 +707,16 @@ void EpLayer::forward_finish(const moeblaze_ep_forward_args_t& a, void* exchange
     std::lock_guard<std::mutex> lock(context_->execute_mutex);
     backend.experts_forward(local_desc_, experts);
   }
+
+  // The EXPERT header: this step's, for backward's check.
+  expert_header_.magic = kExpertMagic;
+  expert_header_.version = uint32_t(MOEBLAZE_VERSION);
+  expert_header_.layer_tag = layer_tag_;
+  expert_header_.step = step.header->step;
+  expert_header_.num_tokens = R;
+  expert_header_.rank = rank_;
+  expert_header_.world_size = world_size_;
+  backend.copy(expert.header, &expert_header_, sizeof(ExpertHeader), stream);
 
   // F5: the weighted rows go home, into send order.
   set_rows_tensor(0, scratch.y_rows, scratch.rows, es * size_t(d), false);

@@ -36,7 +36,9 @@ constexpr size_t kExchangeTableOffset = 64;  // the table starts here, 8-byte al
 static_assert(sizeof(ExchangeHeader) <= kExchangeTableOffset, "exchange header too large");
 
 // First bytes of the HOME saved buffer: which layer, rank and step wrote it. The CPU layer checks
-// it (and the indices after it) in finish and backward: the buffer is the caller's memory.
+// it (and the indices after it) in finish and backward: the buffer is the caller's memory. The
+// EXPERT saved buffer starts with the same header (ExpertHeader, kExpertMagic, the received rows
+// R as num_tokens), checked in backward: a buffer of another step would give other gradients.
 struct HomeHeader {
   uint32_t magic;    // kHomeMagic
   uint32_t version;  // MOEBLAZE_VERSION
@@ -47,6 +49,8 @@ struct HomeHeader {
   int32_t world_size;
 };
 constexpr uint32_t kHomeMagic = 0x4845424du;  // "MBEH" little-endian
+using ExpertHeader = HomeHeader;
+constexpr uint32_t kExpertMagic = 0x5245424du;  // "MBER" little-endian
 
 enum class EpPass : int32_t { ForwardBegin = 0, ForwardFinish = 1, Backward = 2 };
 enum class EpSaved : int32_t { Home = 0, Expert = 1 };
@@ -122,6 +126,8 @@ class EpLayer {
   void check_count_table(const Step& step, int64_t T) const;
   // The HOME saved buffer as forward_begin of this step wrote it (host memory only).
   void check_home_saved(const Step& step, int64_t T) const;
+  // The EXPERT saved buffer's header as forward_finish of this step wrote it (host memory only).
+  void check_expert_saved(const Step& step) const;
   // Checks the step's buffers (both saved ones, then the workspace of `pass`), fills splits_ and
   // carves the saved views. Args: the forward or backward arguments (the same buffer fields).
   template <class Args>
@@ -145,6 +151,7 @@ class EpLayer {
   uint64_t layer_tag_;
   uint64_t steps_begun_ = 0;  // forward_begin calls so far: the step id of the next one is this + 1
   HomeHeader home_header_{};  // the source of forward_begin's (asynchronous) header copy
+  ExpertHeader expert_header_{};  // forward_finish's, likewise
   std::shared_ptr<LocalGroupState> group_;
   std::unique_ptr<Transport> transport_;
   // Host scratch of the execute calls, sized at creation (see the class comment).

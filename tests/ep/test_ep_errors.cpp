@@ -623,6 +623,28 @@ TEST_CASE("ep errors: a bad argument on one rank fails its peer at once, naming 
   CHECK_MESSAGE(message[0].find("rank 1") != std::string::npos, message[0]);
 }
 
+TEST_CASE("ep errors: an EXPERT saved buffer of another step is refused") {
+  // Backward of step 2 given step 1's EXPERT buffer (same recv_rows) returned OK with other dx
+  // and weight gradients; the buffer now carries its step, checked against `exchange`.
+  OneRank one;
+  MB_CHECK(one.begin(one.fa));
+  MB_CHECK(one.finish(one.fa));
+  const std::vector<unsigned char> step1(
+      static_cast<const unsigned char*>(one.expert.data()),
+      static_cast<const unsigned char*>(one.expert.data()) + one.expert.size());
+  MB_CHECK(one.begin(one.fa));
+  MB_CHECK(one.finish(one.fa));
+  const std::vector<unsigned char> step2(
+      static_cast<const unsigned char*>(one.expert.data()),
+      static_cast<const unsigned char*>(one.expert.data()) + one.expert.size());
+  std::memcpy(one.expert.data(), step1.data(), step1.size());
+  CHECK_ERROR_NAMES(one.backward(one.ba), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->expert_saved");
+  std::memset(one.expert.data(), 0, 16);  // its header overwritten
+  CHECK_ERROR_NAMES(one.backward(one.ba), MOEBLAZE_ERR_INVALID_ARGUMENT, "args->expert_saved");
+  std::memcpy(one.expert.data(), step2.data(), step2.size());
+  MB_CHECK(one.backward(one.ba));
+}
+
 TEST_CASE("ep errors: a HOME saved buffer or exchange overwritten between calls is refused") {
   // The HOME buffer and `exchange` are the caller's memory between forward_begin, forward_finish
   // and backward; their indices and counts address x, dy and the workspace. Every overwrite below
