@@ -47,6 +47,38 @@ struct EpLayer {
   ~EpLayer() { moeblaze_ep_layer_destroy(handle); }
 };
 
+// One forward_begin of `layer` on `T` tokens of `g` with buffers of its own (x NULL with
+// `x_null`): its status and the thread's last error.
+struct CallResult {
+  moeblaze_status_t status = MOEBLAZE_OK;
+  std::string message;
+};
+
+CallResult begin_once(moeblaze_ep_layer_t layer, const Global& g, int64_t T, bool x_null = false) {
+  size_t bytes = 0, ws = 0;
+  moeblaze_ep_layer_exchange_size(layer, &bytes);
+  AlignedBytes exchange(bytes);
+  moeblaze_ep_layer_saved_size(layer, MOEBLAZE_EP_SAVED_HOME, T, 0, &bytes);
+  AlignedBytes home(bytes);
+  moeblaze_ep_layer_workspace_size(layer, MOEBLAZE_EP_PASS_FORWARD_BEGIN, T, 0, &ws);
+  AlignedBytes workspace(ws);
+  moeblaze_ep_forward_args_t fa;
+  moeblaze_ep_forward_args_init(&fa, sizeof fa);
+  fa.num_tokens = T;
+  fa.x = x_null ? nullptr : g.x.data();
+  fa.w_router = g.w_router.data();
+  fa.home_saved = home.data();
+  fa.home_saved_bytes = home.size();
+  fa.workspace = workspace.data();
+  fa.workspace_bytes = workspace.size();
+  int64_t recv = 0;
+  CallResult r;
+  r.status =
+      moeblaze_ep_forward_begin(layer, &fa, exchange.data(), exchange.size(), &recv, nullptr);
+  r.message = moeblaze_last_error();
+  return r;
+}
+
 }  // namespace
 
 TEST_CASE("ep errors: config init and group creation") {
@@ -492,26 +524,9 @@ TEST_CASE("ep errors: a collective mismatch fails on every rank instead of corru
     moeblaze_ep_layer_t layer = nullptr;
     status[size_t(rank)] = moeblaze_ep_layer_create(&layer, context.get(), &config, &ep);
     if (status[size_t(rank)] != MOEBLAZE_OK) return;
-    size_t bytes = 0, ws = 0;
-    moeblaze_ep_layer_exchange_size(layer, &bytes);
-    AlignedBytes exchange(bytes);
-    moeblaze_ep_layer_saved_size(layer, MOEBLAZE_EP_SAVED_HOME, 4, 0, &bytes);
-    AlignedBytes home(bytes);
-    moeblaze_ep_layer_workspace_size(layer, MOEBLAZE_EP_PASS_FORWARD_BEGIN, 4, 0, &ws);
-    AlignedBytes workspace(ws);
-    moeblaze_ep_forward_args_t fa;
-    moeblaze_ep_forward_args_init(&fa, sizeof fa);
-    fa.num_tokens = 4;
-    fa.x = g.x.data();
-    fa.w_router = g.w_router.data();
-    fa.home_saved = home.data();
-    fa.home_saved_bytes = home.size();
-    fa.workspace = workspace.data();
-    fa.workspace_bytes = workspace.size();
-    int64_t recv = 0;
-    status[size_t(rank)] =
-        moeblaze_ep_forward_begin(layer, &fa, exchange.data(), exchange.size(), &recv, nullptr);
-    message[size_t(rank)] = moeblaze_last_error();
+    const CallResult r = begin_once(layer, g, 4);
+    status[size_t(rank)] = r.status;
+    message[size_t(rank)] = r.message;
     moeblaze_ep_layer_destroy(layer);
   };
   std::thread rank0(body, 0), rank1(body, 1);
@@ -542,27 +557,9 @@ TEST_CASE("ep errors: two layers calling as one rank of a LOCAL group fail at on
   std::vector<moeblaze_status_t> status(2, MOEBLAZE_OK);
   std::vector<std::string> message(2);
   auto body = [&](int which) {
-    moeblaze_ep_layer_t layer = which == 0 ? first.handle : second.handle;
-    size_t bytes = 0, ws = 0;
-    moeblaze_ep_layer_exchange_size(layer, &bytes);
-    AlignedBytes exchange(bytes);
-    moeblaze_ep_layer_saved_size(layer, MOEBLAZE_EP_SAVED_HOME, 4, 0, &bytes);
-    AlignedBytes home(bytes);
-    moeblaze_ep_layer_workspace_size(layer, MOEBLAZE_EP_PASS_FORWARD_BEGIN, 4, 0, &ws);
-    AlignedBytes workspace(ws);
-    moeblaze_ep_forward_args_t fa;
-    moeblaze_ep_forward_args_init(&fa, sizeof fa);
-    fa.num_tokens = 4;
-    fa.x = g.x.data();
-    fa.w_router = g.w_router.data();
-    fa.home_saved = home.data();
-    fa.home_saved_bytes = home.size();
-    fa.workspace = workspace.data();
-    fa.workspace_bytes = workspace.size();
-    int64_t recv = 0;
-    status[size_t(which)] =
-        moeblaze_ep_forward_begin(layer, &fa, exchange.data(), exchange.size(), &recv, nullptr);
-    message[size_t(which)] = moeblaze_last_error();
+    const CallResult r = begin_once(which == 0 ? first.handle : second.handle, g, 4);
+    status[size_t(which)] = r.status;
+    message[size_t(which)] = r.message;
   };
   const auto start = std::chrono::steady_clock::now();
   std::thread a(body, 0), b(body, 1);
@@ -589,26 +586,9 @@ TEST_CASE("ep errors: a bad argument on one rank fails its peer at once, naming 
     c.tokens = {4, 4};
     Global g = make_global(c, false);
     EpLayer layer(context, c.config(), local_config(group, rank, 2));
-    size_t bytes = 0, ws = 0;
-    moeblaze_ep_layer_exchange_size(layer.handle, &bytes);
-    AlignedBytes exchange(bytes);
-    moeblaze_ep_layer_saved_size(layer.handle, MOEBLAZE_EP_SAVED_HOME, 4, 0, &bytes);
-    AlignedBytes home(bytes);
-    moeblaze_ep_layer_workspace_size(layer.handle, MOEBLAZE_EP_PASS_FORWARD_BEGIN, 4, 0, &ws);
-    AlignedBytes workspace(ws);
-    moeblaze_ep_forward_args_t fa;
-    moeblaze_ep_forward_args_init(&fa, sizeof fa);
-    fa.num_tokens = 4;
-    fa.x = rank == 1 ? nullptr : g.x.data();
-    fa.w_router = g.w_router.data();
-    fa.home_saved = home.data();
-    fa.home_saved_bytes = home.size();
-    fa.workspace = workspace.data();
-    fa.workspace_bytes = workspace.size();
-    int64_t recv = 0;
-    status[size_t(rank)] = moeblaze_ep_forward_begin(layer.handle, &fa, exchange.data(),
-                                                     exchange.size(), &recv, nullptr);
-    message[size_t(rank)] = moeblaze_last_error();
+    const CallResult r = begin_once(layer.handle, g, 4, /*x_null=*/rank == 1);
+    status[size_t(rank)] = r.status;
+    message[size_t(rank)] = r.message;
   };
   const auto start = std::chrono::steady_clock::now();
   std::thread rank0(body, 0), rank1(body, 1);
