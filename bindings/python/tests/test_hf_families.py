@@ -26,8 +26,11 @@ except ImportError:  # transformers 4.x: experts are per-expert modules, not swa
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 VOCAB = 101
-LOGITS_RTOL = 1e-5  # max|diff| / max|ref|
-GRAD_RTOL = 5e-5    # per gradient tensor, max|diff| / max|ref|
+# max|diff| / max|ref|: a swapped family's experts round in another order (~1e-7 relative), which
+# recurrent layers downstream amplify (qwen3_next's linear-attention dt_bias gradient reached
+# 5e-5 at one seed); a wrong model is off by percents (ReLU6 taken for ReLU: 10 % in the logits).
+LOGITS_RTOL = 1e-4
+GRAD_RTOL = 1e-3  # per gradient tensor
 
 # The README's classification, checked for these families (the anchors) against the models.
 ANCHORS = {"mixtral": True, "qwen3_moe": True, "deepseek_v3": True,
