@@ -2,6 +2,7 @@
 // message naming the argument; nothing crashes, nothing hangs (one-rank groups, or a mismatch that
 // every rank of the group detects).
 #include <chrono>
+#include <functional>
 #include <thread>
 
 #include "ep/ep_support.hpp"
@@ -77,6 +78,18 @@ CallResult begin_once(moeblaze_ep_layer_t layer, const Global& g, int64_t T, boo
       moeblaze_ep_forward_begin(layer, &fa, exchange.data(), exchange.size(), &recv, nullptr);
   r.message = moeblaze_last_error();
   return r;
+}
+
+// body(0) and body(1) on two threads at once, as two ranks (or two callers of one rank) make their
+// calls; CHECKs that both returned well within the LOCAL group's timeout (they must fail at once).
+std::vector<CallResult> on_two_threads(const std::function<CallResult(int)>& body) {
+  std::vector<CallResult> results(2);
+  const auto start = std::chrono::steady_clock::now();
+  std::thread first([&] { results[0] = body(0); }), second([&] { results[1] = body(1); });
+  first.join();
+  second.join();
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+  return results;
 }
 
 }  // namespace
@@ -554,23 +567,12 @@ TEST_CASE("ep errors: two layers calling as one rank of a LOCAL group fail at on
   EpLayer idle_rank1(context, config, local_config(group, 1, 2));
   EpLayer first(context, config, local_config(group, 0, 2));
   EpLayer second(context, config, local_config(group, 0, 2));
-  std::vector<moeblaze_status_t> status(2, MOEBLAZE_OK);
-  std::vector<std::string> message(2);
-  auto body = [&](int which) {
-    const CallResult r = begin_once(which == 0 ? first.handle : second.handle, g, 4);
-    status[size_t(which)] = r.status;
-    message[size_t(which)] = r.message;
-  };
-  const auto start = std::chrono::steady_clock::now();
-  std::thread a(body, 0), b(body, 1);
-  a.join();
-  b.join();
-  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
+  const std::vector<CallResult> r = on_two_threads(
+      [&](int which) { return begin_once((which == 0 ? first : second).handle, g, 4); });
   // The second to arrive is refused; the first, waiting at the barrier, fails with the group.
-  for (int which = 0; which < 2; ++which) {
-    CHECK_MESSAGE(status[size_t(which)] == MOEBLAZE_ERR_INVALID_ARGUMENT, message[size_t(which)]);
-    CHECK_MESSAGE(message[size_t(which)].find("claimed rank 0") != std::string::npos,
-                  message[size_t(which)]);
+  for (const CallResult& call : r) {
+    CHECK_MESSAGE(call.status == MOEBLAZE_ERR_INVALID_ARGUMENT, call.message);
+    CHECK_MESSAGE(call.message.find("claimed rank 0") != std::string::npos, call.message);
   }
 }
 
@@ -578,29 +580,19 @@ TEST_CASE("ep errors: a bad argument on one rank fails its peer at once, naming 
   // Rank 1 passes x = NULL; rank 0's valid call must not wait out the group's timeout for a
   // collective rank 1 will not make: it fails with rank 1's status and reason.
   Group group(2);
-  std::vector<moeblaze_status_t> status(2, MOEBLAZE_OK);
-  std::vector<std::string> message(2);
-  auto body = [&](int32_t rank) {
+  const std::vector<CallResult> r = on_two_threads([&](int rank) {
     Context context;
     EpCase c;
     c.tokens = {4, 4};
     Global g = make_global(c, false);
     EpLayer layer(context, c.config(), local_config(group, rank, 2));
-    const CallResult r = begin_once(layer.handle, g, 4, /*x_null=*/rank == 1);
-    status[size_t(rank)] = r.status;
-    message[size_t(rank)] = r.message;
-  };
-  const auto start = std::chrono::steady_clock::now();
-  std::thread rank0(body, 0), rank1(body, 1);
-  rank0.join();
-  rank1.join();
-  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(30));
-  for (int rank = 0; rank < 2; ++rank) {
-    CHECK_MESSAGE(status[size_t(rank)] == MOEBLAZE_ERR_INVALID_ARGUMENT, message[size_t(rank)]);
-    CHECK_MESSAGE(message[size_t(rank)].find("args->x") != std::string::npos,
-                  message[size_t(rank)]);
+    return begin_once(layer.handle, g, 4, /*x_null=*/rank == 1);
+  });
+  for (const CallResult& call : r) {
+    CHECK_MESSAGE(call.status == MOEBLAZE_ERR_INVALID_ARGUMENT, call.message);
+    CHECK_MESSAGE(call.message.find("args->x") != std::string::npos, call.message);
   }
-  CHECK_MESSAGE(message[0].find("rank 1") != std::string::npos, message[0]);
+  CHECK_MESSAGE(r[0].message.find("rank 1") != std::string::npos, r[0].message);
 }
 
 TEST_CASE("ep errors: an EXPERT saved buffer of another step is refused") {

@@ -354,9 +354,13 @@ def _layer_forward_body(x, w_router, w_gate, w_up, w_down, top_k, activation, ch
                            renormalize, aux_loss_coeff, z_loss_coeff)
     layer = get_layer(x.device, **config)
     T, d = x.shape
-    _check_num_tokens(layer, _lib.PASS_LAYER_FORWARD, T)
     E, k = layer.num_experts, layer.top_k
     device = x.device
+    # The size queries first: they are also the library's check of T (T * top_k < 2^31), so a too
+    # large T fails with its message before the copies below and gigabytes of allocations.
+    saved_bytes = _saved_bytes_for(layer, _lib.PASS_LAYER_FORWARD, T, training, saved_out)
+    workspace_size = layer.workspace_size(_lib.PASS_LAYER_FORWARD, T,
+                                          _lib.FORWARD_WITH_SAVED if saved_bytes > 0 else 0)
     x, w_router, w_gate, w_up, w_down = map(_ready, (x, w_router, w_gate, w_up, w_down))
     route_dtype = routing_dtype(x.dtype)
     y = torch.empty((T, d), dtype=x.dtype, device=device)
@@ -364,16 +368,9 @@ def _layer_forward_body(x, w_router, w_gate, w_up, w_down, top_k, activation, ch
     counts = torch.empty(E, dtype=torch.int32, device=device)
     ids = torch.empty((T, k), dtype=torch.int32, device=device)
     g = torch.empty((T, k), dtype=route_dtype, device=device)
-    if saved_out is not None:
-        saved = saved_out
-    elif training:
-        saved = torch.empty(_saved_bytes(layer, _lib.PASS_LAYER_FORWARD, T), dtype=torch.uint8,
-                            device=device)
-    else:
-        saved = torch.empty(0, dtype=torch.uint8, device=device)
-    with_saved = saved.numel() > 0
-    workspace_size = layer.workspace_size(_lib.PASS_LAYER_FORWARD, T,
-                                          _lib.FORWARD_WITH_SAVED if with_saved else 0)
+    saved = saved_out if saved_out is not None else torch.empty(saved_bytes, dtype=torch.uint8,
+                                                                  device=device)
+    with_saved = saved_bytes > 0
     workspace = _bytes(device, workspace_size)
     args = _lib.ForwardArgs.create()
     args.num_tokens = T
@@ -441,11 +438,13 @@ def _layer_backward_body(dy, d_losses, x, w_router, w_gate, w_up, w_down, saved,
                  for g in (dx, dw_router, dw_gate, dw_up, dw_down))
 
 
-def _check_num_tokens(layer: Layer, pass_code: int, T: int) -> None:
-    """The library's check of the token count (T * top_k < 2^31), through a size query, before
-    the body copies an input or allocates an output: a too large T fails with its message, not
-    in torch's allocator after gigabytes of allocations."""
-    layer.workspace_size(pass_code, T)
+def _saved_bytes_for(layer: Layer, pass_code: int, T: int, training: bool,
+                     saved_out: Optional[torch.Tensor]) -> int:
+    """The saved buffer's size of a forward: `saved_out`'s (a refill), the layer's when training,
+    else 0 (an inference forward)."""
+    if saved_out is not None:
+        return saved_out.numel()
+    return _saved_bytes(layer, pass_code, T) if training else 0
 
 
 def _ptr_or_none(tensor: Optional[torch.Tensor]) -> Optional[int]:
@@ -491,20 +490,16 @@ def _experts_forward_body(x, ids, g, w_gate, w_up, w_down, activation, checkpoin
     _, _, k = _experts_checks(x, ids, g, w_gate, w_up, w_down, activation, checkpoint)
     layer = get_layer(x.device, **_experts_config(x, w_gate, k, activation, checkpoint))
     T = x.shape[0]
-    _check_num_tokens(layer, _lib.PASS_EXPERTS_FORWARD, T)
     device = x.device
+    # The size queries first (the library's check of T, before any copy or allocation).
+    saved_bytes = _saved_bytes_for(layer, _lib.PASS_EXPERTS_FORWARD, T, training, saved_out)
+    workspace_size = layer.workspace_size(_lib.PASS_EXPERTS_FORWARD, T,
+                                          _lib.FORWARD_WITH_SAVED if saved_bytes > 0 else 0)
     x, ids, g, w_gate, w_up, w_down = map(_ready, (x, ids, g, w_gate, w_up, w_down))
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    if saved_out is not None:
-        saved = saved_out
-    elif training:
-        saved = torch.empty(_saved_bytes(layer, _lib.PASS_EXPERTS_FORWARD, T),
-                            dtype=torch.uint8, device=device)
-    else:
-        saved = torch.empty(0, dtype=torch.uint8, device=device)
-    with_saved = saved.numel() > 0
-    workspace_size = layer.workspace_size(_lib.PASS_EXPERTS_FORWARD, T,
-                                          _lib.FORWARD_WITH_SAVED if with_saved else 0)
+    saved = saved_out if saved_out is not None else torch.empty(saved_bytes, dtype=torch.uint8,
+                                                                  device=device)
+    with_saved = saved_bytes > 0
     workspace = _bytes(device, workspace_size)
     args = _lib.ForwardArgs.create()
     args.num_tokens = T

@@ -20,3 +20,15 @@ def seed(request):
     value = int(os.environ.get("MOEBLAZE_TEST_SEED", random.randrange(1 << 31)))
     print(f"[{request.node.name}] seed = {value}")
     return value
+
+
+def run_python(script):
+    """Runs `script` in a fresh interpreter that imports this moeblaze package."""
+    import subprocess
+
+    import moeblaze
+
+    package_root = str(Path(moeblaze.__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=path))

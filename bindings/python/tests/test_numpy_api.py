@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")  # the reference implementation is PyTorch
 
 import moeblaze as mb
 import reference as ref
-from conftest import HEADER
+from conftest import HEADER, run_python
 
 # The config stores the loss coefficients as C floats: the reference must use the same values.
 AUX, Z = float(np.float32(0.01)), float(np.float32(0.001))
@@ -373,17 +373,9 @@ for name, call in calls:
 def test_oversized_token_count_is_refused_before_allocating(tmp_path):
     """T * top_k >= 2^31: the library's size error, before gigabytes of copies and outputs (the
     child process may allocate at most 1.5 GB more)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
     script = tmp_path / "oversized.py"
     script.write_text(_OVERSIZED)
-    package_root = str(Path(mb.__file__).resolve().parent.parent)
-    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=path))
+    done = run_python(script)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:4] == ["forward refused", "experts_forward refused",
                                            "router_forward refused", "routing_build refused"], \

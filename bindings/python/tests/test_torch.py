@@ -8,6 +8,7 @@ torch = pytest.importorskip("torch")  # the reference implementation is PyTorch
 import moeblaze as mb
 import reference as ref
 from moeblaze import torch as mbt
+from conftest import run_python
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="torch.cuda unavailable")
@@ -364,19 +365,6 @@ def test_moe_module_settings_are_converted():
     assert type(module.top_k) is int and module.top_k == 2 and type(module.d_model) is int
     assert type(module.aux_loss_coeff) is float
     assert "top_k=2," in repr(module)
-
-
-def run_python(script):
-    """Runs `script` in a fresh interpreter that imports this moeblaze package."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    package_root = str(Path(mb.__file__).resolve().parent.parent)
-    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ, PYTHONPATH=path))
 
 
 _OVERSIZED = """
