@@ -2,9 +2,11 @@
 
 ctypes and int() are lenient where a wrong value should be an error: int(8.5) and int('8') give
 8, a ctypes int64 field silently keeps the low 64 bits of 2**64 + 8, and numpy's same-kind cast
-narrows int64 ids beyond int32. Every integer argument goes through integer() (an int, or an
-object with __index__ such as a numpy integer, in the C type's range), every coefficient through
-real() and every on/off option through flag() (bool('no') is True); a failure names the argument.
+narrows int64 ids beyond int32, float64 arrays to float32 and takes bool arrays as integers. Every
+integer argument goes through integer() (an int, or an object with __index__ such as a numpy
+integer, in the C type's range), every coefficient through real(), every on/off option through
+flag() (bool('no') is True) and every numpy array through array_as() (only conversions that keep
+every value); a failure names the argument.
 """
 
 from __future__ import annotations
@@ -69,3 +71,27 @@ def fits(array, dtype, name: str) -> None:
         bad = low if low < info.min else high
         raise OverflowError(f"{name}: value {bad} does not fit {dtype} "
                             f"([{info.min}, {info.max}]); a cast would change it")
+
+
+def array_as(array, dtype, name: str):
+    """`array` (a numpy array) converted to `dtype` where no value changes: an integer array whose
+    values fit an integer `dtype` (fits() checks them), or a floating array that widens losslessly
+    to a floating `dtype` (float16 -> float32 -> float64). Anything else raises TypeError naming
+    `name`: float64 to float32 would round silently, and bools are not ids or activations."""
+    import numpy as np
+
+    dtype = np.dtype(dtype)
+    source = array.dtype
+    if source == dtype:
+        return array
+    if dtype.kind in "iu" and source.kind in "iu":
+        fits(array, dtype, name)  # int64 ids beyond int32 are refused, not wrapped
+        return array.astype(dtype)
+    if dtype.kind == "f" and source.kind == "f" and np.can_cast(source, dtype, casting="safe"):
+        return array.astype(dtype)
+    if dtype.kind in "iu":
+        raise TypeError(f"{name}: expected an integer array ({dtype}), got dtype {source}")
+    if dtype.kind == "f" and source.kind == "f":
+        raise TypeError(f"{name}: expected dtype {dtype}, got {source} (a cast would round it; "
+                        f"convert it explicitly with .astype(numpy.{dtype}))")
+    raise TypeError(f"{name}: expected dtype {dtype}, got {source}")

@@ -329,16 +329,16 @@ class Layer(_OwnedHandle):
     def _storage_input(self, array, name: str, shape) -> np.ndarray:
         array = np.asarray(array)
         if self.storage_dtype == np.uint16 and array.dtype != np.uint16:
-            array = float_to_bfloat16_bits(array)  # bfloat16 layers take bit patterns
+            # bfloat16 layers take bit patterns, or floats, which are rounded (documented); an
+            # integer or bool array is neither
+            if array.dtype.kind != "f":
+                raise TypeError(f"{name}: expected uint16 bfloat16 bit patterns or a floating "
+                                f"array, got dtype {array.dtype}")
+            array = float_to_bfloat16_bits(array)
         return self._input(array, name, shape, self.storage_dtype)
 
     def _input(self, array, name: str, shape, dtype) -> np.ndarray:
-        array = np.asarray(array)
-        if array.dtype != dtype:
-            if not np.can_cast(array.dtype, dtype, casting="same_kind"):
-                raise TypeError(f"{name}: expected {dtype}, got {array.dtype}")
-            _args.fits(array, dtype, name)  # int64 ids beyond int32 are refused, not wrapped
-            array = array.astype(dtype)
+        array = _args.array_as(np.asarray(array), dtype, name)  # value-preserving casts only
         shape = tuple(int(s) for s in shape)
         if array.shape != shape:
             raise ValueError(f"{name}: expected shape {list(shape)}, got {list(array.shape)}")

@@ -24,6 +24,7 @@ autocast dtype (x and the weights are cast to it; fp64 is left alone, as torch d
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import math
 import os
@@ -56,9 +57,15 @@ CUSTOM_OPS = (hasattr(torch, "library") and hasattr(torch.library, "custom_op")
 # Caches: one context per (backend, device); one layer plan per (backend, device, config)
 # ------------------------------------------------------------------------------------------------
 
+#: How many layer plans the cache keeps, least recently used first out. The coefficients are part
+#: of a plan's configuration (the C API takes them nowhere else), so a run that anneals
+#: aux_loss_coeff makes a new plan per value: without a bound the cache would grow with every one.
+#: An evicted plan is destroyed once no caller holds it, and made again when it is used again.
+MAX_CACHED_LAYERS = 32
+
 _cache_lock = threading.Lock()
 _contexts = {}
-_layers = {}
+_layers = collections.OrderedDict()
 
 
 def _backend_of(device: torch.device) -> Tuple[str, int]:
@@ -80,14 +87,20 @@ def get_context(device: torch.device) -> Context:
 
 
 def get_layer(device: torch.device, **config) -> Layer:
-    """The cached layer plan for `config` on `device`'s backend (plans are immutable)."""
+    """The cached layer plan for `config` on `device`'s backend (plans are immutable); the cache
+    keeps the MAX_CACHED_LAYERS most recently used plans."""
     key = _backend_of(device) + tuple(sorted(config.items()))
     with _cache_lock:
         layer = _layers.get(key)
-    if layer is None:
-        layer = Layer(get_context(device), **config)
-        with _cache_lock:
-            layer = _layers.setdefault(key, layer)
+        if layer is not None:
+            _layers.move_to_end(key)
+            return layer
+    layer = Layer(get_context(device), **config)
+    with _cache_lock:
+        layer = _layers.setdefault(key, layer)
+        _layers.move_to_end(key)
+        evicted = [_layers.popitem(last=False) for _ in range(len(_layers) - MAX_CACHED_LAYERS)]
+    del evicted  # destroyed here, outside the lock, unless a caller still holds one
     return layer
 
 
@@ -842,6 +855,23 @@ def _autocast(tensors: Sequence[Optional[torch.Tensor]], device_type: str):
             for t in tensors]
 
 
+def _check_tokens_before_autocast(x: torch.Tensor, top_k, pass_code: int) -> None:
+    """The library's check of x's token count (T * top_k < 2^31) when autocast is about to cast x:
+    the operator bodies query sizes before their copies, but the cast comes first and would copy
+    an oversized x. The limit depends on top_k alone, so the size query of the smallest plan with
+    that top_k gives the library's verdict; an invalid top_k is left to the argument checks. Eager
+    only: inside torch.compile's tracing T may be symbolic and the library cannot be called."""
+    if _compiling():
+        return
+    dtype = _autocast_dtype(x.device.type)
+    if dtype is None or x.dtype not in _AUTOCAST_ELIGIBLE or x.dtype == dtype:
+        return  # no cast of x: the body checks T before any copy
+    if not isinstance(top_k, int) or not 1 <= top_k <= _lib.MAX_TOP_K:
+        return
+    plan = get_layer(torch.device("cpu"), d_model=1, d_ffn=1, num_experts=top_k, top_k=top_k)
+    plan.workspace_size(pass_code, x.shape[0])
+
+
 def _wants_grad(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
@@ -888,6 +918,8 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, w_gate: tor
     so it stays correct; consume_saved=False keeps them instead."""
     _check_x(x)
     consume_saved = _args.flag(consume_saved, "consume_saved")
+    if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+        _check_tokens_before_autocast(x, int(ids.shape[1]), _lib.PASS_EXPERTS_FORWARD)
     x, w_gate, w_up, w_down = _autocast((x, w_gate, w_up, w_down), x.device.type)
     activation, checkpoint = str(activation).lower(), str(checkpoint).lower()
     _experts_checks(x, ids, g, w_gate, w_up, w_down, activation, checkpoint)
@@ -916,6 +948,7 @@ def moe_layer(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.Tensor,
     consume_saved = _args.flag(consume_saved, "consume_saved")
     aux_loss_coeff = _args.real(aux_loss_coeff, "aux_loss_coeff")
     z_loss_coeff = _args.real(z_loss_coeff, "z_loss_coeff")
+    _check_tokens_before_autocast(x, top_k, _lib.PASS_LAYER_FORWARD)
     x, w_router, w_gate, w_up, w_down = _autocast((x, w_router, w_gate, w_up, w_down),
                                                   x.device.type)
     activation, checkpoint = str(activation).lower(), str(checkpoint).lower()

@@ -1,6 +1,7 @@
 """Arguments are converted strictly: a value that is not an integer, or does not fit the C type,
 raises an error naming the argument instead of being truncated (int(8.5)), parsed (int('8')),
-wrapped by ctypes (2**64 + 8 -> 8) or narrowed by numpy (int64 ids beyond int32)."""
+wrapped by ctypes (2**64 + 8 -> 8) or narrowed by numpy (int64 ids beyond int32, float64 arrays to
+float32, bool arrays to ids)."""
 
 import ctypes
 
@@ -109,6 +110,90 @@ def test_int64_ids_beyond_int32_are_refused_not_narrowed(dtype):
 def test_ids_of_float_dtype_are_type_errors():
     with pytest.raises(TypeError, match="ids"):
         layer().routing_build(np.array([[0.0, 1.0], [2.0, 3.0]]))
+
+
+def test_bool_ids_are_type_errors():
+    """numpy casts bools to int32 (even under casting='safe'): True, False would be experts 1, 0."""
+    built = layer()
+    ids = np.array([[True, False], [False, True]])
+    with pytest.raises(TypeError,
+                       match=r"^ids: expected an integer array \(int32\), got dtype bool"):
+        built.routing_build(ids)
+    x, g = np.ones((2, 4), np.float32), np.full((2, 2), 0.5, np.float32)
+    weights = (np.ones((4, 3, 4), np.float32), np.ones((4, 3, 4), np.float32),
+               np.ones((4, 4, 3), np.float32))
+    with pytest.raises(TypeError, match="ids"):
+        built.experts_forward(x, ids, g, *weights)
+    with pytest.raises(TypeError, match="ids"):
+        built.router_backward(np.zeros((2, 4), np.float32), ids, g)
+    built.experts_forward(x, ids.astype(np.int64), g, *weights)  # integer ids stay accepted
+
+
+def float_problem(dtype, T=3, d=4, h=3, E=4):
+    rng = np.random.default_rng(0)
+    return {name: rng.standard_normal(shape).astype(dtype) for name, shape in (
+        ("x", (T, d)), ("w_router", (E, d)), ("w_gate", (E, h, d)), ("w_up", (E, h, d)),
+        ("w_down", (E, d, h)))}
+
+
+@pytest.mark.parametrize("name", ["x", "w_router", "w_gate", "w_up", "w_down"])
+def test_float64_arrays_are_not_narrowed_to_float32(name):
+    """A float32 layer refuses float64 activations and weights (numpy's same_kind cast would round
+    them silently), naming the argument and the dtype it expects."""
+    built = layer()
+    arrays = float_problem(np.float32)
+    arrays[name] = arrays[name].astype(np.float64)
+    with pytest.raises(TypeError, match=f"^{name}: expected dtype float32, got float64"):
+        built.forward(**arrays)
+    if name != "w_router":
+        ids, g = np.array([[0, 1], [2, 3], [1, 2]], np.int32), np.full((3, 2), 0.5, np.float32)
+        with pytest.raises(TypeError, match=f"^{name}: expected dtype float32"):
+            built.experts_forward(arrays["x"], ids, g, arrays["w_gate"], arrays["w_up"],
+                                  arrays["w_down"])
+
+
+def test_routing_arrays_are_not_narrowed():
+    built = layer()
+    logits = np.zeros((3, 4))  # float64
+    with pytest.raises(TypeError, match="^logits: expected dtype float32, got float64"):
+        built.router_forward(logits)
+    arrays = float_problem(np.float32)
+    ids = np.array([[0, 1], [2, 3], [1, 2]], np.int32)
+    with pytest.raises(TypeError, match="^g: expected dtype float32, got float64"):
+        built.experts_forward(arrays["x"], ids, np.full((3, 2), 0.5), arrays["w_gate"],
+                              arrays["w_up"], arrays["w_down"])
+    out = built.forward(**arrays)
+    with pytest.raises(TypeError, match="^d_losses: expected dtype float32, got float64"):
+        built.backward(out, np.ones((3, 4), np.float32), **arrays, d_losses=np.ones(2))
+    with pytest.raises(TypeError, match="^x: expected dtype float32, got int64"):
+        built.forward(**dict(arrays, x=np.ones((3, 4), np.int64)))  # not floating at all
+
+
+def test_float_arrays_widen_losslessly():
+    """float16 -> float32 -> float64 keeps every value: accepted, with the same results."""
+    arrays = float_problem(np.float16)
+    wide = {name: a.astype(np.float32) for name, a in arrays.items()}
+    built = layer()
+    out = built.forward(**arrays)
+    np.testing.assert_array_equal(out.y, built.forward(**wide).y)
+    built64 = layer(dtype="float64")
+    np.testing.assert_array_equal(built64.forward(**wide).y,
+                                  built64.forward(**{n: a.astype(np.float64)
+                                                     for n, a in wide.items()}).y)
+    half = layer(dtype="float16")
+    with pytest.raises(TypeError, match="^x: expected dtype float16, got float32"):
+        half.forward(**dict(arrays, x=wide["x"]))
+
+
+def test_bfloat16_layers_take_bits_or_floats_only():
+    """A bfloat16 layer takes uint16 bit patterns or floats (rounded to bfloat16, documented); an
+    integer or bool array is neither and would be converted by value."""
+    built = layer(dtype="bfloat16")
+    arrays = float_problem(np.float32)
+    built.forward(**arrays)
+    for bad in (np.ones((3, 4), np.int32), np.ones((3, 4), bool)):
+        with pytest.raises(TypeError, match="^x: expected uint16 bfloat16 bit patterns"):
+            built.forward(**dict(arrays, x=bad))
 
 
 def test_raw_struct_fields_refuse_what_their_c_type_cannot_hold():

@@ -101,8 +101,9 @@ def test_saved_buffer_of_another_configuration():
 def test_shape_mismatch_is_caught_before_the_call():
     layer = small_layer()
     with pytest.raises(ValueError, match="w_gate"):
-        layer.forward(np.ones((3, 4), np.float32), np.zeros((4, 4)), np.zeros((4, 4, 4)),
-                      np.zeros((4, 3, 4)), np.zeros((4, 4, 3)))
+        layer.forward(np.ones((3, 4), np.float32), np.zeros((4, 4), np.float32),
+                      np.zeros((4, 4, 4), np.float32), np.zeros((4, 3, 4), np.float32),
+                      np.zeros((4, 4, 3), np.float32))
 
 
 def test_raw_null_out_pointer_and_handles():

@@ -248,8 +248,8 @@ def test_bfloat16_rounding_is_nearest_even():
 
 def test_zero_tokens():
     layer = mb.Layer(d_model=4, d_ffn=4, num_experts=3, top_k=2)
-    out = layer.forward(np.zeros((0, 4), np.float32), np.zeros((3, 4)), np.zeros((3, 4, 4)),
-                        np.zeros((3, 4, 4)), np.zeros((3, 4, 4)))
+    out = layer.forward(np.zeros((0, 4), np.float32), np.zeros((3, 4), np.float32),
+                        *(np.zeros((3, 4, 4), np.float32) for _ in range(3)))
     assert out.y.shape == (0, 4)
     assert out.expert_counts.tolist() == [0, 0, 0]
 

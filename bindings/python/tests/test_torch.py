@@ -266,6 +266,38 @@ def test_caches_reuse_plans():
     assert mbt.get_context(device) is a.context
 
 
+def test_annealed_aux_loss_coeff_keeps_the_plan_cache_bounded(monkeypatch):
+    """The coefficients are part of a plan's configuration, so annealing aux_loss_coeff makes a
+    plan per value: the cache keeps the MAX_CACHED_LAYERS most recently used ones (it grew without
+    bound), and a backward whose plan was evicted after its forward gets the same gradients."""
+    monkeypatch.setattr(mbt, "MAX_CACHED_LAYERS", 4)
+    mbt.clear_caches()
+    torch.manual_seed(0)
+    module = mbt.MoE(8, 16, 4, top_k=2, dtype=torch.float64)
+    x = torch.randn(12, 8, dtype=torch.float64)
+    aux = []
+    for step in range(12):
+        module.aux_loss_coeff = 0.01 * (step + 1)
+        y, aux_loss, _ = module(x)
+        (y.square().mean() + aux_loss).backward()
+        aux.append(float(aux_loss.detach()) / module.aux_loss_coeff)
+        assert len(mbt._layers) <= 4
+    # the loss scales with the coefficient (a float in the plan's configuration)
+    np.testing.assert_allclose(aux, aux[0], rtol=1e-6)
+    # evicted between forward and backward: the plan is made again from its configuration
+    module.aux_loss_coeff = 0.5
+    y, aux_loss, _ = module(x)
+    loss = y.square().mean() + aux_loss
+    expected = torch.autograd.grad(loss, module.w_router, retain_graph=True)[0]
+    for step in range(8):
+        mbt.get_layer(torch.device("cpu"), d_model=8, d_ffn=16, num_experts=4, top_k=2,
+                      aux_loss_coeff=1.0 + step)
+    assert len(mbt._layers) <= 4
+    torch.testing.assert_close(torch.autograd.grad(loss, module.w_router)[0], expected,
+                               rtol=0, atol=0)
+    mbt.clear_caches()
+
+
 @needs_cuda
 def test_cuda_uses_current_stream():
     x, ids, g, w_gate, w_up, w_down = experts_problem(3, 64, 32, 16, 4, 2, "swiglu",
@@ -367,21 +399,40 @@ def test_moe_module_settings_are_converted():
     assert "top_k=2," in repr(module)
 
 
-_OVERSIZED = """
+_OVERSIZED_SETUP = """
 import resource, sys
 import torch
 import moeblaze as mb, moeblaze.torch as mbt
 T, d, h, E, k = (1 << 30) + 1, 1, 1, 2, 2  # T * k = 2^31 + 2
 w = (torch.randn(E, d), torch.randn(E, h, d), torch.randn(E, h, d), torch.randn(E, d, h))
 mbt.moe_layer(torch.zeros(2, d), *w, top_k=k)  # everything loaded
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    mbt.moe_layer(torch.zeros(2, d), *w, top_k=k)
 pages = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
 resource.setrlimit(resource.RLIMIT_AS, (pages + (1536 << 20), resource.RLIM_INFINITY))
 x = torch.zeros(1, d).expand(T, d)  # stride 0: no memory
 ids, g = torch.zeros(1, k, dtype=torch.int32).expand(T, k), torch.zeros(1, k).expand(T, k)
-for name, call in (("moe_layer", lambda: mbt.moe_layer(x, *w, top_k=k)),
-                   ("moe_experts", lambda: mbt.moe_experts(x, ids, g, w[1], w[2], w[3]))):
+calls = (("moe_layer", lambda: mbt.moe_layer(x, *w, top_k=k)),
+         ("moe_experts", lambda: mbt.moe_experts(x, ids, g, w[1], w[2], w[3])))
+"""
+
+_OVERSIZED = _OVERSIZED_SETUP + """
+for name, call in calls:
     try:
         call()
+    except mb.InvalidArgumentError as error:
+        assert "too large" in str(error), error
+        print(name, "refused")
+"""
+
+# Under autocast x is cast (a copy: 2 GiB of bfloat16 here) before the operator's size query.
+_OVERSIZED_AUTOCAST = _OVERSIZED_SETUP + """
+module = mbt.MoE(d, h, E, top_k=k)
+calls += (("MoE", lambda: module(x)),)
+for name, call in calls:
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            call()
     except mb.InvalidArgumentError as error:
         assert "too large" in str(error), error
         print(name, "refused")
@@ -397,3 +448,13 @@ def test_oversized_token_count_is_refused_before_allocating(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split("\n")[:2] == ["moe_layer refused", "moe_experts refused"], \
         done.stdout + done.stderr[-2000:]
+
+
+def test_oversized_token_count_is_refused_before_the_autocast_cast(tmp_path):
+    """The same under torch.autocast: T is checked before x is cast to the autocast dtype."""
+    script = tmp_path / "oversized_autocast.py"
+    script.write_text(_OVERSIZED_AUTOCAST)
+    done = run_python(script)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:3] == ["moe_layer refused", "moe_experts refused",
+                                           "MoE refused"], done.stdout + done.stderr[-2000:]
