@@ -18,6 +18,7 @@ of the loaded libmoeblaze, or the build trees of a source checkout.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import glob
@@ -33,7 +34,8 @@ import numpy as np
 from . import _args, _lib
 from .core import Context, Layer
 
-__all__ = ["moe_experts", "moe_layer", "routing_dtype", "shim_path", "platforms"]
+__all__ = ["moe_experts", "moe_layer", "routing_dtype", "shim_path", "platforms",
+           "MAX_CACHED_PLANS"]
 
 _STORAGE_DTYPES = {
     np.dtype(jnp.float32): "float32",
@@ -186,14 +188,20 @@ class _Config(NamedTuple):
         return self.activation in _lib.GATED_ACTIVATIONS
 
 
+#: How many size-query plans are kept (the most recently used). The loss coefficients are part of
+#: a plan's configuration, so a run that anneals aux_loss_coeff makes a new plan per value: without
+#: a bound the cache would grow with every one. An evicted plan is destroyed once no caller holds
+#: it, and made again when it is used again. (The shim bounds its own plans likewise.)
+MAX_CACHED_PLANS = 32
+
 _plan_lock = threading.Lock()
 _contexts = {}
-_plans = {}
+_plans = collections.OrderedDict()
 
 
 def _plan(backend: str, config: _Config) -> Layer:
     """The size-query plan of `config` on `backend` (device 0: sizes depend on the configuration
-    and the token count only)."""
+    and the token count only); the cache keeps the MAX_CACHED_PLANS most recently used."""
     key = (backend, config._replace(consume_saved=True))
     with _plan_lock:
         plan = _plans.get(key)
@@ -202,7 +210,23 @@ def _plan(backend: str, config: _Config) -> Layer:
             if context is None:
                 context = _contexts[backend] = Context(backend, 0, num_threads=1)
             plan = _plans[key] = Layer(context, **config.layer_kwargs())
-        return plan
+        _plans.move_to_end(key)
+        evicted = [_plans.popitem(last=False) for _ in range(len(_plans) - MAX_CACHED_PLANS)]
+    del evicted  # destroyed here, outside the lock, unless a caller still holds one
+    return plan
+
+
+def _cached_plans() -> dict:
+    """How many layer plans are cached now (tests, diagnostics): {"sizes": this module's
+    size-query plans, "shim": libmoeblaze_xla's execution plans, of which it keeps at most
+    "shim_max"}."""
+    shim = ctypes.CDLL(shim_path())  # loaded already: the same handle
+    shim.MoeblazeXlaCachedPlans.restype = ctypes.c_int64
+    shim.MoeblazeXlaMaxCachedPlans.restype = ctypes.c_int64
+    with _plan_lock:
+        sizes = len(_plans)
+    return {"sizes": sizes, "shim": shim.MoeblazeXlaCachedPlans(),
+            "shim_max": shim.MoeblazeXlaMaxCachedPlans()}
 
 
 class _Sizes(NamedTuple):
@@ -301,7 +325,9 @@ def routing_dtype(dtype) -> np.dtype:
 def _as_array(value, name: str):
     if value is None:
         raise TypeError(f"{name}: expected an array, got None")
-    if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+    if not isinstance(value, (jax.Array, jax.core.Tracer)):
+        # numpy arrays and the like get JAX's dtype first (float64 -> float32 without
+        # jax_enable_x64), as XLA will see them: checks and plans use the dtype that runs.
         value = jnp.asarray(value)
     return value
 
@@ -543,6 +569,17 @@ def _layer_vjp_backward(config, residuals, cotangents):
 _layer.defvjp(_layer_vjp_forward, _layer_vjp_backward)
 
 
+def _static_coeff(value, name: str) -> float:
+    """A loss coefficient as a float. It is an attribute of the compiled call, not an operand, so
+    a traced value cannot be taken; the losses are linear in it, so scaling the loss does the
+    same."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(f"{name} must be a Python number, not a traced value: it is compiled into "
+                        f"the XLA call (each value compiles anew). To vary it (annealing), pass "
+                        f"{name}=1.0 and multiply the returned loss by the traced value")
+    return _args.real(value, name)
+
+
 def moe_layer(x, w_router, w_gate, w_up, w_down, *, top_k: int, activation: str = "swiglu",
               checkpoint: str = "save_preact", score_function: str = "softmax_topk",
               renormalize: bool = False, aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0,
@@ -555,7 +592,9 @@ def moe_layer(x, w_router, w_gate, w_up, w_down, *, top_k: int, activation: str 
 
     Returns (y [..., d_model], aux_loss, z_loss): the losses are scalars in the routing dtype,
     already scaled by their coefficients (0 when a coefficient is 0); add them to the training
-    objective (the coefficients are held as float32, as in moeblaze_layer_config_t). With
+    objective (the coefficients are held as float32, as in moeblaze_layer_config_t). The
+    coefficients are compile-time constants: a schedule that varies them recompiles per value; pass
+    1.0 and scale the returned losses instead (they are linear in the coefficients). With
     return_expert_counts=True a fourth result holds the tokens routed to each expert ([E] int32).
 
     score_function: softmax_topk (softmax, then top-k), topk_softmax (top-k logits, then softmax
@@ -566,8 +605,8 @@ def moe_layer(x, w_router, w_gate, w_up, w_down, *, top_k: int, activation: str 
     if score_function not in _lib.SCORE_FUNCTIONS:
         raise ValueError(f"score_function: unknown {score_function!r}; expected one of "
                          f"{sorted(_lib.SCORE_FUNCTIONS)}")
-    aux_loss_coeff = _args.real(aux_loss_coeff, "aux_loss_coeff")
-    z_loss_coeff = _args.real(z_loss_coeff, "z_loss_coeff")
+    aux_loss_coeff = _static_coeff(aux_loss_coeff, "aux_loss_coeff")
+    z_loss_coeff = _static_coeff(z_loss_coeff, "z_loss_coeff")
     for name, coeff in (("aux_loss_coeff", aux_loss_coeff), ("z_loss_coeff", z_loss_coeff)):
         if not np.isfinite(coeff) or coeff < 0:
             raise ValueError(f"{name} = {coeff} must be finite and >= 0")

@@ -420,6 +420,107 @@ def test_shim_checks_buffers_itself():
                                     checkpoint=np.int32(1)))
 
 
+def test_shim_names_bad_attributes_and_dtypes():
+    """A direct FFI call's attributes are validated (by creating the plan) before the buffers are
+    checked against them, and every dtype is named in the message."""
+    mbj.platforms()
+    x, ids, g, w_gate, w_up, w_down = small_experts()
+    call = jax.ffi.ffi_call("moeblaze_experts_fwd", (
+        jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct((0,), jnp.uint8),
+        jax.ShapeDtypeStruct((1 << 16,), jnp.uint8)))
+    # Not "w_up must be empty": 99 is no activation, gated or not.
+    with pytest.raises(Exception, match="moeblaze_experts_fwd: .*config.activation = 99"):
+        jax.block_until_ready(call(x, ids, g, w_gate, w_up, w_down, activation=np.int32(99),
+                                   checkpoint=np.int32(1)))
+    int_call = jax.ffi.ffi_call("moeblaze_experts_fwd", (
+        jax.ShapeDtypeStruct(x.shape, jnp.int8), jax.ShapeDtypeStruct((0,), jnp.uint8),
+        jax.ShapeDtypeStruct((1 << 16,), jnp.uint8)))
+    with pytest.raises(Exception, match="x: dtype int8 is not one of"):
+        jax.block_until_ready(int_call(x.astype(jnp.int8), ids, g, w_gate, w_up, w_down,
+                                       activation=np.int32(0), checkpoint=np.int32(1)))
+    with pytest.raises(Exception, match="y: expected dtype float64, got int8"):
+        jax.block_until_ready(int_call(x, ids, g, w_gate, w_up, w_down, activation=np.int32(0),
+                                       checkpoint=np.int32(1)))
+
+
+def test_size_query_plans_are_bounded(monkeypatch):
+    """The loss coefficients are part of a plan's configuration: an annealed coefficient makes a
+    plan per value, of which moeblaze.jax keeps the MAX_CACHED_PLANS most recently used."""
+    monkeypatch.setattr(mbj, "MAX_CACHED_PLANS", 4)
+    x, _, _, w_gate, w_up, w_down = small_experts()
+    w_router = jnp.asarray(np.random.default_rng(3).standard_normal((4, 8)))
+    first = mbj.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=2, aux_loss_coeff=0.5)
+    for i in range(10):
+        mbj.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=2, aux_loss_coeff=0.01 * (i + 1))
+        assert mbj._cached_plans()["sizes"] <= 4
+    again = mbj.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=2, aux_loss_coeff=0.5)
+    for a, b in zip(first, again):  # the evicted plan is made again
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_shim_plans_are_bounded():
+    """libmoeblaze_xla keeps at most shim_max execution plans (least recently used go): handlers
+    find theirs by key at every call, so a compiled program whose plan was evicted still runs."""
+    x, _, _, w_gate, w_up, w_down = small_experts()
+    w_router = jnp.asarray(np.random.default_rng(4).standard_normal((4, 8)))
+    step = jax.jit(lambda xx: mbj.moe_layer(xx, w_router, w_gate, w_up, w_down, top_k=2,
+                                            aux_loss_coeff=0.75))
+    first = step(x)
+    limit = mbj._cached_plans()["shim_max"]
+    for i in range(limit + 8):
+        jax.block_until_ready(mbj.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=1,
+                                            aux_loss_coeff=1e-3 * (i + 1)))
+    assert mbj._cached_plans()["shim"] <= limit
+    for a, b in zip(first, step(x)):  # compiled before its plan was evicted
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_traced_loss_coefficient_is_refused_with_the_remedy(seed):
+    """A coefficient is compiled into the call; a traced one is refused with the remedy: pass 1.0
+    and scale the returned loss, which the losses' linearity makes exact."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((6, 8)))
+    w_router, w_gate, w_up, w_down = weights(rng, 4, 8, 6, "swiglu", jnp.float64)
+    with pytest.raises(TypeError, match="aux_loss_coeff must be a Python number, not a traced"):
+        jax.jit(lambda c: mbj.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=2,
+                                        aux_loss_coeff=c))(0.25)
+
+    def objective(wr, c, scaled):
+        y, aux, z = mbj.moe_layer(x, wr, w_gate, w_up, w_down, top_k=2,
+                                  aux_loss_coeff=1.0 if scaled else c,
+                                  z_loss_coeff=1.0 if scaled else c)
+        return jnp.sum(y) + (c * (aux + z) if scaled else aux + z)
+
+    scaled = jax.jit(jax.value_and_grad(lambda wr, c: objective(wr, c, True)))(w_router, 0.25)
+    fixed = jax.value_and_grad(lambda wr: objective(wr, 0.25, False))(w_router)
+    assert_close("loss", scaled[0], fixed[0], 1e-14)
+    assert_close("dw_router", scaled[1], fixed[1], 1e-14)
+
+
+def test_numpy_float64_inputs_without_x64_run_as_float32(seed):
+    """Without jax_enable_x64 JAX takes numpy float64 arrays as float32 (and int64 as int32):
+    moeblaze.jax checks and sizes them as such, eagerly and under jit alike."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((5, 8))
+    w_router, w_gate, w_up, w_down = (np.asarray(w) for w in weights(rng, 4, 8, 6, "swiglu",
+                                                                       jnp.float64))
+    ids = np.asarray(routing(rng, 5, 4, 2)[0], np.int64)
+    g = rng.uniform(0.1, 1.0, (5, 2))
+    with jax.enable_x64(False):
+        f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+        ref = mbj.moe_layer(f32(x), f32(w_router), f32(w_gate), f32(w_up), f32(w_down), top_k=2)
+        eager = mbj.moe_layer(x, w_router, w_gate, w_up, w_down, top_k=2)
+        jitted = jax.jit(lambda xx: mbj.moe_layer(xx, w_router, w_gate, w_up, w_down, top_k=2))(x)
+        for mine in (eager, jitted):
+            for a, b in zip(mine, ref):
+                assert a.dtype == jnp.float32
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        y = jax.jit(lambda xx: mbj.moe_experts(xx, ids, g, w_gate, w_up, w_down))(x)
+        y_ref = mbj.moe_experts(f32(x), jnp.asarray(ids, jnp.int32), f32(g), f32(w_gate),
+                                f32(w_up), f32(w_down))
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
+
+
 def test_each_platform_gets_its_own_workspace_size(monkeypatch):
     """With CPU and CUDA handlers registered, the program carries one branch per platform
     (lax.platform_dependent) and each lowering keeps only its own, with its own sizes. Simulated

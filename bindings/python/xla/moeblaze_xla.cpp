@@ -1,21 +1,24 @@
 // libmoeblaze_xla: XLA FFI handlers that run moeblaze's experts and whole-layer passes inside a
 // JAX/XLA program (moeblaze/jax.py registers them with jax.ffi.register_ffi_target).
 //
-// Every handler checks the buffers XLA hands it (ranks, shapes, dtypes) against each other, finds
-// or creates the layer plan of its configuration and calls the C API on XLA's stream (CUDA) or
-// synchronously (CPU). The saved buffer is an output of the forward and an input of the backward;
-// the workspace is an extra uint8 output that XLA allocates and drops after the call, so nothing
-// here allocates device memory or waits for the device.
+// Every handler finds or creates the layer plan of its configuration (a bounded cache), checks the
+// buffers XLA hands it (ranks, shapes, dtypes) against each other and the plan, and calls the C API
+// on XLA's stream (CUDA) or synchronously (CPU). The saved buffer is an output of the forward and
+// an input of the backward; the workspace is an extra uint8 output that XLA allocates and drops
+// after the call, so nothing here allocates device memory or waits for the device.
 //
 // Copyright (c) 2026 the moeblaze authors. SPDX-License-Identifier: Apache-2.0
 
 #include <cstdint>
 #include <functional>
+#include <list>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
+#include <vector>
 
 #if MOEBLAZE_XLA_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -90,17 +93,40 @@ ffi::Error call_result(const char* target, moeblaze_status_t status) {
   return ffi::Error(error_code(status), std::string(target) + ": " + last_error(status));
 }
 
-// Contexts and layer plans live for the whole process: XLA may run a handler from any thread until
-// exit, and destroying CUDA objects during static destruction races the CUDA runtime's own
-// teardown. The cache is therefore allocated once and never freed.
+// A layer plan, destroyed when the cache has evicted it and no handler holds it any more.
+class Plan {
+ public:
+  explicit Plan(moeblaze_layer_t layer) : layer_(layer) {}
+  Plan(const Plan&) = delete;
+  Plan& operator=(const Plan&) = delete;
+  ~Plan() { moeblaze_layer_destroy(layer_); }  // resets this thread's last error: see forward()
+  moeblaze_layer_t get() const { return layer_; }
+
+ private:
+  moeblaze_layer_t layer_;
+};
+
+// The plans most recently used, at most kMaxPlans: the loss coefficients are part of a plan's
+// configuration, so a run that anneals one would otherwise add a plan per value, for good.
+// Handlers find their plan by key at every call (compiled programs hold no plan), so an evicted
+// plan is simply made again when used again. A handler holds its plan (shared_ptr) until the call
+// returns; a CUDA plan may then go while its kernels run, since a layer owns no device memory and
+// its kernels take the plan's values as arguments (as moeblaze.torch's evicted plans do).
+// Contexts, one per (backend, device), live for the whole process: XLA may run a handler from any
+// thread until exit, and destroying CUDA objects during static destruction races the CUDA
+// runtime's own teardown. The cache is therefore allocated once and never freed.
 class PlanCache {
  public:
-  // The plan of `key`, created on first use. Thread-safe; creation happens once per key.
-  moeblaze_status_t get(const LayerKey& key, moeblaze_layer_t* out) {
+  static constexpr size_t kMaxPlans = 256;
+
+  // The plan of `key`, created on first use. Thread-safe; a key has at most one cached plan.
+  moeblaze_status_t get(const LayerKey& key, std::shared_ptr<const Plan>* out) {
+    std::vector<std::shared_ptr<const Plan>> evicted;  // destroyed after the lock is released
     std::lock_guard<std::mutex> lock(mutex_);
-    auto found = layers_.find(key);
-    if (found != layers_.end()) {
-      *out = found->second;
+    auto found = index_.find(key);
+    if (found != index_.end()) {
+      order_.splice(order_.begin(), order_, found->second);  // now the most recently used
+      *out = found->second->second;
       return MOEBLAZE_OK;
     }
     moeblaze_context_t context = nullptr;
@@ -116,15 +142,29 @@ class PlanCache {
     moeblaze_layer_t layer = nullptr;
     moeblaze_status_t status = moeblaze_layer_create(&layer, context, &key.config);
     if (status != MOEBLAZE_OK) return status;
-    layers_.emplace(key, layer);
-    *out = layer;
+    order_.emplace_front(key, std::make_shared<const Plan>(layer));
+    index_.emplace(key, order_.begin());
+    while (order_.size() > kMaxPlans) {
+      index_.erase(order_.back().first);
+      evicted.push_back(std::move(order_.back().second));
+      order_.pop_back();
+    }
+    *out = order_.front().second;
     return MOEBLAZE_OK;
   }
 
+  size_t size() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return order_.size();
+  }
+
  private:
+  using Entry = std::pair<LayerKey, std::shared_ptr<const Plan>>;
+
   std::mutex mutex_;
   std::map<std::pair<int32_t, int32_t>, moeblaze_context_t> contexts_;
-  std::unordered_map<LayerKey, moeblaze_layer_t, LayerKeyHash> layers_;
+  std::list<Entry> order_;  // most recently used first
+  std::unordered_map<LayerKey, std::list<Entry>::iterator, LayerKeyHash> index_;
 };
 
 PlanCache& plans() {
@@ -156,9 +196,18 @@ const char* dtype_name(ffi::DataType type) {
     case ffi::DataType::BF16: return "bfloat16";
     case ffi::DataType::F16: return "float16";
     case ffi::DataType::F64: return "float64";
+    case ffi::DataType::PRED: return "bool";
+    case ffi::DataType::S8: return "int8";
+    case ffi::DataType::S16: return "int16";
     case ffi::DataType::S32: return "int32";
+    case ffi::DataType::S64: return "int64";
     case ffi::DataType::U8: return "uint8";
-    default: return "an unsupported dtype";
+    case ffi::DataType::U16: return "uint16";
+    case ffi::DataType::U32: return "uint32";
+    case ffi::DataType::U64: return "uint64";
+    case ffi::DataType::C64: return "complex64";
+    case ffi::DataType::C128: return "complex128";
+    default: return "another dtype";
   }
 }
 
@@ -391,7 +440,7 @@ LayerKey layer_key(int64_t top_k, int32_t activation, int32_t checkpoint, int32_
 }
 
 ffi::Error find_plan(const char* target, const Where& where, const Shapes& s, LayerKey key,
-                     moeblaze_layer_t* layer) {
+                     std::shared_ptr<const Plan>* plan) {
   key.backend = where.backend;
   key.device = where.device;
   key.config.dtype = s.dtype;
@@ -399,7 +448,7 @@ ffi::Error find_plan(const char* target, const Where& where, const Shapes& s, La
   key.config.d_ffn = s.h;
   key.config.num_experts = s.E;
   key.config.top_k = s.k;
-  return call_result(target, plans().get(key, layer));
+  return call_result(target, plans().get(key, plan));
 }
 
 // With MOEBLAZE_BACKWARD_CONSUME_SAVED the backward overwrites the saved activations. XLA allows
@@ -432,6 +481,9 @@ ffi::Error forward(const char* target, ForwardPass pass, const Where& where, con
                    ffi::AnyBuffer& workspace) {
   Shapes s;
   if (ffi::Error e = read_shapes(target, in, key.config.top_k, &s); e.failure()) return e;
+  // The plan first: creating it validates the attributes, which the buffer checks rely on.
+  std::shared_ptr<const Plan> plan;
+  if (ffi::Error e = find_plan(target, where, s, key, &plan); e.failure()) return e;
   Checker check(target);
   check_inputs(check, s, key.config.activation, in);
   check.expect(y, "y", s.type, {s.T, s.d});
@@ -441,8 +493,6 @@ ffi::Error forward(const char* target, ForwardPass pass, const Where& where, con
   check.expect_bytes(workspace, "workspace");
   if (!check.ok()) return check.error();
 
-  moeblaze_layer_t layer = nullptr;
-  if (ffi::Error e = find_plan(target, where, s, key, &layer); e.failure()) return e;
   moeblaze_forward_args_t args;
   moeblaze_forward_args_init(&args, sizeof args);
   args.num_tokens = s.T;
@@ -454,7 +504,9 @@ ffi::Error forward(const char* target, ForwardPass pass, const Where& where, con
   args.saved_bytes = saved.size_bytes();
   args.workspace = data_or_null(&workspace);
   args.workspace_bytes = workspace.size_bytes();
-  return call_result(target, pass(layer, &args, where.stream));
+  // call_result() reads the error message before `plan` is released, whose destruction (if the
+  // cache has evicted it meanwhile) would reset this thread's last error.
+  return call_result(target, pass(plan->get(), &args, where.stream));
 }
 
 // As forward(), from the cotangents dy and d_losses (the layer targets', else null) and the saved
@@ -465,6 +517,8 @@ ffi::Error backward(const char* target, BackwardPass pass, const Where& where, c
                     ffi::AnyBuffer& saved_out, ffi::AnyBuffer& workspace) {
   Shapes s;
   if (ffi::Error e = read_shapes(target, in, key.config.top_k, &s); e.failure()) return e;
+  std::shared_ptr<const Plan> plan;  // first, as in forward()
+  if (ffi::Error e = find_plan(target, where, s, key, &plan); e.failure()) return e;
   Checker check(target);
   check.expect(dy, "dy", s.type, {s.T, s.d});
   if (d_losses) check.expect(*d_losses, "d_losses", routing_dtype(s.type), {2});
@@ -482,8 +536,6 @@ ffi::Error backward(const char* target, BackwardPass pass, const Where& where, c
   if (ffi::Error e = backward_flags(target, consume_saved, saved, saved_out, &flags); e.failure()) {
     return e;
   }
-  moeblaze_layer_t layer = nullptr;
-  if (ffi::Error e = find_plan(target, where, s, key, &layer); e.failure()) return e;
   moeblaze_backward_args_t args;
   moeblaze_backward_args_init(&args, sizeof args);
   args.flags = flags;
@@ -501,7 +553,7 @@ ffi::Error backward(const char* target, BackwardPass pass, const Where& where, c
   args.dw_down = grad.dw_down->untyped_data();
   args.workspace = data_or_null(&workspace);
   args.workspace_bytes = workspace.size_bytes();
-  return call_result(target, pass(layer, &args, where.stream));
+  return call_result(target, pass(plan->get(), &args, where.stream));  // as in forward()
 }
 
 // ---- the four targets ---------------------------------------------------------------------------
@@ -642,6 +694,15 @@ MOEBLAZE_XLA_CUDA_HANDLER(MoeblazeXlaLayerBackwardCuda, layer_backward,
 // 1 when the CUDA handlers are compiled in (moeblaze/jax.py registers them only then).
 MOEBLAZE_XLA_EXPORT int32_t MoeblazeXlaHasCuda(void) {
   return MOEBLAZE_XLA_WITH_CUDA ? 1 : 0;
+}
+
+// How many layer plans the handlers' cache holds now, and at most (tests and diagnostics).
+MOEBLAZE_XLA_EXPORT int64_t MoeblazeXlaCachedPlans(void) {
+  return static_cast<int64_t>(plans().size());
+}
+
+MOEBLAZE_XLA_EXPORT int64_t MoeblazeXlaMaxCachedPlans(void) {
+  return static_cast<int64_t>(PlanCache::kMaxPlans);
 }
 
 // The moeblaze ABI version this shim was compiled against.
