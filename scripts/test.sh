@@ -3,8 +3,8 @@
 # Python test dependencies into the project's virtual environment .venv, see scripts/setup.sh),
 # configures with every component (CUDA when nvcc exists, bindings, docs), builds, and runs the
 # whole CTest suite: labels api, cpu, cuda and ep (the GPU parts skip visibly without a GPU),
-# bindings, examples, bench, docs, scripts. The tools' self-tests (label tools) are not registered
-# here: tools/README.md.
+# bindings, jax, examples, bench, docs, scripts, and tools (the contributor tools' self-tests,
+# tools/README.md).
 #
 #   bash scripts/test.sh [extra ctest arguments, e.g. -L cpu]
 #

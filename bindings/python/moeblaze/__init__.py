@@ -4,11 +4,15 @@ Python bindings of libmoeblaze (ctypes). Layers:
 
 - ``moeblaze.Context`` / ``moeblaze.Layer``: handles plus a numpy API on the CPU backend
   (``layer.forward``, ``layer.backward``, ``layer.router_forward``, ``layer.routing_build``, ...).
-- ``moeblaze.torch``: ``moe_experts`` (autograd function) and ``MoE`` (nn.Module), CPU and CUDA.
+- ``moeblaze.torch``: ``moe_layer``, ``moe_experts`` (registered ``moeblaze::*`` operators with
+  autograd) and ``MoE`` (nn.Module), CPU and CUDA; ``moeblaze.hf`` swaps Hugging Face MoE blocks,
+  ``moeblaze.distributed`` runs expert parallelism over ``torch.distributed``.
+- ``moeblaze.jax``: ``moe_layer``, ``moe_experts`` as XLA FFI calls (jit, grad), CPU and CUDA.
+- ``moeblaze.ep``: expert parallelism on numpy arrays (CPU backend).
 - ``moeblaze.dlpack``: layer forward/backward on any DLPack tensors (numpy, torch, CuPy, JAX), with
   caller-provided outputs and buffers, on CPU or CUDA.
 - ``moeblaze._lib``: the raw ctypes declarations (structs, signatures, error mapping).
-- ``_moeblaze_swig`` (build tree only): the 1:1 SWIG module.
+- ``moeblaze_swig`` (build tree only): the 1:1 SWIG module.
 
 The shared library is found through $MOEBLAZE_LIBRARY, the package folder, or a build tree of the
 source checkout; its ABI version is checked on first use.
