@@ -622,7 +622,7 @@ TEST_SUITE("cuda") {
     const std::vector<int32_t> dtypes = {MOEBLAZE_DTYPE_BF16, MOEBLAZE_DTYPE_F16,
                                          MOEBLAZE_DTYPE_F32};
     for (int32_t dtype : dtypes) {
-      for (int32_t act = 0; act <= MOEBLAZE_ACTIVATION_RELU2; ++act) {
+      for (int32_t act : kAllActivations) {
         for (int32_t ckpt : {MOEBLAZE_CHECKPOINT_SAVE_ALL, MOEBLAZE_CHECKPOINT_SAVE_PREACT,
                              MOEBLAZE_CHECKPOINT_RECOMPUTE}) {
           if (quick() && ckpt != MOEBLAZE_CHECKPOINT_SAVE_PREACT && act != 0) continue;

@@ -38,7 +38,7 @@ size_t sm90_f1_max_smem_bytes();
 bool sm90_f1_prepare_kernels(int* max_2cta_clusters);
 
 // True when sm90_f1_launch can compute this F1: the sm90 kernels are usable on the current device
-// (device.hpp), dtype BF16 or F16, any of the 7 activations, d % 8 == 0, h % 8 == 0,
+// (device.hpp), dtype BF16 or F16, any activation, d % 8 == 0, h % 8 == 0,
 // 1 <= E <= 1024, 16-byte aligned tensors (nullptr outputs and, for non-gated activations, w_up
 // and out_b are ignored), ab_ld == 0 or (ab_ld >= h and ab_ld % 8 == 0), and every count inside
 // int range.

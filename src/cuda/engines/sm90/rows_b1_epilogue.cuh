@@ -132,7 +132,7 @@ __device__ __forceinline__ void b1_prefetch_epilogue_rows(const RowsParams& p, c
 // the 168-register budget the prefetch costs a few words of spill (ptxas: 4-68 bytes of spill
 // stores per B1 kernel), and the spill-free form is the slower one.
 //
-// ACT is a template parameter: a runtime switch over the seven activations, inlined at each of the
+// ACT is a template parameter: a runtime switch over the activations, inlined at each of the
 // 64 unrolled elements, makes this epilogue four times slower, most likely from the code size.
 template <typename T, int ACT, int GROUPS, bool ROUND_V>
 __device__ __forceinline__ void b1_epilogue(const RowsParams& p, const TileCoord& c, int tile_row,
