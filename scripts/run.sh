@@ -24,9 +24,9 @@ fi
 
 if ((!has_gpu)); then
   echo "no GPU: the C training example on the CPU backend (CPU-only build in $MOEBLAZE_MAIN_CPU_BUILD_DIR)"
-  mb_phase setup mb_setup_packages "${MOEBLAZE_MAIN_APT_PACKAGES[@]}" || exit 1
-  mb_phase configure mb_configure_main_cpu || exit 1
-  mb_phase build mb_build_main_cpu || exit 1
+  mb_phase setup mb_setup_packages "${MOEBLAZE_MAIN_APT_PACKAGES[@]}" || mb_fail_phases
+  mb_phase configure mb_configure_main_cpu || mb_fail_phases
+  mb_phase build mb_build_main_cpu || mb_fail_phases
   status=0
   mb_phase train "$MOEBLAZE_MAIN_CPU_BUILD_DIR/examples/c/train_moe" --backend cpu "$@" || status=1
   mb_print_phases
@@ -34,9 +34,9 @@ if ((!has_gpu)); then
   exit $status
 fi
 
-mb_phase setup mb_setup_packages || exit 1
-mb_phase configure mb_configure || exit 1
-mb_phase build mb_build || exit 1
+mb_phase setup mb_setup_packages || mb_fail_phases
+mb_phase configure mb_configure || mb_fail_phases
+mb_phase build mb_build || mb_fail_phases
 
 # A Python whose torch can use the GPU.
 torch_python=""

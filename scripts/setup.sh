@@ -23,7 +23,9 @@
 #                         and nothing installed; it must have every package of the requirements
 #                         file, other versions are reported)
 
-MOEBLAZE_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# CDPATH= : a CDPATH in the environment would make cd print the folder (into MOEBLAZE_ROOT) or pick
+# another checkout's folder.
+MOEBLAZE_ROOT="$(CDPATH='' cd -- "$(dirname -- "${BASH_SOURCE[0]}")/.." && pwd)"
 MOEBLAZE_BUILD_DIR="${MOEBLAZE_BUILD_DIR:-build}"
 case "$MOEBLAZE_BUILD_DIR" in /*) ;; *) MOEBLAZE_BUILD_DIR="$MOEBLAZE_ROOT/$MOEBLAZE_BUILD_DIR" ;; esac
 MOEBLAZE_CUDA_ARCHS="${MOEBLAZE_CUDA_ARCHS:-80;90a}"
@@ -65,6 +67,25 @@ mb_print_phases() {
   mb_log "time per phase"
   local line
   for line in "${MOEBLAZE_PHASES[@]}"; do echo "  $line"; done
+}
+
+# mb_fail_phases: the summary after a phase failed, then exit 1 (the scripts that stop at a failed
+# phase end with it, so the last lines say which phase failed).
+mb_fail_phases() {
+  local last="${MOEBLAZE_PHASES[${#MOEBLAZE_PHASES[@]} - 1]:-}"
+  mb_print_phases
+  mb_error "the ${last%% *} phase failed (its output is above)"
+  exit 1
+}
+
+# mb_check_path <description> <path>: a path CMake and the build cannot use (';' and '\' are CMake's
+# list separator and escape, '[' makes the source globs match nothing, '$' reaches the linker's
+# shell command) fails here with its name instead of as an unrelated compiler or linker error.
+mb_check_path() {
+  if [[ "$2" == *[\;\\[\$]* ]]; then
+    mb_error "$1 '$2' contains one of ; \\ [ \$, which the CMake build cannot handle: clone or move it to a path without them"
+    return 1
+  fi
 }
 
 # mb_missing_packages <package...>: the ones dpkg does not list as installed.
@@ -189,7 +210,27 @@ mb_test_python() {
 # exactly the pins of $MOEBLAZE_REQUIREMENTS. A complete one costs one interpreter start: the stamp
 # holds the hash of the requirements file and the base interpreter's version, and the installed
 # versions are checked against the pins. Any failure is an error that names what failed.
+# Two set-ups at once take turns (a lock on the environment's parent folder): one's venv --clear
+# would delete the other's environment under its running pip.
 mb_python_env() {
+  local dir lock rc
+  if [[ -n "${MOEBLAZE_PYTHON:-}" ]] || ! command -v flock >/dev/null 2>&1; then
+    mb_python_env_unlocked
+    return
+  fi
+  dir="$(dirname -- "$MOEBLAZE_VENV")"
+  mkdir -p -- "$dir" && exec {lock}<"$dir" || return 1
+  if ! flock -n "$lock"; then
+    echo "another set-up is making $MOEBLAZE_VENV: waiting for it to finish"
+    flock "$lock"
+  fi
+  mb_python_env_unlocked
+  rc=$?
+  exec {lock}<&-
+  return $rc
+}
+
+mb_python_env_unlocked() {
   local req="$MOEBLAZE_REQUIREMENTS" venv="$MOEBLAZE_VENV"
   local py="$venv/bin/python" stamp="$venv/.moeblaze-requirements" want unmet
   [[ -f "$req" ]] || { mb_error "requirements file $req not found"; return 1; }
@@ -224,7 +265,8 @@ mb_python_env() {
     mb_error "$venv exists and is not a virtual environment: move it away or set MOEBLAZE_VENV"
     return 1
   fi
-  if [[ ! -x "$py" ]] || ! "$py" -c 'import pip' >/dev/null 2>&1 ||
+  # pip --version, not import pip: an interrupted venv (ensurepip) leaves an importable, broken pip.
+  if [[ ! -x "$py" ]] || ! "$py" -m pip --version >/dev/null 2>&1 ||
     [[ "$("$py" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)" != \
       "$("$MOEBLAZE_BASE_PYTHON" -c 'import sys; print(sys.version.split()[0])')" ]]; then
     echo "creating the Python environment $venv from $MOEBLAZE_BASE_PYTHON"
@@ -268,6 +310,7 @@ mb_configure() {
     -DMOEBLAZE_BUILD_TESTS=ON -DMOEBLAZE_BUILD_EXAMPLES=ON
     -DMOEBLAZE_BUILD_BINDINGS=ON -DMOEBLAZE_BUILD_DOCS=ON)
   local nvcc py
+  mb_check_path checkout "$MOEBLAZE_ROOT" && mb_check_path "build folder" "$MOEBLAZE_BUILD_DIR" || return 1
   if nvcc="$(mb_find_nvcc)"; then
     args+=("-DCMAKE_CUDA_COMPILER=$nvcc")
     echo "nvcc: $nvcc ($("$nvcc" --version | tail -n 2 | head -n 1))"
@@ -305,6 +348,8 @@ mb_configure_main_cpu() {
   local args=(-S "$MOEBLAZE_ROOT" -B "$MOEBLAZE_MAIN_CPU_BUILD_DIR" -DCMAKE_BUILD_TYPE=Release
     -DMOEBLAZE_CUDA=OFF -DMOEBLAZE_BUILD_TESTS=OFF -DMOEBLAZE_BUILD_EXAMPLES=ON
     -DMOEBLAZE_BUILD_BINDINGS=OFF -DMOEBLAZE_BUILD_DOCS=OFF)
+  mb_check_path checkout "$MOEBLAZE_ROOT" && mb_check_path "build folder" "$MOEBLAZE_MAIN_CPU_BUILD_DIR" ||
+    return 1
   if command -v ninja >/dev/null 2>&1 && [[ ! -f "$MOEBLAZE_MAIN_CPU_BUILD_DIR/CMakeCache.txt" ]]; then
     args+=(-G Ninja)
   fi
@@ -320,9 +365,9 @@ mb_build_main_cpu() {
 
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then
   set -uo pipefail
-  mb_phase setup mb_setup_packages || exit 1
-  mb_phase python mb_python_env || exit 1
-  mb_phase configure mb_configure || exit 1
-  mb_phase build mb_build || exit 1
+  mb_phase setup mb_setup_packages || mb_fail_phases
+  mb_phase python mb_python_env || mb_fail_phases
+  mb_phase configure mb_configure || mb_fail_phases
+  mb_phase build mb_build || mb_fail_phases
   mb_print_phases
 fi

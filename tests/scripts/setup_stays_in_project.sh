@@ -6,14 +6,15 @@
 #      the build): MOEBLAZE_PYTHON is its interpreter, isolated from the system's and the user's
 #      site-packages, and numpy, pytest and torch come from inside it;
 #   3. scripts/setup.sh's mb_python_env on a scratch environment with two local wheels (no network):
-#      installs the pins, does nothing when they are met, follows a changed pin, fails with a message
+#      installs the pins, does nothing when they are met, follows a changed pin, remakes an
+#      environment whose pip does not run, lets two set-ups at once both succeed, fails with a message
 #      naming the requirements file for an unsatisfiable or unpinned requirement, never installs
 #      into a given MOEBLAZE_PYTHON (another version there is reported, a missing package is an
 #      error), and leaves $HOME and the base interpreter untouched.
 #
 #   tests/scripts/setup_stays_in_project.sh <configured MOEBLAZE_PYTHON> <configured MOEBLAZE_SETUP_VENV>
 set -uo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+root="$(CDPATH='' cd -- "$(dirname -- "${BASH_SOURCE[0]}")/../.." && pwd)"
 configured_python="${1:-}"
 setup_venv="${2:-}"
 failures=0
@@ -134,6 +135,26 @@ else fail "second set-up with nothing changed:"$'\n'"$(cat "$scratch/out")"; fi
 requirements "moeblaze-probe==2.0"
 if env_step && [[ "$(probe_version)" == 2.0 ]]; then pass "a changed pin is installed (2.0)"; else
   fail "changed pin:"$'\n'"$(cat "$scratch/out")"; fi
+# An interrupted creation leaves a pip that imports but does not run: the environment is made again.
+rm -f "$MOEBLAZE_VENV"/lib/python*/site-packages/pip/__main__.py "$MOEBLAZE_VENV/.moeblaze-requirements"
+if env_step && grep -q "creating" "$scratch/out" && [[ "$(probe_version)" == 2.0 ]]; then
+  pass "an environment whose pip does not run is made again"
+else fail "environment with a broken pip:"$'\n'"$(cat "$scratch/out")"; fi
+# Two set-ups at once take turns: neither deletes the environment under the other's pip (the second
+# starts while the first makes it; without the lock both failed).
+rm -rf "$MOEBLAZE_VENV"
+(mb_python_env) >"$scratch/out1" 2>&1 &
+first=$!
+sleep 1
+(mb_python_env) >"$scratch/out2" 2>&1 &
+second=$!
+wait "$first"
+first_rc=$?
+wait "$second"
+second_rc=$?
+if ((first_rc == 0 && second_rc == 0)) && [[ "$(probe_version)" == 2.0 ]]; then
+  pass "two set-ups at once both succeed"
+else fail "two set-ups at once ($first_rc, $second_rc):"$'\n'"$(cat "$scratch/out1" "$scratch/out2")"; fi
 requirements "moeblaze-probe==3.0"
 if env_step; then fail "an unsatisfiable pin (3.0) passed"
 elif grep -q "ERROR: pip install -r $MOEBLAZE_REQUIREMENTS" "$scratch/out"; then
