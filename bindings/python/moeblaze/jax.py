@@ -1,5 +1,7 @@
 """JAX integration: `moe_experts` and `moe_layer` as XLA FFI custom calls, differentiable with
-`jax.custom_vjp`, usable under `jax.jit`, `jax.grad` and `jax.vmap`.
+`jax.custom_vjp`, usable under `jax.jit`, `jax.grad` and `jax.vmap`, and on several devices
+through `jax.shard_map` (token-parallel; see the README: the calls have no sharding rule, so under
+a plain `jit` XLA gathers sharded operands and runs the call on the whole batch on every device).
 
 The calls run in the compiled XLA program through libmoeblaze_xla (bindings/python/xla), whose
 handlers call the C API: on the CPU synchronously, on CUDA on XLA's stream. The forward returns the
@@ -312,6 +314,54 @@ def _like(a) -> jax.ShapeDtypeStruct:
 
 
 # ------------------------------------------------------------------------------------------------
+# Inside jax.shard_map: the mesh axes a value varies over (its "vma" type)
+# ------------------------------------------------------------------------------------------------
+
+
+def _varying_axes(*arrays) -> frozenset:
+    """The manual mesh axes (of an enclosing jax.shard_map) over which any of `arrays` varies:
+    empty outside shard_map or with check_vma=False."""
+    axes = set()
+    for a in arrays:
+        if a is None:
+            continue
+        aval = jax.typeof(a)
+        mat = getattr(aval, "mat", None)
+        axes.update(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    return frozenset(axes)
+
+
+def _vary(axes: frozenset, *arrays) -> list:
+    """Each array cast to vary over all of `axes` (jax.lax.pcast(..., to="varying")). Done before
+    the custom_vjp call, so that inside it every operand and every result of the FFI call has one
+    type, and so that the cast's transpose, a psum over the shards, turns the per-shard gradients
+    of a replicated weight into the gradient of the whole batch."""
+    out = []
+    for a in arrays:
+        missing = tuple(axis for axis in axes if axis not in _varying_axes(a))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out
+
+
+def _typed(results: tuple, axes: frozenset, like) -> tuple:
+    """The FFI call's result types, varying over `axes` like its operands. jax.ffi.ffi_call takes
+    the results' shard_map type from result_shape_dtypes only: without this a per-shard result
+    would be typed as replicated, so shard_map would accept a per-shard value for out_specs=P()
+    (returning one shard's) and reject the custom_vjp backward's gradients."""
+    if not axes:
+        return results
+    # The type names the (abstract) mesh of the enclosing shard_map: that of the operand `like`.
+    mesh = jax.typeof(like).sharding.mesh
+    if hasattr(jax.sharding, "ManualAxisType"):
+        kind = {"manual_axis_type": jax.sharding.ManualAxisType(varying=axes)}
+    else:  # older JAX
+        kind = {"vma": axes}
+    return tuple(jax.ShapeDtypeStruct(
+        r.shape, r.dtype, sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        **kind) for r in results)
+
+
+# ------------------------------------------------------------------------------------------------
 # Argument checks (at trace time, before anything reaches XLA)
 # ------------------------------------------------------------------------------------------------
 
@@ -426,11 +476,13 @@ def _forward(config: _Config, training: bool, whole_layer: bool, outputs: tuple,
     target = "moeblaze_layer_fwd" if whole_layer else "moeblaze_experts_fwd"
     sizes = _sizes(config, operands[0].shape[0], whole_layer)
 
+    axes = _varying_axes(*operands)
+
     def call(s: _Sizes, *operands):
         saved_bytes = s.saved if training else 0  # no saved buffer: an inference forward
         workspace = s.forward_train if training else s.forward_infer
         *results, saved, _ = jax.ffi.ffi_call(
-            target, outputs + (_bytes(saved_bytes), _bytes(workspace)),
+            target, _typed(outputs + (_bytes(saved_bytes), _bytes(workspace)), axes, operands[0]),
             vmap_method="sequential")(*operands, **_attrs(config, whole_layer))
         return (*results, saved)
 
@@ -443,12 +495,13 @@ def _backward(config: _Config, whole_layer: bool, gradients: tuple, operands: tu
     target = "moeblaze_layer_bwd" if whole_layer else "moeblaze_experts_bwd"
     sizes = _sizes(config, operands[0].shape[0], whole_layer)
     consume = config.consume_saved
+    axes = _varying_axes(*operands)
 
     def call(s: _Sizes, *operands):
         saved = operands[-1]
         outputs = gradients + (_bytes(saved.shape[0] if consume else 0), _bytes(s.backward))
         *results, _, _ = jax.ffi.ffi_call(
-            target, outputs, vmap_method="sequential",
+            target, _typed(outputs, axes, operands[0]), vmap_method="sequential",
             # The backward may overwrite the saved activations: XLA must treat saved as consumed.
             input_output_aliases={len(operands) - 1: len(gradients)} if consume else None)(
                 *operands, consume_saved=np.int32(consume), **_attrs(config, whole_layer))
@@ -526,7 +579,8 @@ def moe_experts(x, ids, g, w_gate, w_up, w_down, *, activation: str = "swiglu",
     config = _Config(dtype=dtype, d_model=d, d_ffn=h, num_experts=E, top_k=k,
                      activation=activation, checkpoint=checkpoint,
                      consume_saved=_args.flag(consume_saved, "consume_saved"))
-    y = _experts(config, x2, ids.reshape(-1, k), g.reshape(-1, k), w_gate, w_up, w_down)
+    operands = (x2, ids.reshape(-1, k), g.reshape(-1, k), w_gate, w_up, w_down)
+    y = _experts(config, *_vary(_varying_axes(*operands), *operands))
     return y.reshape(x.shape)
 
 
@@ -624,6 +678,7 @@ def moe_layer(x, w_router, w_gate, w_up, w_down, *, top_k: int, activation: str 
                      activation=activation, checkpoint=checkpoint, score_function=score_function,
                      renormalize=renormalize, aux_loss_coeff=aux_loss_coeff,
                      z_loss_coeff=z_loss_coeff, consume_saved=consume_saved)
-    y, losses, counts = _layer(config, x2, w_router, w_gate, w_up, w_down)
+    operands = (x2, w_router, w_gate, w_up, w_down)
+    y, losses, counts = _layer(config, *_vary(_varying_axes(*operands), *operands))
     result = (y.reshape(x.shape), losses[0], losses[1])
     return result + (counts,) if return_expert_counts else result
