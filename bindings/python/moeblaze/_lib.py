@@ -76,6 +76,7 @@ EP_SAVED_EXPERT = 1
 
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
+MAX_ROUTED_ROWS = 1 << 31  # num_tokens * top_k stays below it: routing indices are int32
 BACKWARD_ACCUMULATE_WGRAD = 1
 BACKWARD_CONSUME_SAVED = 2
 FORWARD_WITH_SAVED = 4
@@ -170,6 +171,14 @@ class NonFiniteError(MoeblazeRuntimeError):
 
 class InternalError(MoeblazeRuntimeError):
     """MOEBLAZE_ERR_INTERNAL: a bug in moeblaze."""
+
+
+def check_routed_rows(num_tokens: int, top_k: int) -> None:
+    """The library's token-count rule (src/common/checks.hpp), worded as the library words it, for
+    a binding's check that must come before any library call (before a copy of the input)."""
+    if num_tokens * top_k >= MAX_ROUTED_ROWS:
+        raise InvalidArgumentError(ERR_INVALID_ARGUMENT, f"num_tokens = {num_tokens} is too large: "
+                                   f"num_tokens * top_k ({top_k}) must be < 2^31")
 
 
 _ERROR_CLASSES = {

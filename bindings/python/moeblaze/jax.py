@@ -456,7 +456,7 @@ def _check_top_k(top_k, num_experts: int, num_tokens: int) -> int:
     if not 1 <= top_k <= min(num_experts, _lib.MAX_TOP_K):
         raise ValueError(f"top_k = {top_k} must be in 1..min(num_experts = {num_experts}, "
                          f"{_lib.MAX_TOP_K})")
-    if num_tokens * top_k >= 2**31:
+    if num_tokens * top_k >= _lib.MAX_ROUTED_ROWS:
         raise ValueError(f"tokens * top_k = {num_tokens} * {top_k} must be below 2^31")
     return top_k
 

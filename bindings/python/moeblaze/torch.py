@@ -855,12 +855,11 @@ def _autocast(tensors: Sequence[Optional[torch.Tensor]], device_type: str):
             for t in tensors]
 
 
-def _check_tokens_before_autocast(x: torch.Tensor, top_k, pass_code: int) -> None:
+def _check_tokens_before_autocast(x: torch.Tensor, top_k) -> None:
     """The library's check of x's token count (T * top_k < 2^31) when autocast is about to cast x:
     the operator bodies query sizes before their copies, but the cast comes first and would copy
-    an oversized x. The limit depends on top_k alone, so the size query of the smallest plan with
-    that top_k gives the library's verdict; an invalid top_k is left to the argument checks. Eager
-    only: inside torch.compile's tracing T may be symbolic and the library cannot be called."""
+    an oversized x. An invalid top_k is left to the argument checks. Eager only: inside
+    torch.compile's tracing T may be symbolic."""
     if _compiling():
         return
     dtype = _autocast_dtype(x.device.type)
@@ -868,8 +867,7 @@ def _check_tokens_before_autocast(x: torch.Tensor, top_k, pass_code: int) -> Non
         return  # no cast of x: the body checks T before any copy
     if not isinstance(top_k, int) or not 1 <= top_k <= _lib.MAX_TOP_K:
         return
-    plan = get_layer(torch.device("cpu"), d_model=1, d_ffn=1, num_experts=top_k, top_k=top_k)
-    plan.workspace_size(pass_code, x.shape[0])
+    _lib.check_routed_rows(int(x.shape[0]), top_k)
 
 
 def _wants_grad(*tensors) -> bool:
@@ -919,7 +917,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, g: torch.Tensor, w_gate: tor
     _check_x(x)
     consume_saved = _args.flag(consume_saved, "consume_saved")
     if isinstance(ids, torch.Tensor) and ids.dim() == 2:
-        _check_tokens_before_autocast(x, int(ids.shape[1]), _lib.PASS_EXPERTS_FORWARD)
+        _check_tokens_before_autocast(x, int(ids.shape[1]))
     x, w_gate, w_up, w_down = _autocast((x, w_gate, w_up, w_down), x.device.type)
     activation, checkpoint = str(activation).lower(), str(checkpoint).lower()
     _experts_checks(x, ids, g, w_gate, w_up, w_down, activation, checkpoint)
@@ -948,7 +946,7 @@ def moe_layer(x: torch.Tensor, w_router: torch.Tensor, w_gate: torch.Tensor,
     consume_saved = _args.flag(consume_saved, "consume_saved")
     aux_loss_coeff = _args.real(aux_loss_coeff, "aux_loss_coeff")
     z_loss_coeff = _args.real(z_loss_coeff, "z_loss_coeff")
-    _check_tokens_before_autocast(x, top_k, _lib.PASS_LAYER_FORWARD)
+    _check_tokens_before_autocast(x, top_k)
     x, w_router, w_gate, w_up, w_down = _autocast((x, w_router, w_gate, w_up, w_down),
                                                   x.device.type)
     activation, checkpoint = str(activation).lower(), str(checkpoint).lower()
