@@ -39,12 +39,25 @@ __device__ __forceinline__ float ex2_approx_ftz(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
 }
+
+// tanh by one MUFU.TANH (relative error about 2^-11).
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
 #endif
 
-template <typename T>
+// TANH (GPU, float only; ignored elsewhere): sigmoid(a) = 0.5 + 0.5 tanh(a / 2), one MUFU
+// instruction instead of two (ex2 and rcp). Its error (tanh.approx's ~2^-11 relative, so up to
+// ~2^-12 absolute in the sigmoid) is within bf16's rounding but not f16's or f32's: the callers
+// pass it for bf16 only (kTanhSigmoid, cuda_util.cuh). Every function below hands TANH on.
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T sigmoid(T a) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same<T, float>::value) {
+  if constexpr (std::is_same<T, float>::value && TANH) {
+    return fmaf(0.5f, tanh_approx(0.5f * a), 0.5f);
+  } else if constexpr (std::is_same<T, float>::value) {
     // exp(-a) = 2^(-a log2 e), the multiply __expf does (log2 e rounded to float, 0x3FB8AA3B).
     return __fdividef(1.f, 1.f + ex2_approx_ftz(-a * 1.44269502162933349609375f));
   } else {
@@ -57,25 +70,25 @@ MB_HOST_DEVICE T sigmoid(T a) {
 #endif
 }
 
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T silu(T a) {
-  return a * sigmoid(a);
+  return a * sigmoid<T, TANH>(a);
 }
 
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T silu_grad(T a) {
-  const T s = sigmoid(a);
+  const T s = sigmoid<T, TANH>(a);
   return s * (T(1) + a * (T(1) - s));
 }
 
 // Exact GELU: a * Phi(a), Phi the standard normal CDF.
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T gelu(T a) {
   using std::erf;
   return T(0.5) * a * (T(1) + erf(a * T(0.70710678118654752440)));
 }
 
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T gelu_grad(T a) {
   using std::erf;
   using std::exp;
@@ -85,33 +98,33 @@ MB_HOST_DEVICE T gelu_grad(T a) {
 }
 
 // NaN passes through (as torch.relu's), so ReLU, ReLU^2 and ReGLU never hide one; -0 gives +0.
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T relu(T a) {
   return !(a <= T(0)) ? a : T(0);
 }
 
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T relu_grad(T a) {
   return a > T(0) ? T(1) : T(0);
 }
 
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T relu2(T a) {
-  return relu(a) * relu(a);
+  return relu<T, TANH>(a) * relu<T, TANH>(a);
 }
 
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T relu2_grad(T a) {
-  return T(2) * relu(a);
+  return T(2) * relu<T, TANH>(a);
 }
 
 // u = act(a, b). One case per line of activations.def: f(a) * b (gated) or f(a).
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE T forward(Activation act, T a, T b) {
   switch (act) {
 // clang-format off
 #define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN)           \
-  case Activation::Name: return (GATED) ? FN(a) * b : FN(a);
+  case Activation::Name: return (GATED) ? FN<T, TANH>(a) * b : FN<T, TANH>(a);
 #include "common/activations.def"
     // clang-format on
   }
@@ -120,17 +133,17 @@ MB_HOST_DEVICE T forward(Activation act, T a, T b) {
 
 // Given du (dLoss/du), the gradients with respect to a and b: gated da = du * b * f'(a) and
 // db = du * f(a); otherwise da = du * f'(a) and db = 0.
-template <typename T>
+template <typename T, bool TANH = false>
 MB_HOST_DEVICE void backward(Activation act, T a, T b, T du, T* da, T* db) {
   switch (act) {
 // clang-format off
 #define MOEBLAZE_ACTIVATION(Name, CODE, GATED, FN) \
   case Activation::Name:                           \
     if (GATED) {                                   \
-      *da = du * b * FN##_grad(a);                 \
-      *db = du * FN(a);                            \
+      *da = du * b * FN##_grad<T, TANH>(a);        \
+      *db = du * FN<T, TANH>(a);                   \
     } else {                                       \
-      *da = du * FN##_grad(a);                     \
+      *da = du * FN##_grad<T, TANH>(a);            \
       *db = T(0);                                  \
     }                                              \
     return;

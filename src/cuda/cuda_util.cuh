@@ -8,7 +8,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
+#include "common/activation_math.hpp"
 #include "common/layer_desc.hpp"
 #include "common/status.hpp"
 
@@ -90,6 +92,23 @@ __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float v) {
 template <>
 __device__ __forceinline__ __half from_f32<__half>(float v) {
   return __float2half_rn(v);
+}
+
+// Whether the activation epilogues of storage type T take the sigmoid from tanh.approx
+// (act_math::sigmoid's TANH): for bf16 only, whose rounding dwarfs its error. Every CUDA engine
+// passes this one constant, so F1's u and B1's recomputed u keep the same bits in every engine.
+template <typename T>
+constexpr bool kTanhSigmoid = std::is_same<T, __nv_bfloat16>::value;
+
+// act_math::forward and backward in fp32 with storage type T's sigmoid form.
+template <typename T>
+__device__ __forceinline__ float act_forward(Activation act, float a, float b) {
+  return act_math::forward<float, kTanhSigmoid<T>>(act, a, b);
+}
+template <typename T>
+__device__ __forceinline__ void act_backward(Activation act, float a, float b, float du, float* da,
+                                             float* db) {
+  act_math::backward<float, kTanhSigmoid<T>>(act, a, b, du, da, db);
 }
 
 // The value a float has once stored in T and read back.

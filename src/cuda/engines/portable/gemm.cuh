@@ -248,8 +248,8 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
         if (ep.out_a) store2(static_cast<T*>(ep.out_a) + at_ab, both, vec, a0, a1);
         if (ep.out_b) store2(static_cast<T*>(ep.out_b) + at_ab, both, vec, b0, b1);
         if (ep.out_u)
-          store2(static_cast<T*>(ep.out_u) + at, both, vec, act_math::forward(ep.act, a0, b0),
-                 act_math::forward(ep.act, a1, b1));
+          store2(static_cast<T*>(ep.out_u) + at, both, vec, act_forward<T>(ep.act, a0, b0),
+                 act_forward<T>(ep.act, a1, b1));
       }
     } else if constexpr (EPI == Epi::F2 || EPI == Epi::B4) {
       const int64_t grow = int64_t(ti.off_e) + m;
@@ -285,14 +285,14 @@ __device__ void tile_epilogue(const GemmParams& p, const TileInfo& ti, const flo
         if (ep.u_src) {
           load2(static_cast<const T*>(ep.u_src) + grow * u_ld + n, both, vec, u0, u1);
         } else {
-          u0 = round_to<T>(act_math::forward(ep.act, a0, b0));
-          u1 = both ? round_to<T>(act_math::forward(ep.act, a1, b1)) : 0.f;
+          u0 = round_to<T>(act_forward<T>(ep.act, a0, b0));
+          u1 = both ? round_to<T>(act_forward<T>(ep.act, a1, b1)) : 0.f;
         }
         dot += v0 * u0;
         dot += v1 * u1;
         float da0, db0, da1, db1;
-        act_math::backward(ep.act, a0, b0, gval * v0, &da0, &db0);
-        act_math::backward(ep.act, a1, b1, gval * v1, &da1, &db1);
+        act_backward<T>(ep.act, a0, b0, gval * v0, &da0, &db0);
+        act_backward<T>(ep.act, a1, b1, gval * v1, &da1, &db1);
         T* drow = static_cast<T*>(ep.dadb) + grow * dadb_ld;
         store2(drow + n, both, vec, da0, da1);
         if (ep.gated) store2(drow + db_offset + n, both, vec, db0, db1);
@@ -651,14 +651,14 @@ __device__ __forceinline__ void b1_epilogue_batched(const GemmParams& p, const T
           u0 = uf.x;
           u1 = uf.y;
         } else {
-          u0 = round_to<T>(act_math::forward(ep.act, a0, b0));
-          u1 = round_to<T>(act_math::forward(ep.act, a1, b1));
+          u0 = round_to<T>(act_forward<T>(ep.act, a0, b0));
+          u1 = round_to<T>(act_forward<T>(ep.act, a1, b1));
         }
         dot += v0 * u0;
         dot += v1 * u1;
         float da0, db0, da1, db1;
-        act_math::backward(ep.act, a0, b0, gval[i] * v0, &da0, &db0);
-        act_math::backward(ep.act, a1, b1, gval[i] * v1, &da1, &db1);
+        act_backward<T>(ep.act, a0, b0, gval[i] * v0, &da0, &db0);
+        act_backward<T>(ep.act, a1, b1, gval[i] * v1, &da1, &db1);
         T* drow = static_cast<T*>(ep.dadb) + grow * dadb_ld;
         store2(drow + n, true, true, da0, da1);
         if (ep.gated) store2(drow + db_offset + n, true, true, db0, db1);

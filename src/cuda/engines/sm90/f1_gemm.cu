@@ -154,7 +154,7 @@ __device__ __forceinline__ uint4 act_chunk(const uint4& a, const uint4& b) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     const float2 af = unpack2<T>(aw[i]), bf = unpack2<T>(bw[i]);
-    uw[i] = pack2<T>(act_math::forward(kAct, af.x, bf.x), act_math::forward(kAct, af.y, bf.y));
+    uw[i] = pack2<T>(act_forward<T>(kAct, af.x, bf.x), act_forward<T>(kAct, af.y, bf.y));
   }
   return make_uint4(uw[0], uw[1], uw[2], uw[3]);
 }
@@ -163,7 +163,15 @@ __device__ __forceinline__ uint4 act_chunk(const uint4& a, const uint4& b) {
 // the hand-off: each lane takes 16-byte chunk (lane & 7) of row 4 q + (lane >> 3), so a warp
 // instruction reads 4 whole 128-byte rows of the buffer (conflict-free) and stores 4 rows x 128
 // contiguous bytes of each output; u from the rounded a and b, as the consumers' form computes it.
-template <typename T, Activation kAct, int STEP>
+// Stores are predicated, with no branch around a chunk: a branch kept ptxas from overlapping the
+// work on either side of it. With PAIRS (the epilogue warps, several quads each; the split form's
+// consumers store one quad each) SiLU and SwiGLU take two quads an iteration, both read before
+// either is stored, so their 16 sigmoid chains run side by side (in sass_loops' issue model, bf16
+// cycles an element: SiLU 24-26 -> 16, SwiGLU 26-28 -> 20, with the tanh sigmoid); the other
+// activations' longer chains take one quad (two spilled in GeGLU; GeGLU 1.3x faster, GELU 6 %
+// slower in the model). The hand-off holds all kQuads quads, so a quad past `end` is read
+// (clamped), not stored.
+template <typename T, Activation kAct, int STEP, bool PAIRS>
 __device__ __forceinline__ void store_handoff_quads(const F1Params& p, const TileCoord& c,
                                                     const uint32_t* hb, int lane, int first,
                                                     int end) {
@@ -174,25 +182,40 @@ __device__ __forceinline__ void store_handoff_quads(const F1Params& p, const Til
   T* out_a = static_cast<T*>(p.out_a);
   T* out_b = static_cast<T*>(p.out_b);
   T* out_u = static_cast<T*>(p.out_u);
+  constexpr int kPair = PAIRS && (kAct == Activation::SiLU || kAct == Activation::SwiGLU) ? 2 : 1;
+  const int ch = lane & 7;
 #pragma unroll 1
   for (int group = 0; group < kGroups; ++group) {
-#pragma unroll 2
-    for (int quad = first; quad < end; quad += STEP) {
-      const int row = quad * 4 + (lane >> 3);
-      const int ch = lane & 7;
-      const int col = n0 + group * 64 + ch * 8;
-      if (row < c.rows && col < p.h) {  // h % 8 == 0: a chunk is all in or all out
+    const int col = n0 + group * 64 + ch * 8;
+    const bool col_in = col < p.h;  // h % 8 == 0: a chunk is all in or all out
+#pragma unroll 1
+    for (int quad = first; quad < end; quad += kPair * STEP) {
+      uint4 av[kPair], bv[kPair];
+      bool in[kPair];
+      int64_t grow[kPair];
+#pragma unroll
+      for (int j = 0; j < kPair; ++j) {
+        const int q = quad + j * STEP;
+        const int row = min(q, kQuads - 1) * 4 + (lane >> 3);
+        in[j] = q < end && row < c.rows && col_in;
+        grow[j] = int64_t(c.row0) + row;
         const int word = row * 32 + ((ch ^ (row & 7)) << 2);
-        const uint4 av = *reinterpret_cast<const uint4*>(hb + group * kHandoffSubWords + word);
-        uint4 bv = make_uint4(0u, 0u, 0u, 0u);
+        av[j] = *reinterpret_cast<const uint4*>(hb + group * kHandoffSubWords + word);
+        bv[j] = make_uint4(0u, 0u, 0u, 0u);
         if constexpr (kGated)
-          bv = *reinterpret_cast<const uint4*>(hb + (2 + group) * kHandoffSubWords + word);
-        const int64_t grow = int64_t(c.row0) + row;
-        if (out_a != nullptr) *reinterpret_cast<uint4*>(out_a + grow * p.ab_ld + col) = av;
-        if (kGated && out_b != nullptr)
-          *reinterpret_cast<uint4*>(out_b + grow * p.ab_ld + col) = bv;
-        if (out_u != nullptr)
-          *reinterpret_cast<uint4*>(out_u + grow * p.h + col) = act_chunk<T, kAct>(av, bv);
+          bv[j] = *reinterpret_cast<const uint4*>(hb + (2 + group) * kHandoffSubWords + word);
+      }
+#pragma unroll
+      for (int j = 0; j < kPair; ++j) {
+        if (out_a != nullptr) store16_if(in[j], out_a + grow[j] * p.ab_ld + col, av[j]);
+        if (kGated && out_b != nullptr) store16_if(in[j], out_b + grow[j] * p.ab_ld + col, bv[j]);
+      }
+      if (out_u != nullptr) {
+        uint4 uv[kPair];
+#pragma unroll
+        for (int j = 0; j < kPair; ++j) uv[j] = act_chunk<T, kAct>(av[j], bv[j]);
+#pragma unroll
+        for (int j = 0; j < kPair; ++j) store16_if(in[j], out_u + grow[j] * p.h + col, uv[j]);
       }
     }
   }
@@ -255,7 +278,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
           const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
           mbar_wait(smem_u32(shm.handoff_full), n & 1);
-          store_handoff_quads<T, kAct, kEpiWarps>(p, c, hb, lane, kConsumerQuads + ew, kQuads);
+          store_handoff_quads<T, kAct, kEpiWarps, true>(p, c, hb, lane, kConsumerQuads + ew,
+                                                        kQuads);
           mbar_arrive(smem_u32(shm.handoff_empty));  // every lane, after its own reads
         }
         // One CTA: leave here, not at the common end; ptxas then keeps the activation's MUFU
@@ -373,7 +397,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int i = 0; i < 128; ++i) acc[i] = 0.f;
           consumer_warps_sync();  // every consumer warp's rows are in the hand-off
           const TileCoord c = decode_tile<CLUSTER>(t, shm.tile_start, p, rank);
-          store_handoff_quads<T, kAct, kConsumerWarps>(
+          store_handoff_quads<T, kAct, kConsumerWarps, false>(
               p, c, reinterpret_cast<const uint32_t*>(shm.epi), lane, cw, kConsumerQuads);
         }
         continue;
@@ -410,7 +434,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               else if (out == 1)
                 v = pack2<T>(rb0, rb1);
               else
-                v = pack2<T>(act_math::forward(kAct, ra0, rb0), act_math::forward(kAct, ra1, rb1));
+                v = pack2<T>(act_forward<T>(kAct, ra0, rb0), act_forward<T>(kAct, ra1, rb1));
               const int row = g + 8 * rr;  // row & 7 == g
               stg[row * 32 + ((jj ^ g) << 2) + t4] = v;
             }

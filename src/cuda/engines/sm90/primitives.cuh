@@ -115,6 +115,17 @@ __device__ __forceinline__ void cp_async16_zfill(uint32_t dst, const void* src, 
                : "memory");
 }
 
+// A 16-byte global store under a predicate, as one predicated instruction: where a branch went
+// around each store, ptxas scheduled the work on either side of it separately (an epilogue's
+// unrolled chunks ran their activation chains one chunk at a time).
+__device__ __forceinline__ void store16_if(bool pred, void* ptr, const uint4& v) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %0, 0;\n@p st.global.v4.b32 [%1], {%2, %3, %4, %5};\n}\n" ::
+          "r"(int(pred)),
+      "l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+      : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory accesses (cp.async results, plain stores)
 // with later async-proxy ones (wgmma operand reads, TMA writes) to the same shared memory.
 __device__ __forceinline__ void fence_proxy_async() {

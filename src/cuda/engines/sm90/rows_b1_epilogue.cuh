@@ -24,7 +24,7 @@ __device__ __forceinline__ void b1_element(float a, float b, float du, bool have
                                            float& u, float& da, float& db) {
   constexpr Activation act = static_cast<Activation>(ACT);
   if constexpr (act == Activation::SwiGLU || act == Activation::SiLU) {
-    const float s = act_math::sigmoid(a);
+    const float s = act_math::sigmoid<float, kTanhSigmoid<T>>(a);
     const float silu = a * s;
     const float silu_grad = s * (1.f + a * (1.f - s));
     if constexpr (act == Activation::SwiGLU) {
@@ -37,8 +37,8 @@ __device__ __forceinline__ void b1_element(float a, float b, float du, bool have
       db = 0.f;
     }
   } else {
-    u = have_u ? u_saved : round_to<T>(act_math::forward(act, a, b));
-    act_math::backward(act, a, b, du, &da, &db);
+    u = have_u ? u_saved : round_to<T>(act_forward<T>(act, a, b));
+    act_backward<T>(act, a, b, du, &da, &db);
   }
 }
 
