@@ -330,6 +330,30 @@ __device__ __forceinline__ void b1_epilogue_items(const RowsParams& p, const Til
       if (pending_store) dg_tile[part * p.N + pending_grow] = d;
     }
   };
+  // An item's a, b chunks: zeros past the items, the tile's rows or h (h % 8 == 0: a chunk is all
+  // in or all out).
+  const auto load_item = [&](int idx, uint4(&av)[kGroups], uint4(&bv)[kGroups]) {
+    const int row = idx >> 3, ch = idx & 7;
+    const bool row_ok = idx < kItems && row < c.rows;
+    const int col0 = item_col(ch);
+    const int64_t ab0 = (int64_t(c.row0) + row) * p.ab_ld + col0;
+    const T* a_item = a_src + ab0;
+    const T* b_item = kGated ? b_src + ab0 : nullptr;  // no b operand otherwise
+#pragma unroll
+    for (int i = 0; i < kGroups; ++i) {
+      const bool in = row_ok && col0 + i * 64 < h;
+      av[i] = in ? *reinterpret_cast<const uint4*>(a_item + i * 64) : make_uint4(0, 0, 0, 0);
+      bv[i] =
+          in && kGated ? *reinterpret_cast<const uint4*>(b_item + i * 64) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  // Where the registers allow it, the next pass's a, b are loaded during this pass: the item's
+  // unpacks otherwise wait on loads issued in the same pass. The pass's own loads still precede
+  // its stores, so each lane reads its chunks before it writes them (a, b may live where da, db
+  // go). Not with a saved u: its loads, inside the group loop, then lose their head start (ptxas).
+  constexpr bool kLoadAhead = !HAVE_U && b1_items_load_ahead(kGroups, kGated);
+  uint4 next_a[kGroups], next_b[kGroups];  // the next pass's item (kLoadAhead)
+  if constexpr (kLoadAhead) load_item(32 * w + lane, next_a, next_b);
 #pragma unroll 1
   for (int base = 32 * w; base < kItems; base += kLanes) {  // warp-uniform: kItems % 32 == 0
     const int idx = base + lane;
@@ -341,16 +365,16 @@ __device__ __forceinline__ void b1_epilogue_items(const RowsParams& p, const Til
     const bool row_ok = row < c.rows;
     const int64_t grow = int64_t(c.row0) + row;
     const int col0 = item_col(ch);
-    const int64_t ab0 = grow * p.ab_ld + col0;
-    const T* a_item = a_src + ab0;
-    const T* b_item = kGated ? b_src + ab0 : nullptr;  // no b operand otherwise
     uint4 av[kGroups], bv[kGroups];
+    if constexpr (kLoadAhead) {
 #pragma unroll
-    for (int i = 0; i < kGroups; ++i) {
-      const bool in = row_ok && col0 + i * 64 < h;  // h % 8 == 0: a chunk is all in or all out
-      av[i] = in ? *reinterpret_cast<const uint4*>(a_item + i * 64) : make_uint4(0, 0, 0, 0);
-      bv[i] =
-          in && kGated ? *reinterpret_cast<const uint4*>(b_item + i * 64) : make_uint4(0, 0, 0, 0);
+      for (int i = 0; i < kGroups; ++i) {
+        av[i] = next_a[i];
+        bv[i] = next_b[i];
+      }
+      load_item(idx + kLanes, next_a, next_b);
+    } else {
+      load_item(idx, av, bv);
     }
     store_pending_dg();  // the previous pass's (nothing stored on the first)
     T* const da_item = dadb + grow * p.dadb_ld + col0;

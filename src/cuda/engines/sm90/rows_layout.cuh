@@ -56,6 +56,15 @@ constexpr int kEpiBytes = kConsumerWarps * kB1StageWarpBytes;  // 24 KB
 constexpr int kB1EpiWarpsMinKTiles = 8;
 constexpr int kB1EpiWarpsMaxKTiles = 64;
 constexpr int kB1EpiWarps = 3;
+// Whether B1's item loop (b1_epilogue_items) loads the next pass's a, b during each pass: in the
+// split forms (items of 2 or 3 64-column groups), where an item's first unpacks wait on loads
+// issued in the same pass (sass_loops' issue model: 20-40 % fewer cycles an item loop), and where
+// the item's 16-byte chunks (groups x gated operands) are at most 6, which the epilogue warps' 104
+// registers hold twice without spilling. In the whole tile's loop (4 groups) the model showed no
+// gain: only the first group's loads wait there.
+constexpr bool b1_items_load_ahead(int groups, bool gated) {
+  return groups < 4 && groups * (gated ? 2 : 1) <= 6;
+}
 constexpr int kHandoffSubBytes = kBM * 64 * 2;  // 16 KB: one 64-column group of the tile
 static_assert(kHandoffSubBytes == kHandoffGroupBytes, "store_handoff's group stride");
 constexpr int kHandoffSubWords = kHandoffSubBytes / 4;
