@@ -204,6 +204,34 @@ def _geomean(values):
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
 
 
+def round_verdict(base_row, mb_row):
+    """How moeblaze's row compares with a baseline's round by round (run_bench --interleave: round
+    i of both rows ran side by side): "faster" or "slower" when moeblaze's median beat or lost to
+    the baseline's in every round, "mixed" otherwise; None without two or more paired rounds. A
+    ratio of medians near 1 says little alone: the rounds show whether the lead is consistent."""
+    ours, theirs = mb_row.get("ms_rounds") or [], base_row.get("ms_rounds") or []
+    if len(ours) < 2 or len(ours) != len(theirs):
+        return None
+    if all(m < b for m, b in zip(ours, theirs)):
+        return "faster"
+    if all(m > b for m, b in zip(ours, theirs)):
+        return "slower"
+    return "mixed"
+
+
+def _round_summary(rows, idx, mb, baseline):
+    """' faster in every paired timing round on X of N rows (...)' or '' without rounds."""
+    verdicts = [(r["config"], round_verdict(_baseline_row(rows, idx, r["config"], r["act"],
+                                                          baseline), r)) for r in mb]
+    verdicts = [(cfg, v) for cfg, v in verdicts if v]
+    if not verdicts:
+        return ""
+    faster = sum(1 for _, v in verdicts if v == "faster")
+    others = [f"{cfg} {v}" for cfg, v in verdicts if v != "faster"]
+    return (f"; faster in every paired timing round on {faster} of {len(verdicts)}"
+            + (f" ({', '.join(others)})" if others else ""))
+
+
 def target_lines(doc):
     """Per activation: moeblaze's speed-up over each baseline (geometric mean and slowest row), and
     its saved and peak bytes against the first baseline; then the error, tolerance and determinism
@@ -223,7 +251,8 @@ def target_lines(doc):
             if ratios:
                 target = f", target ≥ {TARGET_SPEEDUP}×" if b == "grouped_mm" else ""
                 speed.append(f"**{_fmt(_geomean(ratios), '.2f')}×** over {b} (slowest "
-                             f"{_fmt(min(ratios), '.2f')}×, {len(ratios)} configurations{target})")
+                             f"{_fmt(min(ratios), '.2f')}×, {len(ratios)} configurations{target}"
+                             f"{_round_summary(rows, idx, mb, b)})")
         first = bases[0] if bases else None
         memory = ""
         if first:

@@ -362,6 +362,27 @@ def test_make_report_gives_every_baseline_its_columns():
     assert "peak MiB grouped_mm / sonicmoe" in memory[0] and "| 4 / 2 |" in memory[2]
 
 
+def test_make_report_tells_a_consistent_lead_from_a_mixed_one():
+    import make_report
+    verdict = make_report.round_verdict
+    assert verdict({"ms_rounds": [2.0, 2.1, 2.0]}, {"ms_rounds": [1.9, 2.0, 1.99]}) == "faster"
+    assert verdict({"ms_rounds": [2.0, 2.1, 2.0]}, {"ms_rounds": [2.1, 2.2, 2.01]}) == "slower"
+    # A lower median ratio is not a lead in every round.
+    assert verdict({"ms_rounds": [2.0, 2.1, 2.0]}, {"ms_rounds": [1.5, 2.2, 1.9]}) == "mixed"
+    assert verdict({"ms_rounds": [2.0]}, {"ms_rounds": [1.0]}) is None  # one round: no pairs
+    assert verdict({"ms_rounds": [2.0, 2.0]}, {"ms_rounds": [1.0, 1.0, 1.0]}) is None
+    assert verdict({}, {"ms_rounds": [1.0, 1.0]}) is None
+    doc = {"device": "cpu", "commit": "abc", "command": "x", "environment": {}, "rows": _report_rows()}
+    assert "paired timing round" not in make_report.target_lines(doc)[0]  # no rounds recorded
+    for row in doc["rows"]:
+        row["ms_rounds"] = {"grouped_mm": [4.0, 4.1], "sonicmoe": [2.5, 1.9]}.get(row["impl"],
+                                                                                [2.0, 2.0])
+    line = make_report.target_lines(doc)[0]
+    assert "grouped_mm (slowest 2.00×, 1 configurations, target ≥ 1.3×; faster in every " \
+           "paired timing round on 1 of 1)" in line
+    assert "faster in every paired timing round on 0 of 1 (c1 mixed)" in line
+
+
 def test_make_report_publish_writes_the_result_set(tmp_path):
     import make_report
     doc = {"device": "cpu", "commit": "abc", "rows": _report_rows(),
