@@ -177,7 +177,8 @@ def main():
                         "first is the reference)")
     p.add_argument("--shapes", default="conf5:silu",
                    help="CONFIG:ACT pairs, configurations from bench/configs.json")
-    p.add_argument("--kernels", default="F1,F2,B1,B2,B3,B4", help="kernel tags to report")
+    p.add_argument("--kernels", default="F1,F2,B1,B2,B3,B4,RD",
+                   help="kernel tags to report (tools/kernel_tags.py; RD: the per-token sums)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=7, help="profiled steps a run (their median)")
     p.add_argument("--policy", default="save_preact")

@@ -1,5 +1,5 @@
-"""The library's Hopper GEMM kernels by tag (F1, F2, B4, B1, B2, B3), from a kernel name as a
-profiler prints it (torch.profiler, Nsight Compute, compute-sanitizer). Used by
+"""The library's Hopper GEMM kernels by tag (F1, F2, B4, B1, B2, B3), and its per-token reductions
+(RD), from a kernel name as a profiler prints it (torch.profiler, Nsight Compute, compute-sanitizer). Used by
 tools/ncu_kernels.sh and tests/cuda/profile_kernels.py, so the mapping lives in one place."""
 
 # (tag, the name's key). bf16 instances only: the benchmark and the profiling scripts run bf16.
@@ -14,8 +14,11 @@ KERNEL_TAGS = (
     # pingpong2cta)
     ("F2", "sm90_rows_pingpong_kernel<__nv_bfloat16, 0"),
     ("B4", "sm90_rows_pingpong_kernel<__nv_bfloat16, 1"),
+    # the per-token sums of F2's and B4's rows into y and dx (every dtype, every engine)
+    ("RD", "token_reduce"),
 )
 TAG_ORDER = tuple(dict.fromkeys(tag for tag, _ in KERNEL_TAGS))
+GEMM_TAGS = frozenset(TAG_ORDER) - {"RD"}
 
 
 def kernel_tag(name):
@@ -47,7 +50,7 @@ KERNEL_CLASSES = (
 
 def kernel_class(name):
     """'gemm', 'sort/index/scatter', 'elementwise' or 'other' for a kernel name."""
-    if kernel_tag(name) is not None:
+    if kernel_tag(name) in GEMM_TAGS:
         return "gemm"
     low = name.lower()
     for cls, keys in KERNEL_CLASSES:
@@ -97,6 +100,8 @@ def self_test():
         "192>(CUtensorMap_st)": "F2",
         "sm90_rows_pingpong_kernel<__nv_bfloat16, (int)1, (int)128>(CUtensorMap_st)": "B4",
         "void at::native::vectorized_elementwise_kernel<4, ...>": None,
+        "void moeblaze::cuda::(anonymous namespace)::token_reduce16_kernel<__nv_bfloat16>(long)":
+            "RD",
     }
     for name, tag in names.items():
         assert kernel_tag(name) == tag, (name, kernel_tag(name), tag)
@@ -114,13 +119,14 @@ def self_test():
         "void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel...>":
             "elementwise",
         "void at::native::reduce_kernel<512, 1, ...>": "other",
+        "void moeblaze::cuda::(anonymous namespace)::token_reduce16_kernel<__half>(long)": "other",
     }
     for name, cls in classes.items():
         assert kernel_class(name) == cls, (name, kernel_class(name), cls)
     split = split_by_class([("nvjet_x", 3.0), ("sm90_f1_kernel<__nv_bfloat16, 0, true>", 2.0),
                             ("radix_sort", 1.5), ("reduce_kernel", 0.25)])
     assert split == {"gemm": 5.0, "sort/index/scatter": 1.5, "elementwise": 0.0, "other": 0.25}, split
-    assert TAG_ORDER == ("F1", "F2", "B4", "B1", "B2", "B3"), TAG_ORDER
+    assert TAG_ORDER == ("F1", "F2", "B4", "B1", "B2", "B3", "RD"), TAG_ORDER
     rows = kernels_over_steps([[("a", 1.0), ("b", 5.0), ("a", 2.0)], [("a", 4.0)],
                                [("a", 3.5), ("b", 1.0)]])
     assert rows == [("a", 2, 3.5, 3.0, 4.0), ("b", 1, 1.0, 0.0, 5.0)], rows
