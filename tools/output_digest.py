@@ -12,8 +12,10 @@ inputs; with the default shapes the B1 forms of the Hopper path run at 8, 16, 32
 (d = 512 ... 4096: split2, split, epilogue warps, epilogue warps) and the last tile is partial (h
 not a multiple of 256). A kernel change that claims to keep every output's bits is checked with it;
 one that does not shows which outputs moved (--compare names them per case and exits 1 when any
-output moved that --may-differ does not allow). Needs a GPU (or --device cpu), PyTorch and the
-Python bindings.
+output moved that --may-differ does not allow). --layer digests the whole layer instead (router
+GEMM, top-k and weights, aux and z losses, experts; moeblaze.torch.moe_layer) for each score
+function, over expert counts that take each of the router kernel's register widths. Needs a GPU
+(or --device cpu), PyTorch and the Python bindings.
 """
 import argparse
 import hashlib
@@ -33,6 +35,22 @@ SHAPES = {
     "k32": (2048, 2048, 1000, 4, 2),
     "k64": (1024, 4096, 600, 4, 2),
     "tiny": (64, 32, 48, 4, 2),  # for the CPU backend (the self-check in CTest)
+}
+
+# --layer: (T, d, h, E, k). E = 8, 100, 200, 600: 1, 4, 8 and 32 logits a lane in the router's
+# forward kernel; T not a multiple of its 64-token blocks.
+LAYER_SHAPES = {
+    "e8": (4133, 256, 512, 8, 2),
+    "e100": (2050, 256, 256, 100, 6),
+    "e200": (1001, 256, 256, 200, 8),
+    "e600": (515, 128, 128, 600, 4),
+    "tiny": (70, 32, 48, 40, 3),  # CPU (the self-check)
+}
+# score function -> (renormalize, aux_loss_coeff, z_loss_coeff)
+LAYER_SCORES = {
+    "softmax_topk": (False, 0.01, 0.001),
+    "topk_softmax": (False, 0.01, 0.0),
+    "sigmoid": (True, 0.01, 0.001),
 }
 
 
@@ -70,6 +88,36 @@ def run(shape, act, policy, seed, device):
         f"{n}={digest(grads.get(n))}" for n in names)
 
 
+def run_layer(shape, act, score, seed, device):
+    """One whole-layer forward + backward: y, the losses, ids, g and every gradient."""
+    T, d, h, E, k = LAYER_SHAPES[shape]
+    renormalize, aux, z = LAYER_SCORES[score]
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    dt = torch.bfloat16
+
+    def randn(*size, scale=1.0):
+        return (torch.randn(*size, generator=gen) * scale).to(device=device, dtype=dt)
+
+    gated = act in ("swiglu", "geglu", "reglu")
+    x = randn(T, d).requires_grad_(True)
+    wr = randn(E, d, scale=d ** -0.5).requires_grad_(True)
+    wg = randn(E, h, d, scale=d ** -0.5).requires_grad_(True)
+    wu = randn(E, h, d, scale=d ** -0.5).requires_grad_(True) if gated else None
+    wd = randn(E, d, h, scale=h ** -0.5).requires_grad_(True)
+    dy = randn(T, d)
+    y, losses, counts, ids, g = mbt.moe_layer(
+        x, wr, wg, wu, wd, top_k=k, activation=act, score_function=score,
+        renormalize=renormalize, aux_loss_coeff=aux, z_loss_coeff=z)
+    leaves = [t for t in (x, wr, wg, wu, wd) if t is not None]
+    names = ["dx", "dw_router", "dw_gate"] + (["dw_up"] if gated else []) + ["dw_down"]
+    grads = dict(zip(names, torch.autograd.grad((y, losses), leaves,
+                                                (dy, torch.ones_like(losses)))))
+    outs = {"y": y, "losses": losses, "counts": counts, "ids": ids, "g": g, **grads}
+    order = ("y", "losses", "counts", "ids", "g", "dx", "dw_router", "dw_gate", "dw_up",
+             "dw_down")
+    return f"layer-{shape} {act} {score} " + " ".join(f"{n}={digest(outs.get(n))}" for n in order)
+
+
 def compare(before, after, may_differ=()):
     """Two runs' lines (the same arguments) -> (report lines, ok): per line, the outputs whose
     digests differ; ok when the runs have the same cases and only outputs named in may_differ (a
@@ -98,7 +146,12 @@ def compare(before, after, may_differ=()):
 def main():
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shapes", default="k8,k16,k32,k64", help="among " + ",".join(SHAPES))
+    p.add_argument("--shapes", default=None,
+                   help="among " + ",".join(SHAPES) + " (default k8,k16,k32,k64); with --layer "
+                        "among " + ",".join(LAYER_SHAPES) + " (default e8,e100,e200,e600)")
+    p.add_argument("--layer", action="store_true",
+                   help="the whole layer (router included) for each score function")
+    p.add_argument("--scores", default=",".join(LAYER_SCORES), help="with --layer")
     p.add_argument("--acts", default="swiglu,silu")
     p.add_argument("--policies", default="save_preact,save_all,recompute")
     p.add_argument("--seed", type=int, default=2026)
@@ -122,7 +175,13 @@ def main():
         report, ok = compare(*texts, may_differ=[n for n in a.may_differ.split(",") if n])
         print("\n".join(report))
         return 0 if ok else 1
-    for shape in a.shapes.split(","):
+    if a.layer:
+        for shape in (a.shapes or "e8,e100,e200,e600").split(","):
+            for act in a.acts.split(","):
+                for score in a.scores.split(","):
+                    print(run_layer(shape, act, score, a.seed, a.device), flush=True)
+        return 0
+    for shape in (a.shapes or "k8,k16,k32,k64").split(","):
         for act in a.acts.split(","):
             for policy in a.policies.split(","):
                 print(run(shape, act, policy, a.seed, a.device), flush=True)
@@ -145,7 +204,17 @@ def self_test():
     ok = ok and compare(first, moved_dg, may_differ=["dg"])[1] and not compare(first, moved_dg)[1]
     ok = ok and "differ: dg (unexpected)" in compare(first, moved_dg)[0][0]
     ok = ok and not compare(first, first[:-1])[1]
-    print("\n".join(first))
+    # --layer: repeatable, seed-dependent, every output present (a gated and a non-gated layer).
+    layer = [run_layer("tiny", act, score, 2026, "cpu") for act in ("swiglu", "silu")
+             for score in LAYER_SCORES]
+    layer_again = [run_layer("tiny", act, score, 2026, "cpu") for act in ("swiglu", "silu")
+                   for score in LAYER_SCORES]
+    layer_other = [run_layer("tiny", "swiglu", score, 7, "cpu") for score in LAYER_SCORES]
+    ok = ok and compare(layer, layer_again)[1]
+    ok = ok and all(a != b for a, b in zip(layer, layer_other))
+    ok = ok and all(len(line.split()) == 13 and "=-" not in line for line in layer[:3])
+    ok = ok and all(line.count("=-") == 1 and "dw_up=-" in line for line in layer[3:])
+    print("\n".join(first + layer))
     print("output_digest self-test:", "ok" if ok else "FAILED")
     return 0 if ok else 1
 
