@@ -177,11 +177,15 @@ def main():
                         "first is the reference)")
     p.add_argument("--shapes", default="conf5:silu",
                    help="CONFIG:ACT pairs, configurations from bench/configs.json")
-    p.add_argument("--kernels", default="F1,F2,B1,B2,B3,B4,RD",
-                   help="kernel tags to report (tools/kernel_tags.py; RD: the per-token sums)")
+    p.add_argument("--kernels", default=None,
+                   help="kernel tags to report (tools/kernel_tags.py; default the GEMMs and RD, "
+                        "the per-token sums, and with --layer RF and RB, the router's)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=7, help="profiled steps a run (their median)")
     p.add_argument("--policy", default="save_preact")
+    p.add_argument("--layer", action="store_true",
+                   help="profile the whole layer (profile_kernels.py --layer): the router's "
+                        "kernels too (tags RF, RB)")
     p.add_argument("--budget-s", type=float, default=None,
                    help="start no run after this many seconds; report what ran")
     p.add_argument("--self-test", action="store_true")
@@ -205,6 +209,8 @@ def main():
     for config, _ in shapes:
         if config not in configs:
             p.error(f"--shapes: unknown configuration {config!r}")
+    if a.kernels is None:
+        a.kernels = "F1,F2,B1,B2,B3,B4,RD" + (",RF,RB" if a.layer else "")
     kernels = [k for k in a.kernels.split(",") if k]
     start = time.time()
     plan = [(round_index, shape, build) for round_index in range(a.rounds) for shape in shapes
@@ -219,7 +225,7 @@ def main():
             env["MOEBLAZE_LIBRARY"] = lib
         cmd = [sys.executable, os.path.join(REPO, "tests", "cuda", "profile_kernels.py"),
                *args_for(shape[0], configs).split(), "--act", shape[1], "--policy", a.policy,
-               "--steps", str(a.steps), "--rows", "40"]
+               "--steps", str(a.steps), "--rows", "40"] + (["--layer"] if a.layer else [])
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         times = parse_profile(done.stdout)
         if done.returncode != 0 or STEP not in times:

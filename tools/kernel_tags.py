@@ -1,5 +1,5 @@
-"""The library's Hopper GEMM kernels by tag (F1, F2, B4, B1, B2, B3), and its per-token reductions
-(RD), from a kernel name as a profiler prints it (torch.profiler, Nsight Compute, compute-sanitizer). Used by
+"""The library's Hopper GEMM kernels by tag (F1, F2, B4, B1, B2, B3), its per-token reductions
+(RD) and its router's forward and backward kernels (RF, RB), from a kernel name as a profiler prints it (torch.profiler, Nsight Compute, compute-sanitizer). Used by
 tools/ncu_kernels.sh and tests/cuda/profile_kernels.py, so the mapping lives in one place."""
 
 # (tag, the name's key). bf16 instances only: the benchmark and the profiling scripts run bf16.
@@ -16,9 +16,12 @@ KERNEL_TAGS = (
     ("B4", "sm90_rows_pingpong_kernel<__nv_bfloat16, 1"),
     # the per-token sums of F2's and B4's rows into y and dx (every dtype, every engine)
     ("RD", "token_reduce"),
+    # the router: scores, top-k and weights (forward); the logits' gradient (backward)
+    ("RF", "router_forward_kernel"),
+    ("RB", "router_backward_kernel"),
 )
 TAG_ORDER = tuple(dict.fromkeys(tag for tag, _ in KERNEL_TAGS))
-GEMM_TAGS = frozenset(TAG_ORDER) - {"RD"}
+GEMM_TAGS = frozenset(TAG_ORDER) - {"RD", "RF", "RB"}
 
 
 def kernel_tag(name):
@@ -102,6 +105,7 @@ def self_test():
         "void at::native::vectorized_elementwise_kernel<4, ...>": None,
         "void moeblaze::cuda::(anonymous namespace)::token_reduce16_kernel<__nv_bfloat16>(long)":
             "RD",
+        "void moeblaze::cuda::(anonymous namespace)::router_forward_kernel<4>(RouterParams)": "RF",
     }
     for name, tag in names.items():
         assert kernel_tag(name) == tag, (name, kernel_tag(name), tag)
@@ -126,7 +130,8 @@ def self_test():
     split = split_by_class([("nvjet_x", 3.0), ("sm90_f1_kernel<__nv_bfloat16, 0, true>", 2.0),
                             ("radix_sort", 1.5), ("reduce_kernel", 0.25)])
     assert split == {"gemm": 5.0, "sort/index/scatter": 1.5, "elementwise": 0.0, "other": 0.25}, split
-    assert TAG_ORDER == ("F1", "F2", "B4", "B1", "B2", "B3", "RD"), TAG_ORDER
+    assert TAG_ORDER == ("F1", "F2", "B4", "B1", "B2", "B3", "RD", "RF", "RB"), TAG_ORDER
+    assert kernel_class("router_forward_kernel<4>(RouterParams)") == "other"
     rows = kernels_over_steps([[("a", 1.0), ("b", 5.0), ("a", 2.0)], [("a", 4.0)],
                                [("a", 3.5), ("b", 1.0)]])
     assert rows == [("a", 2, 3.5, 3.0, 4.0), ("b", 1, 1.0, 0.0, 5.0)], rows
