@@ -489,7 +489,8 @@ def _experts_checks(x, ids, g, w_gate, w_up, w_down, activation, checkpoint):
     if ids.shape[0] != T:
         raise ValueError(f"ids: expected {T} rows (the tokens of x), got {ids.shape[0]}")
     if ids.dtype != torch.int32:
-        raise TypeError(f"ids: expected dtype torch.int32, got {ids.dtype}")
+        raise TypeError(f"ids: expected dtype torch.int32, got {ids.dtype}; convert with "
+                        f"ids.to(torch.int32) (torch.topk's indices are int64)")
     if ids.device != x.device:
         raise ValueError(f"ids: expected device {x.device} (that of x), got {ids.device}")
     E, h = _check_expert_weights(x, w_gate, w_up, w_down, activation)
@@ -1037,8 +1038,10 @@ def _check_module_input(module: torch.nn.Module, x) -> None:
                          f"shape {_shape(x)}")
     weight = module.w_router
     if x.dtype != weight.dtype and _autocast_dtype(x.device.type) is None:
+        advice = (f"convert x, or the module with .to({x.dtype})" if x.dtype.is_floating_point
+                  else f"x must be floating point: convert it with .to({weight.dtype})")
         raise TypeError(f"x: expected dtype {weight.dtype} (that of the layer's parameters), got "
-                        f"{x.dtype}; convert x, or the module with .to({x.dtype})")
+                        f"{x.dtype}; {advice}")
     if x.device != weight.device:
         raise ValueError(f"x: expected device {weight.device} (that of the layer's parameters), "
                          f"got {x.device}")

@@ -486,8 +486,13 @@ def test_cuda_buffers_from_the_caching_allocator_and_no_host_sync():
 
 def test_module_blames_x_for_a_dtype_mismatch():
     moe = mbt.MoE(8, 16, 4, top_k=2)
-    with pytest.raises(TypeError, match=r"^x: expected dtype torch.float32"):
+    with pytest.raises(TypeError, match=r"^x: expected dtype torch.float32.*module with "
+                                        r"\.to\(torch.float64\)"):
         moe(torch.randn(3, 8, dtype=torch.float64))
+    # An integer x: converting the module to it would be no advice.
+    with pytest.raises(TypeError, match=r"x must be floating point: convert it with "
+                                        r"\.to\(torch.float32\)"):
+        moe(torch.ones(3, 8, dtype=torch.int32))
 
 
 def test_module_names_a_wrong_last_dimension():
@@ -510,7 +515,8 @@ def test_token_count_mismatch_names_the_argument():
         mbt.moe_experts(x, ids, g, w, w.clone(), torch.randn(E, d, h))
     with pytest.raises(ValueError, match=r"^g: expected shape \[6, 2\]"):
         mbt.moe_experts(x, ids[:T], g, w, w.clone(), torch.randn(E, d, h))
-    with pytest.raises(TypeError, match=r"^ids: expected dtype torch.int32, got torch.int64"):
+    with pytest.raises(TypeError, match=r"^ids: expected dtype torch.int32, got torch.int64; "
+                                        r"convert with ids.to\(torch.int32\)"):
         mbt.moe_experts(x, ids[:T].long(), g[:T], w, w.clone(), torch.randn(E, d, h))
 
 
