@@ -1,6 +1,7 @@
 """The library's Hopper GEMM kernels by tag (F1, F2, B4, B1, B2, B3), its per-token reductions
-(RD) and its router's forward and backward kernels (RF, RB), from a kernel name as a profiler prints it (torch.profiler, Nsight Compute, compute-sanitizer). Used by
-tools/ncu_kernels.sh and tests/cuda/profile_kernels.py, so the mapping lives in one place."""
+(RD) and its router's forward and backward kernels (RF, RB), from a kernel name as a profiler
+prints it (torch.profiler, Nsight Compute, compute-sanitizer). Used by tools/ncu_kernels.sh and
+tests/cuda/profile_kernels.py, so the mapping lives in one place."""
 
 # (tag, the name's key). bf16 instances only: the benchmark and the profiling scripts run bf16.
 KERNEL_TAGS = (

@@ -61,23 +61,38 @@ def digest(t):
                           ).hexdigest()[:16]
 
 
-def run(shape, act, policy, seed, device):
-    T, d, h, E, k = SHAPES[shape]
+GATED = ("swiglu", "geglu", "reglu")
+
+
+def seeded_draws(seed, device):
+    """(generator, randn): randn(*size, scale=1.0) draws from one seeded CPU generator and returns
+    bf16 on `device`, so two runs with one seed see the same inputs on any device."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    dt = torch.bfloat16
 
     def randn(*size, scale=1.0):
-        return (torch.randn(*size, generator=gen) * scale).to(device=device, dtype=dt)
+        return (torch.randn(*size, generator=gen) * scale).to(device=device, dtype=torch.bfloat16)
 
-    gated = act in ("swiglu", "geglu", "reglu")
+    return gen, randn
+
+
+def expert_weights(randn, E, h, d, gated):
+    """w_gate, w_up (None unless gated), w_down, scaled by 1/sqrt(fan-in), requiring grad."""
+    wg = randn(E, h, d, scale=d ** -0.5).requires_grad_(True)
+    wu = randn(E, h, d, scale=d ** -0.5).requires_grad_(True) if gated else None
+    wd = randn(E, d, h, scale=h ** -0.5).requires_grad_(True)
+    return wg, wu, wd
+
+
+def run(shape, act, policy, seed, device):
+    T, d, h, E, k = SHAPES[shape]
+    gen, randn = seeded_draws(seed, device)
+    gated = act in GATED
     x = randn(T, d).requires_grad_(True)
     logits = torch.randn(T, E, generator=gen)
     top, ids = torch.topk(torch.softmax(logits, -1), k, dim=-1)
     g = (top / top.sum(-1, keepdim=True)).to(device).requires_grad_(True)
     ids = ids.to(device=device, dtype=torch.int32).contiguous()
-    wg = randn(E, h, d, scale=d ** -0.5).requires_grad_(True)
-    wu = randn(E, h, d, scale=d ** -0.5).requires_grad_(True) if gated else None
-    wd = randn(E, d, h, scale=h ** -0.5).requires_grad_(True)
+    wg, wu, wd = expert_weights(randn, E, h, d, gated)
     dy = randn(T, d)
     leaves = [t for t in (x, g, wg, wu, wd) if t is not None]
     y = mbt.moe_experts(x, ids, g, wg, wu, wd, activation=act, checkpoint=policy)
@@ -92,18 +107,11 @@ def run_layer(shape, act, score, seed, device):
     """One whole-layer forward + backward: y, the losses, ids, g and every gradient."""
     T, d, h, E, k = LAYER_SHAPES[shape]
     renormalize, aux, z = LAYER_SCORES[score]
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    dt = torch.bfloat16
-
-    def randn(*size, scale=1.0):
-        return (torch.randn(*size, generator=gen) * scale).to(device=device, dtype=dt)
-
-    gated = act in ("swiglu", "geglu", "reglu")
+    _, randn = seeded_draws(seed, device)
+    gated = act in GATED
     x = randn(T, d).requires_grad_(True)
     wr = randn(E, d, scale=d ** -0.5).requires_grad_(True)
-    wg = randn(E, h, d, scale=d ** -0.5).requires_grad_(True)
-    wu = randn(E, h, d, scale=d ** -0.5).requires_grad_(True) if gated else None
-    wd = randn(E, d, h, scale=h ** -0.5).requires_grad_(True)
+    wg, wu, wd = expert_weights(randn, E, h, d, gated)
     dy = randn(T, d)
     y, losses, counts, ids, g = mbt.moe_layer(
         x, wr, wg, wu, wd, top_k=k, activation=act, score_function=score,
