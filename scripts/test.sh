@@ -15,7 +15,10 @@
 #   tsan      the CPU suite (every call runs on the worker pool) and the concurrency tests (API,
 #             expert parallelism over threads) under ThreadSanitizer ($MOEBLAZE_BUILD_DIR-tsan);
 #   fuzz      the libFuzzer target tests/fuzz/fuzz_layer.cpp against an ASan + UBSan library for
-#             MOEBLAZE_FUZZ_SECONDS (default 60) with clang ($MOEBLAZE_BUILD_DIR-fuzz). clang and its
+#             MOEBLAZE_FUZZ_SECONDS (default 60) with clang ($MOEBLAZE_BUILD_DIR-fuzz), its corpus
+#             seeded with the inputs it once failed on (tests/fuzz/regressions), its mutations
+#             from MOEBLAZE_FUZZ_SEED (default 1, so a run repeats the last one's inputs; 0 draws
+#             a new seed, for longer runs that look further). clang and its
 #             fuzzer runtime (Debian: clang, libclang-rt-14-dev) are installed when missing; where
 #             they cannot be, the phase says so and is skipped.
 #
@@ -116,12 +119,13 @@ run_fuzz() {
   if command -v ninja >/dev/null 2>&1 && [[ ! -f "$dir/CMakeCache.txt" ]]; then args+=(-G Ninja); fi
   cmake "${args[@]}" >/dev/null || return 1
   cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target moeblaze_fuzz_layer || return 1
-  local seconds="${MOEBLAZE_FUZZ_SECONDS:-60}" corpus="$dir/fuzz-corpus"
+  local seconds="${MOEBLAZE_FUZZ_SECONDS:-60}" seed="${MOEBLAZE_FUZZ_SEED:-1}"
+  local corpus="$dir/fuzz-corpus"
   mkdir -p "$corpus"
-  echo "== moeblaze_fuzz_layer (libFuzzer, ASan + UBSan, ${seconds}s, corpus $corpus)"
+  echo "== moeblaze_fuzz_layer (libFuzzer, ASan + UBSan, ${seconds}s, seed $seed, corpus $corpus)"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-    "$dir/tests/moeblaze_fuzz_layer" -max_total_time="$seconds" -rss_limit_mb=4096 \
-    -artifact_prefix="$dir/" -print_final_stats=1 "$corpus"
+    "$dir/tests/moeblaze_fuzz_layer" -max_total_time="$seconds" -seed="$seed" -rss_limit_mb=4096 \
+    -artifact_prefix="$dir/" -print_final_stats=1 "$corpus" "$MOEBLAZE_ROOT/tests/fuzz/regressions"
 }
 
 mb_phase setup mb_setup_packages || status=1

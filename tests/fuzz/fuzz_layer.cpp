@@ -52,13 +52,27 @@ class Input {
   size_t at_ = 0;
 };
 
+// The most one input may hold allocated at once: run_one skips shapes that would need more, and a
+// block past it traps, so a too-loose skip fails here instead of exhausting the fuzzer's memory.
+constexpr size_t kMaxLiveBytes = size_t(1) << 26;
+size_t live_bytes = 0;
+
 // An exact-size, 64-byte aligned heap block.
 struct Block {
   explicit Block(size_t bytes) : size(bytes) {
+    live_bytes += bytes;
+    if (live_bytes > kMaxLiveBytes) {
+      std::fprintf(stderr, "fuzz_layer: %zu bytes allocated at once (limit %zu)\n", live_bytes,
+                   kMaxLiveBytes);
+      __builtin_trap();
+    }
     if (bytes > 0 && posix_memalign(&ptr, 64, bytes) != 0) ptr = nullptr;
     if (ptr) std::memset(ptr, 0, bytes);
   }
-  ~Block() { std::free(ptr); }
+  ~Block() {
+    std::free(ptr);
+    live_bytes -= size;
+  }
   Block(const Block&) = delete;
   Block& operator=(const Block&) = delete;
   void* ptr = nullptr;
@@ -164,15 +178,26 @@ int run_one(const uint8_t* data, size_t size) {
   check(moeblaze_layer_workspace_size(layer, bwd_pass, T, &bwd_ws));
 
   const int64_t d = config.d_model, h = config.d_ffn, E = config.num_experts, k = config.top_k;
-  // Valid but too large to be worth allocating and running (the size queries above ran).
-  if (d * h * E > (int64_t(1) << 16) || T * (d + E) > (int64_t(1) << 16)) return 0;
+  // Valid but too large to be worth allocating and running (the size queries above ran): the
+  // weights, the tokens, the expert work and the library's buffers each stay small, so no input
+  // makes a run take more than a few MiB or milliseconds. The products cannot overflow: each
+  // factor is checked before it multiplies.
+  constexpr int64_t kMaxElements = int64_t(1) << 16;
+  constexpr size_t kMaxLibraryBytes = size_t(1) << 24;
+  const auto over = [](int64_t a, int64_t b) {
+    return a > kMaxElements || b > kMaxElements || a * b > kMaxElements;
+  };
+  if (over(d, h) || over(d * h, E) || over(T, d + E) || over(T * k, h) || over(T * k * h, d) ||
+      saved_bytes > kMaxLibraryBytes || fwd_ws > kMaxLibraryBytes || bwd_ws > kMaxLibraryBytes) {
+    return 0;
+  }
   const size_t es = dtype_size(config.dtype);
   const size_t rs = config.dtype == MOEBLAZE_DTYPE_F64 ? 8 : 4;
   Block x(es * T * d), w_router(es * E * d), w_gate(es * E * h * d), w_up(es * E * h * d),
       w_down(es * E * d * h), y(es * T * d), dy(es * T * d), dx(es * T * d), dw_router(es * E * d),
       dw_gate(es * E * h * d), dw_up(es * E * h * d), dw_down(es * E * d * h), g(rs * T * k),
       dg(rs * T * k), logits(rs * T * E), d_logits(rs * T * E), losses(rs * 2), ids(4 * T * k),
-      counts(4 * E), saved(saved_bytes), fwd_workspace(fwd_ws), bwd_workspace(bwd_ws);
+      counts(4 * E), saved(saved_bytes);
   for (const Block* b : {&x, &w_router, &w_gate, &w_up, &w_down, &dy}) fill(in, *b, config.dtype);
   fill(in, g, config.dtype == MOEBLAZE_DTYPE_F64 ? MOEBLAZE_DTYPE_F64 : MOEBLAZE_DTYPE_F32);
   // ids: distinct per token unless the input says otherwise.
@@ -182,6 +207,17 @@ int run_one(const uint8_t* data, size_t size) {
       const uint8_t b = in.byte();
       id[t * k + j] = b == 255 ? int32_t(in.u32()) : int32_t((t + j + b / 64) % E);
     }
+  }
+
+  // The routing structures alone, from the ids as they are (out of range or repeated, at times).
+  if (in.byte() & 1) {
+    size_t bytes = 0;
+    check(moeblaze_layer_workspace_size(layer, MOEBLAZE_PASS_ROUTING_BUILD, T, &bytes));
+    Block offsets(4 * (E + 1)), token_indices(4 * T * k), index_map(4 * T * k), build_ws(bytes);
+    check(moeblaze_routing_build(
+        layer, T, static_cast<const int32_t*>(ids.ptr), static_cast<int32_t*>(offsets.ptr),
+        static_cast<int32_t*>(token_indices.ptr), static_cast<int32_t*>(index_map.ptr),
+        build_ws.ptr, build_ws.size, nullptr));
   }
 
   // The router alone on fuzzed logits.
@@ -203,6 +239,13 @@ int run_one(const uint8_t* data, size_t size) {
         nullptr, d_logits.ptr, router_ws.ptr, router_ws.size, nullptr));
   }
 
+  // Either workspace size the header allows: the general one, or (the forward being given `saved`,
+  // the backward its flags) the smaller one of moeblaze_layer_workspace_size_with_flags().
+  if (in.byte() & 1) {
+    check(moeblaze_layer_workspace_size_with_flags(layer, fwd_pass, T, MOEBLAZE_FORWARD_WITH_SAVED,
+                                                   &fwd_ws));
+  }
+  Block fwd_workspace(fwd_ws);
   moeblaze_forward_args_t fa;
   moeblaze_forward_args_init(&fa, sizeof fa);
   fa.num_tokens = T;
@@ -234,6 +277,10 @@ int run_one(const uint8_t* data, size_t size) {
   moeblaze_backward_args_init(&ba, sizeof ba);
   ba.num_tokens = (in.byte() == 5) ? in.small(0, 8) : T;
   ba.flags = in.byte() & 3;
+  if (in.byte() & 1) {
+    check(moeblaze_layer_workspace_size_with_flags(layer, bwd_pass, T, ba.flags, &bwd_ws));
+  }
+  Block bwd_workspace(bwd_ws);
   ba.dy = dy.ptr;
   ba.x = x.ptr;
   ba.w_router = w_router.ptr;
