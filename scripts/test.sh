@@ -14,11 +14,12 @@
 #             UndefinedBehaviorSanitizer ($MOEBLAZE_BUILD_DIR-sanitize; any report fails it);
 #   tsan      the CPU suite (every call runs on the worker pool) and the concurrency tests (API,
 #             expert parallelism over threads) under ThreadSanitizer ($MOEBLAZE_BUILD_DIR-tsan);
-#   fuzz      the libFuzzer target tests/fuzz/fuzz_layer.cpp against an ASan + UBSan library for
-#             MOEBLAZE_FUZZ_SECONDS (default 60) with clang ($MOEBLAZE_BUILD_DIR-fuzz), its corpus
-#             seeded with the inputs it once failed on (tests/fuzz/regressions), its mutations
-#             from MOEBLAZE_FUZZ_SEED (default 1, so a run repeats the last one's inputs; 0 draws
-#             a new seed, for longer runs that look further). clang and its
+#   fuzz      the libFuzzer targets tests/fuzz/fuzz_layer.cpp and fuzz_ep.cpp against an ASan +
+#             UBSan library for MOEBLAZE_FUZZ_SECONDS each (default 60) with clang
+#             ($MOEBLAZE_BUILD_DIR-fuzz), each corpus seeded with the inputs that target once
+#             failed on (tests/fuzz/regressions/<target>), the mutations from MOEBLAZE_FUZZ_SEED
+#             (default 1, so a run repeats the last one's inputs; 0 draws a new seed, for longer
+#             runs that look further). clang and its
 #             fuzzer runtime (Debian: clang, libclang-rt-14-dev) are installed when missing; where
 #             they cannot be, the phase says so and is skipped.
 #
@@ -49,7 +50,7 @@ run_sanitized() {
   if command -v ninja >/dev/null 2>&1 && [[ ! -f "$dir/CMakeCache.txt" ]]; then args+=(-G Ninja); fi
   cmake "${args[@]}" >/dev/null || return 1
   local suites=(moeblaze_tests_api moeblaze_tests_badinput moeblaze_tests_cpu moeblaze_tests_ep
-    moeblaze_fuzz_layer_random)
+    moeblaze_fuzz_layer_random moeblaze_fuzz_ep_random)
   cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target "${suites[@]}" || return 1
   # alloc_dealloc_mismatch=0: the no-allocation test replaces operator new/delete with counting
   # versions over malloc/free, which ASan would report inside libstdc++'s temporary buffers.
@@ -65,7 +66,8 @@ run_sanitized() {
 
 # The threaded CPU backend and the concurrency tests under ThreadSanitizer: every CPU call runs on
 # the context's worker pool (4 threads here, more than the cores, for more interleavings), the EP
-# suites run ranks as threads, and the API suite creates, uses and destroys handles from threads.
+# suites and the EP fuzz target run ranks as threads, and the API suite creates, uses and destroys
+# handles from threads.
 run_tsan() {
   local dir="$MOEBLAZE_BUILD_DIR-tsan"
   local san="-fsanitize=thread -fno-omit-frame-pointer"
@@ -75,13 +77,15 @@ run_tsan() {
     "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=thread" "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=thread")
   if command -v ninja >/dev/null 2>&1 && [[ ! -f "$dir/CMakeCache.txt" ]]; then args+=(-G Ninja); fi
   cmake "${args[@]}" >/dev/null || return 1
-  local suites=(moeblaze_tests_api moeblaze_tests_cpu moeblaze_tests_ep)
+  local suites=(moeblaze_tests_api moeblaze_tests_cpu moeblaze_tests_ep moeblaze_fuzz_ep_random)
   cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target "${suites[@]}" || return 1
-  local suite
+  local suite args
   for suite in "${suites[@]}"; do
     echo "== $suite (ThreadSanitizer, 4 worker threads)"
+    args=(--no-version=true)
+    [[ "$suite" == moeblaze_fuzz_* ]] && args=()
     MOEBLAZE_NUM_THREADS=4 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-      "$dir/tests/$suite" --no-version=true || return 1
+      "$dir/tests/$suite" "${args[@]}" || return 1
   done
 }
 
@@ -118,14 +122,22 @@ run_fuzz() {
     "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address,undefined")
   if command -v ninja >/dev/null 2>&1 && [[ ! -f "$dir/CMakeCache.txt" ]]; then args+=(-G Ninja); fi
   cmake "${args[@]}" >/dev/null || return 1
-  cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target moeblaze_fuzz_layer || return 1
-  local seconds="${MOEBLAZE_FUZZ_SECONDS:-60}" seed="${MOEBLAZE_FUZZ_SEED:-1}"
-  local corpus="$dir/fuzz-corpus"
-  mkdir -p "$corpus"
-  echo "== moeblaze_fuzz_layer (libFuzzer, ASan + UBSan, ${seconds}s, seed $seed, corpus $corpus)"
-  ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
-    "$dir/tests/moeblaze_fuzz_layer" -max_total_time="$seconds" -seed="$seed" -rss_limit_mb=4096 \
-    -artifact_prefix="$dir/" -print_final_stats=1 "$corpus" "$MOEBLAZE_ROOT/tests/fuzz/regressions"
+  cmake --build "$dir" -j "$MOEBLAZE_JOBS" --target moeblaze_fuzz_layer moeblaze_fuzz_ep ||
+    return 1
+  local seconds="${MOEBLAZE_FUZZ_SECONDS:-60}" seed="${MOEBLAZE_FUZZ_SEED:-1}" target rc=0
+  for target in layer ep; do
+    local corpus="$dir/fuzz-corpus-$target"
+    mkdir -p "$corpus"
+    local inputs=("$corpus")
+    [[ -d "$MOEBLAZE_ROOT/tests/fuzz/regressions/$target" ]] &&
+      inputs+=("$MOEBLAZE_ROOT/tests/fuzz/regressions/$target")
+    echo "== moeblaze_fuzz_$target (libFuzzer, ASan + UBSan, ${seconds}s, seed $seed, corpus $corpus)"
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=0 UBSAN_OPTIONS=print_stacktrace=1 \
+      "$dir/tests/moeblaze_fuzz_$target" -max_total_time="$seconds" -seed="$seed" \
+      -rss_limit_mb=4096 -artifact_prefix="$dir/$target-" -print_final_stats=1 "${inputs[@]}" ||
+      rc=1
+  done
+  return $rc
 }
 
 mb_phase setup mb_setup_packages || status=1

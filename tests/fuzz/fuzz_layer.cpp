@@ -7,143 +7,16 @@
 // Built two ways (tests/CMakeLists.txt): with clang's libFuzzer (-DMOEBLAZE_BUILD_FUZZERS=ON,
 // scripts/test.sh's fuzz phase), and as a plain program that runs pseudo-random inputs from a
 // printed seed (or replays input files given on the command line) in every build.
-#include <cstdint>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <memory>
-#include <random>
-#include <vector>
-
-#include "moeblaze.h"
+#include "fuzz_support.hpp"
 
 namespace {
 
-// Reads the fuzz input front to back; past its end every read is 0.
-class Input {
- public:
-  Input(const uint8_t* data, size_t size) : data_(data), size_(size) {}
-  uint8_t byte() { return at_ < size_ ? data_[at_++] : 0; }
-  uint32_t u32() {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; ++i) v |= uint32_t(byte()) << (8 * i);
-    return v;
-  }
-  uint64_t u64() { return uint64_t(u32()) | (uint64_t(u32()) << 32); }
-  // Mostly small values in [lo, hi], sometimes any 64-bit value.
-  int64_t small(int64_t lo, int64_t hi) {
-    const uint8_t b = byte();
-    if (b == 255) return int64_t(u64());
-    return lo + int64_t(b) % (hi - lo + 1);
-  }
-  float any_float() {
-    const uint8_t kind = byte() % 8;
-    if (kind < 5) return float(int8_t(byte())) / 16.0f;  // ordinary values
-    const uint32_t bits = u32();                         // any bit pattern
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
-  }
-  bool done() const { return at_ >= size_; }
-
- private:
-  const uint8_t* data_;
-  size_t size_;
-  size_t at_ = 0;
-};
-
-// The most one input may hold allocated at once: run_one skips shapes that would need more, and a
-// block past it traps, so a too-loose skip fails here instead of exhausting the fuzzer's memory.
-constexpr size_t kMaxLiveBytes = size_t(1) << 26;
-size_t live_bytes = 0;
-
-// An exact-size, 64-byte aligned heap block.
-struct Block {
-  explicit Block(size_t bytes) : size(bytes) {
-    live_bytes += bytes;
-    if (live_bytes > kMaxLiveBytes) {
-      std::fprintf(stderr, "fuzz_layer: %zu bytes allocated at once (limit %zu)\n", live_bytes,
-                   kMaxLiveBytes);
-      __builtin_trap();
-    }
-    if (bytes > 0 && posix_memalign(&ptr, 64, bytes) != 0) ptr = nullptr;
-    if (ptr) std::memset(ptr, 0, bytes);
-  }
-  ~Block() {
-    std::free(ptr);
-    live_bytes -= size;
-  }
-  Block(const Block&) = delete;
-  Block& operator=(const Block&) = delete;
-  void* ptr = nullptr;
-  size_t size;
-};
-
-size_t dtype_size(int32_t dtype) {
-  return dtype == MOEBLAZE_DTYPE_F64 ? 8 : dtype == MOEBLAZE_DTYPE_F32 ? 4 : 2;
-}
-
-// Every status the header documents, and a message whenever it is not OK.
-void check(moeblaze_status_t status) {
-  switch (status) {
-    case MOEBLAZE_OK:
-      if (moeblaze_last_error()[0] != '\0') __builtin_trap();  // success clears the message
-      return;
-    case MOEBLAZE_ERR_INVALID_ARGUMENT:
-    case MOEBLAZE_ERR_INVALID_HANDLE:
-    case MOEBLAZE_ERR_NOT_SUPPORTED:
-    case MOEBLAZE_ERR_INSUFFICIENT_WORKSPACE:
-    case MOEBLAZE_ERR_VERSION_MISMATCH:
-    case MOEBLAZE_ERR_NON_FINITE:
-      if (moeblaze_last_error()[0] == '\0') __builtin_trap();
-      return;
-    default:
-      std::fprintf(stderr, "undocumented status %d: %s\n", int(status), moeblaze_last_error());
-      __builtin_trap();
-  }
-}
-
-void fill(Input& in, const Block& b, int32_t dtype) {
-  const size_t es = dtype_size(dtype);
-  unsigned char* p = static_cast<unsigned char*>(b.ptr);
-  for (size_t i = 0; i + es <= b.size; i += es) {
-    const float f = in.done() ? 0.25f * float(i % 7) - 0.5f : in.any_float();
-    if (dtype == MOEBLAZE_DTYPE_F64) {
-      const double v = f;
-      std::memcpy(p + i, &v, 8);
-    } else if (dtype == MOEBLAZE_DTYPE_F32) {
-      std::memcpy(p + i, &f, 4);
-    } else {
-      uint32_t bits;
-      std::memcpy(&bits, &f, 4);
-      const uint16_t half = uint16_t(bits >> 16);  // bf16 truncation; also some f16 pattern
-      std::memcpy(p + i, &half, 2);
-    }
-  }
-}
+using namespace moeblaze_fuzz;
 
 int run_one(const uint8_t* data, size_t size) {
-  static moeblaze_context_t context = [] {
-    moeblaze_context_t c = nullptr;
-    moeblaze_context_create(&c, MOEBLAZE_BACKEND_CPU, 0);
-    moeblaze_context_set_num_threads(c, 1);
-    return c;
-  }();
+  moeblaze_context_t context = cpu_context();
   Input in(data, size);
-
-  moeblaze_layer_config_t config;
-  moeblaze_layer_config_init(&config, sizeof config);
-  config.dtype = int32_t(in.small(0, 3));
-  config.d_model = in.small(1, 12);
-  config.d_ffn = in.small(1, 12);
-  config.num_experts = in.small(1, 6);
-  config.top_k = in.small(1, 4);
-  config.activation = int32_t(in.small(0, 6));
-  config.checkpoint = int32_t(in.small(0, 2));
-  config.score_function = int32_t(in.small(0, 2));
-  config.renormalize = int32_t(in.small(0, 1));
-  config.aux_loss_coeff = (in.byte() & 1) ? in.any_float() : 0.0f;
-  config.z_loss_coeff = (in.byte() & 1) ? in.any_float() : 0.0f;
+  moeblaze_layer_config_t config = draw_config(in);
   // struct_size: the library may read that many bytes, so the struct lives in a block that large
   // (a newer caller's struct: the tail is fuzzed too); beyond 1 MiB it must refuse before reading.
   Block versioned(sizeof config + 256);
@@ -178,17 +51,9 @@ int run_one(const uint8_t* data, size_t size) {
   check(moeblaze_layer_workspace_size(layer, bwd_pass, T, &bwd_ws));
 
   const int64_t d = config.d_model, h = config.d_ffn, E = config.num_experts, k = config.top_k;
-  // Valid but too large to be worth allocating and running (the size queries above ran): the
-  // weights, the tokens, the expert work and the library's buffers each stay small, so no input
-  // makes a run take more than a few MiB or milliseconds. The products cannot overflow: each
-  // factor is checked before it multiplies.
-  constexpr int64_t kMaxElements = int64_t(1) << 16;
-  constexpr size_t kMaxLibraryBytes = size_t(1) << 24;
-  const auto over = [](int64_t a, int64_t b) {
-    return a > kMaxElements || b > kMaxElements || a * b > kMaxElements;
-  };
-  if (over(d, h) || over(d * h, E) || over(T, d + E) || over(T * k, h) || over(T * k * h, d) ||
-      saved_bytes > kMaxLibraryBytes || fwd_ws > kMaxLibraryBytes || bwd_ws > kMaxLibraryBytes) {
+  // Valid but too large to be worth allocating and running (the size queries above ran).
+  if (too_large(config, T, k) || saved_bytes > kMaxLibraryBytes || fwd_ws > kMaxLibraryBytes ||
+      bwd_ws > kMaxLibraryBytes) {
     return 0;
   }
   const size_t es = dtype_size(config.dtype);
@@ -199,7 +64,7 @@ int run_one(const uint8_t* data, size_t size) {
       dg(rs * T * k), logits(rs * T * E), d_logits(rs * T * E), losses(rs * 2), ids(4 * T * k),
       counts(4 * E), saved(saved_bytes);
   for (const Block* b : {&x, &w_router, &w_gate, &w_up, &w_down, &dy}) fill(in, *b, config.dtype);
-  fill(in, g, config.dtype == MOEBLAZE_DTYPE_F64 ? MOEBLAZE_DTYPE_F64 : MOEBLAZE_DTYPE_F32);
+  fill(in, g, routing_dtype(config.dtype));
   // ids: distinct per token unless the input says otherwise.
   int32_t* id = static_cast<int32_t*>(ids.ptr);
   for (int64_t t = 0; t < T; ++t) {
@@ -222,7 +87,7 @@ int run_one(const uint8_t* data, size_t size) {
 
   // The router alone on fuzzed logits.
   if (in.byte() & 1) {
-    fill(in, logits, config.dtype == MOEBLAZE_DTYPE_F64 ? MOEBLAZE_DTYPE_F64 : MOEBLAZE_DTYPE_F32);
+    fill(in, logits, routing_dtype(config.dtype));
     size_t bytes = 0;
     check(moeblaze_layer_workspace_size(layer, MOEBLAZE_PASS_ROUTER_BACKWARD, T, &bytes));
     size_t router_fwd = 0;
@@ -312,39 +177,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 }
 
 #ifndef MOEBLAZE_LIBFUZZER
-// Without libFuzzer: replay the files named on the command line, or run pseudo-random inputs
-// (MOEBLAZE_FUZZ_RUNS of them, default 2000) from a printed seed (MOEBLAZE_TEST_SEED overrides).
 int main(int argc, char** argv) {
-  if (argc > 1) {
-    for (int i = 1; i < argc; ++i) {
-      FILE* f = std::fopen(argv[i], "rb");
-      if (!f) {
-        std::fprintf(stderr, "cannot open %s\n", argv[i]);
-        return 1;
-      }
-      std::vector<uint8_t> bytes;
-      int c;
-      while ((c = std::fgetc(f)) != EOF) bytes.push_back(uint8_t(c));
-      std::fclose(f);
-      run_one(bytes.data(), bytes.size());
-    }
-    std::printf("replayed %d inputs\n", argc - 1);
-    return 0;
-  }
-  const char* seed_text = std::getenv("MOEBLAZE_TEST_SEED");
-  const char* runs_text = std::getenv("MOEBLAZE_FUZZ_RUNS");
-  const uint64_t seed = seed_text ? std::strtoull(seed_text, nullptr, 10) : 2527;
-  const long runs = runs_text ? std::strtol(runs_text, nullptr, 10) : 2000;
-  std::printf("fuzz_layer: %ld pseudo-random inputs, seed %llu (set MOEBLAZE_TEST_SEED)\n", runs,
-              (unsigned long long)seed);
-  std::mt19937_64 rng(seed);
-  std::vector<uint8_t> bytes;
-  for (long r = 0; r < runs; ++r) {
-    bytes.resize(rng() % 512);
-    for (uint8_t& b : bytes) b = uint8_t(rng());
-    run_one(bytes.data(), bytes.size());
-  }
-  std::printf("fuzz_layer: %ld inputs, no failure\n", runs);
-  return 0;
+  return moeblaze_fuzz::run_without_libfuzzer(argc, argv, "fuzz_layer", 512, run_one);
 }
 #endif
