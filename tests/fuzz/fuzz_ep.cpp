@@ -10,7 +10,10 @@
 // Built like fuzz_layer.cpp: a libFuzzer target with -DMOEBLAZE_BUILD_FUZZERS=ON (scripts/test.sh's
 // fuzz phase), and in every build a plain program running pseudo-random inputs from a printed seed
 // or replaying the files named on its command line.
+#include <condition_variable>
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 
 #include "fuzz_support.hpp"
@@ -35,6 +38,52 @@ moeblaze_context_t rank_context(int32_t rank) {
   (void)created;
   return contexts[rank];
 }
+
+// The ranks' threads, started once and reused by every input (a thread per rank and input would
+// grow ASan's registry of finished threads with every input the fuzzer runs).
+class RankThreads {
+ public:
+  static RankThreads& get() {
+    static RankThreads* threads = new RankThreads;  // never destroyed: its threads outlive main
+    return *threads;
+  }
+  // body(rank) for every rank in [0, world) at once, one thread each; returns when all have.
+  void run(int32_t world, const std::function<void(int32_t)>& body) {
+    std::unique_lock<std::mutex> lock(mutex_);
+    body_ = &body;
+    world_ = world;
+    pending_ = world;
+    ++generation_;
+    start_.notify_all();
+    done_.wait(lock, [&] { return pending_ == 0; });
+    body_ = nullptr;
+  }
+
+ private:
+  RankThreads() {
+    for (int32_t rank = 0; rank < kMaxRanks; ++rank)
+      std::thread([this, rank] { serve(rank); }).detach();
+  }
+  void serve(int32_t rank) {
+    uint64_t seen = 0;
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+      start_.wait(lock, [&] { return generation_ != seen; });
+      seen = generation_;
+      if (rank >= world_) continue;
+      const std::function<void(int32_t)>* body = body_;
+      lock.unlock();
+      (*body)(rank);
+      lock.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable start_, done_;
+  const std::function<void(int32_t)>* body_ = nullptr;
+  int32_t world_ = 0, pending_ = 0;
+  uint64_t generation_ = 0;
+};
 
 enum Buffer : uint8_t { kHome, kExpert, kExchange, kBufferCount };
 // Which buffer a rank passes one byte short (with an allocation of that size).
@@ -313,9 +362,7 @@ int run_one(const uint8_t* data, size_t size) {
 
   const bool second_backward = in.byte() & 1;
   for (Rank& r : ranks) r.second_backward = second_backward;
-  std::vector<std::thread> threads;
-  for (Rank& r : ranks) threads.emplace_back([&r] { run_rank(r); });
-  for (std::thread& t : threads) t.join();
+  RankThreads::get().run(int32_t(world), [&](int32_t rank) { run_rank(ranks[size_t(rank)]); });
   return 0;
 }
 
