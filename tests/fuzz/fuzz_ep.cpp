@@ -1,11 +1,12 @@
 // A fuzz target over the expert-parallel API (CPU backend, LOCAL transport, each rank a thread of
-// this process): the input bytes choose the layer configuration (any field value, valid or not),
-// the group's size, each rank's token count and tensors (any bit pattern), the optional outputs and
-// flags each rank passes, a buffer a rank passes one byte short, a second backward, and bytes each
-// rank writes over its HOME saved buffer, EXPERT saved buffer and `exchange` between its calls.
-// Whatever they are, every call on every rank must return a documented status with a message on
-// failure, never wait out the group's timeout (a rank that fails makes its peers fail at once), and
-// touch nothing outside the exact-size buffers it was given (ASan).
+// this process): the input bytes choose the layer configuration (any field value, valid or not;
+// at times one rank's differs from its peers' in one field), the group's size, each rank's token
+// count and tensors (any bit pattern), the optional outputs and flags each rank passes, a buffer a
+// rank passes one byte short, a second backward, and bytes each rank writes over its HOME saved
+// buffer, EXPERT saved buffer and `exchange` between its calls. Whatever they are, every call on
+// every rank must return a documented status with a message on failure, never wait out the group's
+// timeout (a rank that fails makes its peers fail at once), and touch nothing outside the
+// exact-size buffers it was given (ASan).
 //
 // Built like fuzz_layer.cpp: a libFuzzer target with -DMOEBLAZE_BUILD_FUZZERS=ON (scripts/test.sh's
 // fuzz phase), and in every build a plain program running pseudo-random inputs from a printed seed
@@ -106,6 +107,7 @@ struct Overwrite {
 // One rank's layer, tensors and choices, all drawn before the ranks' threads start (the input is
 // read in one order, whatever the threads' timing).
 struct Rank {
+  moeblaze_layer_config_t config;  // the group's, or at times another layer's
   moeblaze_ep_layer_t layer = nullptr;
   int64_t T = 0;
   int64_t experts = 0;    // E_r
@@ -252,6 +254,27 @@ void run_rank(Rank& r) {
   check(moeblaze_ep_backward(r.layer, &ba, exchange.ptr, exchange.size, nullptr));
 }
 
+// One field of `config` changed: a rank that describes another layer than its peers (the group
+// must report a collective mismatch on every rank, never act on it).
+void change_one_field(Input& in, moeblaze_layer_config_t& config) {
+  const uint8_t field = in.byte();
+  // Only a configuration the library can accept, so that the changed one is not refused alone
+  // (and nothing here overflows).
+  if (config.num_experts < 1 || config.top_k < 1 || too_large(config, 1, 1)) return;
+  const auto next = [](int32_t value, uint32_t count) {
+    return int32_t((uint32_t(value) + 1) % count);
+  };
+  switch (field % 7) {
+    case 0: config.d_model += 1; break;
+    case 1: config.d_ffn += 1; break;
+    case 2: config.num_experts += 1; break;
+    case 3: config.top_k = config.top_k % config.num_experts + 1; break;
+    case 4: config.activation = next(config.activation, 7); break;
+    case 5: config.score_function = next(config.score_function, 3); break;
+    default: config.dtype = next(config.dtype, 4); break;
+  }
+}
+
 int run_one(const uint8_t* data, size_t size) {
   Input in(data, size);
   const moeblaze_layer_config_t config = draw_config(in);
@@ -279,9 +302,12 @@ int run_one(const uint8_t* data, size_t size) {
     ep.rank = rank;
     ep.world_size = int32_t(world);
     ep.communicator = group;
-    status = moeblaze_ep_layer_create(&ranks[size_t(rank)].layer, rank_context(rank), &config, &ep);
+    Rank& r = ranks[size_t(rank)];
+    r.config = config;
+    if (in.byte() == 7) change_one_field(in, r.config);
+    status = moeblaze_ep_layer_create(&r.layer, rank_context(rank), &r.config, &ep);
     check(status);
-    if (status != MOEBLAZE_OK) return 0;  // the same config: every rank refuses it
+    if (status != MOEBLAZE_OK) return 0;  // each rank must hold a layer to make the calls
   }
 
   // Token counts, then the size guard over the largest rows any rank can receive.
@@ -291,9 +317,11 @@ int run_one(const uint8_t* data, size_t size) {
     if (r.T < 0 || r.T > (int64_t(1) << 16)) return 0;  // refused by forward_begin, not run here
     most_tokens = r.T > most_tokens ? r.T : most_tokens;
   }
-  const int64_t d = config.d_model, h = config.d_ffn, E = config.num_experts, k = config.top_k;
-  if (too_large(config, world * most_tokens, k)) return 0;
   for (Rank& r : ranks) {
+    if (too_large(r.config, world * most_tokens, r.config.top_k)) return 0;
+  }
+  for (Rank& r : ranks) {
+    const int64_t k = r.config.top_k;
     int64_t begin = 0, end = 0;
     check(moeblaze_ep_layer_get_experts(r.layer, &begin, &end));
     r.experts = end - begin;
@@ -314,10 +342,12 @@ int run_one(const uint8_t* data, size_t size) {
   }
 
   // Each rank's tensors and choices.
-  const size_t es = dtype_size(config.dtype);
-  const int32_t routing = routing_dtype(config.dtype);
-  const size_t rs = dtype_size(routing);
   for (Rank& r : ranks) {
+    const moeblaze_layer_config_t& config = r.config;
+    const int64_t d = config.d_model, h = config.d_ffn, E = config.num_experts, k = config.top_k;
+    const size_t es = dtype_size(config.dtype);
+    const int32_t routing = routing_dtype(config.dtype);
+    const size_t rs = dtype_size(routing);
     const size_t T = size_t(r.T), Er = size_t(r.experts);
     const auto block = [](size_t bytes) { return std::make_unique<Block>(bytes); };
     r.x = block(es * T * d);
