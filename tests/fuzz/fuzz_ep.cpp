@@ -398,12 +398,4 @@ int run_one(const uint8_t* data, size_t size) {
 
 }  // namespace
 
-extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  return run_one(data, size);
-}
-
-#ifndef MOEBLAZE_LIBFUZZER
-int main(int argc, char** argv) {
-  return moeblaze_fuzz::run_without_libfuzzer(argc, argv, "fuzz_ep", 512, run_one);
-}
-#endif
+MOEBLAZE_FUZZ_TARGET("fuzz_ep", run_one)

@@ -207,3 +207,20 @@ inline int run_without_libfuzzer(int argc, char** argv, const char* name, size_t
 }
 
 }  // namespace moeblaze_fuzz
+
+// The entry points of a fuzz target whose body is `run_one`: libFuzzer's, and without libFuzzer
+// (MOEBLAZE_LIBFUZZER undefined) a main that runs run_without_libfuzzer.
+#ifdef MOEBLAZE_LIBFUZZER
+#define MOEBLAZE_FUZZ_TARGET(name, run_one)                                 \
+  extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) { \
+    return run_one(data, size);                                             \
+  }
+#else
+#define MOEBLAZE_FUZZ_TARGET(name, run_one)                                      \
+  extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {      \
+    return run_one(data, size);                                                  \
+  }                                                                              \
+  int main(int argc, char** argv) {                                              \
+    return moeblaze_fuzz::run_without_libfuzzer(argc, argv, name, 512, run_one); \
+  }
+#endif
