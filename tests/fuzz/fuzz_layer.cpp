@@ -1,8 +1,11 @@
 // A fuzz target over the public API (CPU backend): the input bytes choose a layer configuration
 // (any field value, valid or not), a token count, the tensors' contents (any bit pattern: NaN,
-// Inf, huge values), the routing ids, which calls run, and bytes written over the saved buffer
-// between forward and backward. Whatever they are, every call must return a documented status with
-// a message on failure, and touch nothing outside the exact-size buffers it was given (ASan).
+// Inf, huge values), the routing ids, which calls run (router, routing structures, experts or
+// whole layer), the general or the smaller flag-specific workspaces, bytes written over the saved
+// buffer between forward and backward, and whether the layer is destroyed before the backward.
+// Whatever they are, every call must return a documented status with a message on failure (a
+// stale handle: MOEBLAZE_ERR_INVALID_HANDLE), and touch nothing outside the exact-size buffers it
+// was given (ASan).
 //
 // Built two ways (tests/CMakeLists.txt): with clang's libFuzzer (-DMOEBLAZE_BUILD_FUZZERS=ON,
 // scripts/test.sh's fuzz phase), and as a plain program that runs pseudo-random inputs from a
@@ -36,11 +39,15 @@ int run_one(const uint8_t* data, size_t size) {
   if (status != MOEBLAZE_OK) return 0;
   struct Destroy {
     moeblaze_layer_t l;
-    ~Destroy() { moeblaze_layer_destroy(l); }
+    ~Destroy() {
+      if (l) moeblaze_layer_destroy(l);
+    }
   } destroy{layer};
 
   const int64_t T = in.small(0, 6);
   const bool whole = in.byte() & 1;
+  // At times the layer is destroyed before the backward: its stale handle must be refused.
+  const bool stale = in.byte() % 16 == 13;
   const int32_t fwd_pass = whole ? MOEBLAZE_PASS_LAYER_FORWARD : MOEBLAZE_PASS_EXPERTS_FORWARD;
   const int32_t bwd_pass = whole ? MOEBLAZE_PASS_LAYER_BACKWARD : MOEBLAZE_PASS_EXPERTS_BACKWARD;
   size_t saved_bytes = 0, fwd_ws = 0, bwd_ws = 0;
@@ -165,8 +172,14 @@ int run_one(const uint8_t* data, size_t size) {
   ba.d_logits = whole ? d_logits.ptr : nullptr;
   ba.workspace = bwd_workspace.ptr;
   ba.workspace_bytes = bwd_workspace.size;
-  check(whole ? moeblaze_layer_backward(layer, &ba, nullptr)
-              : moeblaze_experts_backward(layer, &ba, nullptr));
+  if (stale) {
+    check(moeblaze_layer_destroy(layer));
+    destroy.l = nullptr;
+  }
+  status = whole ? moeblaze_layer_backward(layer, &ba, nullptr)
+                 : moeblaze_experts_backward(layer, &ba, nullptr);
+  check(status);
+  if (stale && status != MOEBLAZE_ERR_INVALID_HANDLE) __builtin_trap();
   return 0;
 }
 
