@@ -146,12 +146,15 @@ inline moeblaze_layer_config_t draw_config(Input& in) {
   return config;
 }
 
-// Whether a valid layer of `config` on `tokens` tokens, each routed to `top_k` rows, is too large
-// to be worth running: the weights, the tokens and the expert work each past 2^16 elements or
-// multiply-adds. Each factor is bounded before it multiplies, so nothing overflows.
+// Whether a layer of `config` on `tokens` tokens, each routed to `top_k` rows, is too large to be
+// worth running: the weights, the tokens and the expert work each past 2^16 elements or
+// multiply-adds (a negative field counts as too large). Each factor is bounded before it
+// multiplies, so nothing overflows, whatever the fields hold.
 inline bool too_large(const moeblaze_layer_config_t& config, int64_t tokens, int64_t top_k) {
   constexpr int64_t kMax = int64_t(1) << 16;
-  const auto over = [](int64_t a, int64_t b) { return a > kMax || b > kMax || a * b > kMax; };
+  const auto over = [](int64_t a, int64_t b) {
+    return a < 0 || b < 0 || a > kMax || b > kMax || a * b > kMax;
+  };
   const int64_t d = config.d_model, h = config.d_ffn, E = config.num_experts;
   return over(d, h) || over(d * h, E) || over(tokens, d + E) || over(tokens, top_k) ||
          over(tokens * top_k, h) || over(tokens * top_k * h, d);
