@@ -327,14 +327,13 @@ int run_one(const uint8_t* data, size_t size) {
     r.experts = end - begin;
     check(moeblaze_ep_layer_exchange_size(r.layer, &r.exchange_bytes));
     r.most_rows = world * most_tokens * (k < r.experts ? k : r.experts);
-    const int64_t most_rows = r.most_rows;
     size_t bytes[4] = {};
     check(moeblaze_ep_layer_saved_size(r.layer, MOEBLAZE_EP_SAVED_HOME, r.T, 0, &bytes[0]));
-    check(
-        moeblaze_ep_layer_saved_size(r.layer, MOEBLAZE_EP_SAVED_EXPERT, r.T, most_rows, &bytes[1]));
-    check(moeblaze_ep_layer_workspace_size(r.layer, MOEBLAZE_EP_PASS_FORWARD_FINISH, r.T, most_rows,
-                                           &bytes[2]));
-    check(moeblaze_ep_layer_workspace_size(r.layer, MOEBLAZE_EP_PASS_BACKWARD, r.T, most_rows,
+    check(moeblaze_ep_layer_saved_size(r.layer, MOEBLAZE_EP_SAVED_EXPERT, r.T, r.most_rows,
+                                       &bytes[1]));
+    check(moeblaze_ep_layer_workspace_size(r.layer, MOEBLAZE_EP_PASS_FORWARD_FINISH, r.T,
+                                           r.most_rows, &bytes[2]));
+    check(moeblaze_ep_layer_workspace_size(r.layer, MOEBLAZE_EP_PASS_BACKWARD, r.T, r.most_rows,
                                            &bytes[3]));
     for (size_t b : bytes) {
       if (b > kMaxLibraryBytes) return 0;

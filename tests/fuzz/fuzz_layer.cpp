@@ -64,7 +64,7 @@ int run_one(const uint8_t* data, size_t size) {
     return 0;
   }
   const size_t es = dtype_size(config.dtype);
-  const size_t rs = config.dtype == MOEBLAZE_DTYPE_F64 ? 8 : 4;
+  const size_t rs = dtype_size(routing_dtype(config.dtype));
   Block x(es * T * d), w_router(es * E * d), w_gate(es * E * h * d), w_up(es * E * h * d),
       w_down(es * E * d * h), y(es * T * d), dy(es * T * d), dx(es * T * d), dw_router(es * E * d),
       dw_gate(es * E * h * d), dw_up(es * E * h * d), dw_down(es * E * d * h), g(rs * T * k),
