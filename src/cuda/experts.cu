@@ -46,23 +46,39 @@ __global__ void __launch_bounds__(kReduceThreads)
 
 // token_reduce_kernel 16 bytes at a time (width, rows_ld and out_ld multiples of the elements in
 // 16 bytes, rows and out 16-byte aligned): the same additions in the same order, so the same bits.
+// A thread issues the loads of up to kReduceBatch rows before its first addition: one DRAM round
+// trip a batch instead of one a row (with a branch around each row, ptxas waited for every load
+// before the next), so each thread keeps up to kReduceBatch * 16 bytes in flight.
+constexpr int kReduceBatch = 8;
+
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
     token_reduce16_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k,
                           const int32_t* token_index_map, const T* rows, T* out) {
   constexpr int kVec = 16 / int(sizeof(T));
   const int64_t t = blockIdx.x;
+  const int32_t* token_rows = token_index_map + t * k;
   for (int64_t c = kVec * int64_t(threadIdx.x); c < width; c += kVec * int64_t(blockDim.x)) {
     float s[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) s[i] = 0.f;
-    for (int j = 0; j < k; ++j) {
-      const int32_t r = token_index_map[t * k + j];
-      if (r < 0) continue;
-      const uint4 raw = *reinterpret_cast<const uint4*>(rows + int64_t(r) * rows_ld + c);
-      const T* v = reinterpret_cast<const T*>(&raw);
+    for (int j0 = 0; j0 < k; j0 += kReduceBatch) {
+      uint4 raw[kReduceBatch];
+      bool have[kReduceBatch];
 #pragma unroll
-      for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
+      for (int b = 0; b < kReduceBatch; ++b) {
+        const int32_t r = j0 + b < k ? __ldg(token_rows + j0 + b) : -1;
+        have[b] = r >= 0;
+        raw[b] = have[b] ? __ldg(reinterpret_cast<const uint4*>(rows + int64_t(r) * rows_ld + c))
+                         : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int b = 0; b < kReduceBatch; ++b) {
+        if (!have[b]) continue;  // a dropped pair adds nothing (not even +0)
+        const T* v = reinterpret_cast<const T*>(&raw[b]);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
+      }
     }
     uint4 packed;
     T* o = reinterpret_cast<T*>(&packed);

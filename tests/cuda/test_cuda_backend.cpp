@@ -648,6 +648,7 @@ TEST_SUITE("cuda") {
       cases.push_back({dtype, 64, 64, 8, 2, 300, 0, 1, "empty_experts"});  // empty
       cases.push_back({dtype, 40, 48, 6, 3, 257, 3, 1, "skewed"});         // skewed
       cases.push_back({dtype, 32, 32, 4, 4, 37});                          // k = E
+      cases.push_back({dtype, 32, 48, 12, 10, 53});                        // k > 8: two batches
       cases.push_back({dtype, 32, 48, 4, 2, 1});                           // T = 1
       cases.push_back({dtype, 32, 48, 4, 2, 0});                           // T = 0
       // d = 2112 (33 k-steps a tile): B1's epilogue-warp form (33-64 k-steps); F1 takes its
