@@ -4,8 +4,6 @@
 // address is skipped (a gathered row is zeroed): the indices come from the caller's HOME saved
 // buffer, which the host cannot check without a synchronisation, and must never move memory outside
 // the buffers. The caller (CudaBackend) has made the context's device current.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include "common/backend.hpp"
@@ -13,6 +11,7 @@
 #include "common/status.hpp"
 #include "cuda/cuda_util.cuh"
 #include "cuda/ep_ops.hpp"
+#include "cuda/token_reduce.hpp"
 
 namespace moeblaze {
 namespace cuda {
@@ -65,43 +64,6 @@ void move_rows(void* dst, const void* src, const int32_t* index, int64_t n, int6
         row_bytes / 2);
   }
   check_launch(kScatter ? "EP scatter_rows" : "EP gather_rows");
-}
-
-__device__ inline float load_float(const float* p) {
-  return *p;
-}
-__device__ inline float load_float(const __nv_bfloat16* p) {
-  return __bfloat162float(*p);
-}
-__device__ inline float load_float(const __half* p) {
-  return __half2float(*p);
-}
-__device__ inline void store_float(float* p, float v) {
-  *p = v;
-}
-__device__ inline void store_float(__nv_bfloat16* p, float v) {
-  *p = __float2bfloat16_rn(v);
-}
-__device__ inline void store_float(__half* p, float v) {
-  *p = __float2half_rn(v);
-}
-
-// out[t, c] = sum_j rows[index[t*k+j], c], j ascending from 0 in F32, rounded once.
-template <typename S>
-__global__ void combine_kernel(S* out, const S* rows, const int32_t* index, int64_t T, int64_t k,
-                               int64_t d, int64_t index_rows) {
-  const int64_t total = T * d;
-  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
-       i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t t = i / d;
-    const int64_t c = i - t * d;
-    float acc = 0.0f;
-    for (int64_t j = 0; j < k; ++j) {
-      const int64_t r = index[t * k + j];
-      if (r >= 0 && r < index_rows) acc += load_float(rows + r * d + c);
-    }
-    store_float(out + i, acc);
-  }
 }
 
 __global__ void local_ids_kernel(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,
@@ -314,25 +276,10 @@ void ep_scatter_rows(void* dst, const void* src, const int32_t* index, int64_t n
 
 void ep_combine_rows(Dtype dtype, void* out, const void* rows, const int32_t* index, int64_t T,
                      int64_t k, int64_t d, int64_t index_rows, cudaStream_t stream) {
-  if (T == 0) return;
-  const int blocks = ep_blocks_for(T * d);
-  switch (dtype) {
-    case Dtype::F32:
-      combine_kernel<float><<<blocks, kThreads, 0, stream>>>(
-          static_cast<float*>(out), static_cast<const float*>(rows), index, T, k, d, index_rows);
-      break;
-    case Dtype::BF16:
-      combine_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(
-          static_cast<__nv_bfloat16*>(out), static_cast<const __nv_bfloat16*>(rows), index, T, k, d,
-          index_rows);
-      break;
-    case Dtype::F16:
-      combine_kernel<__half><<<blocks, kThreads, 0, stream>>>(
-          static_cast<__half*>(out), static_cast<const __half*>(rows), index, T, k, d, index_rows);
-      break;
-    default: fail(MOEBLAZE_ERR_NOT_SUPPORTED, "EP on CUDA: %s is CPU only", dtype_name(dtype));
-  }
-  check_launch("EP combine_rows");
+  if (dtype == Dtype::F64)
+    fail(MOEBLAZE_ERR_NOT_SUPPORTED, "EP on CUDA: %s is CPU only", dtype_name(dtype));
+  // The one-device layer's per-token sums (token_reduce.hpp): the same bits.
+  token_reduce(dtype, out, d, rows, d, index, index_rows, T, k, d, stream);
 }
 
 void ep_local_expert_ids(const int32_t* table, int64_t W, int64_t E, int64_t expert_begin,

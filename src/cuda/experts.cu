@@ -1,7 +1,7 @@
 // Expert MLP forward (F1, F2, combine) and backward (B1, B2, B3, B4, per-token dx and dg
 // reductions): the orchestration. It carves the workspace, chooses the column chunks, describes
-// each GEMM as an operation (engines/gemm_ops.hpp) and hands it to the engines (engine_set.hpp);
-// the per-token reductions are its own kernels. Transients (never saved): u unless SAVE_ALL, the
+// each GEMM as an operation (engines/gemm_ops.hpp) and hands it to the engines (engine_set.hpp),
+// then sums rows per token (token_reduce.hpp). Transients (never saved): u unless SAVE_ALL, the
 // [N, d] rows of F2 and B4 (each weighted and rounded once to the storage dtype, then summed per
 // token in fixed j order in fp32 and rounded again, so y and dx are deterministic without atomics
 // and equal the expert-parallel layer's bit for bit), da|db and g*u in the storage dtype, B1's
@@ -17,76 +17,11 @@
 #include "cuda/engines/engine_set.hpp"
 #include "cuda/engines/sm90/rows_gemm.hpp"
 #include "cuda/kernels.hpp"
+#include "cuda/token_reduce.hpp"
 
 namespace moeblaze {
 namespace cuda {
 namespace {
-
-constexpr int kReduceThreads = 128;
-
-// out_t = round(sum_j rows[tim[t,j]]), j ascending, in fp32 with every addition rounded
-// (__fadd_rn: never contracted): the expert-parallel home rank's sum of the rows its experts
-// return, so the one-device and the expert-parallel layer agree bitwise in every dtype. `width`
-// columns; rows and out are rows_ld and out_ld elements apart.
-template <typename T>
-__global__ void __launch_bounds__(kReduceThreads)
-    token_reduce_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k,
-                        const int32_t* token_index_map, const T* rows, T* out) {
-  const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
-    float s = 0.f;
-    for (int j = 0; j < k; ++j) {
-      const int32_t r = token_index_map[t * k + j];
-      if (r < 0) continue;
-      s = __fadd_rn(s, to_f32<T>(rows[int64_t(r) * rows_ld + c]));
-    }
-    out[t * out_ld + c] = from_f32<T>(s);
-  }
-}
-
-// token_reduce_kernel 16 bytes at a time (width, rows_ld and out_ld multiples of the elements in
-// 16 bytes, rows and out 16-byte aligned): the same additions in the same order, so the same bits.
-// A thread issues the loads of up to kReduceBatch rows before its first addition: one DRAM round
-// trip a batch instead of one a row (with a branch around each row, ptxas waited for every load
-// before the next), so each thread keeps up to kReduceBatch * 16 bytes in flight.
-constexpr int kReduceBatch = 8;
-
-template <typename T>
-__global__ void __launch_bounds__(kReduceThreads)
-    token_reduce16_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k,
-                          const int32_t* token_index_map, const T* rows, T* out) {
-  constexpr int kVec = 16 / int(sizeof(T));
-  const int64_t t = blockIdx.x;
-  const int32_t* token_rows = token_index_map + t * k;
-  for (int64_t c = kVec * int64_t(threadIdx.x); c < width; c += kVec * int64_t(blockDim.x)) {
-    float s[kVec];
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) s[i] = 0.f;
-    for (int j0 = 0; j0 < k; j0 += kReduceBatch) {
-      uint4 raw[kReduceBatch];
-      bool have[kReduceBatch];
-#pragma unroll
-      for (int b = 0; b < kReduceBatch; ++b) {
-        const int32_t r = j0 + b < k ? __ldg(token_rows + j0 + b) : -1;
-        have[b] = r >= 0;
-        raw[b] = have[b] ? __ldg(reinterpret_cast<const uint4*>(rows + int64_t(r) * rows_ld + c))
-                         : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int b = 0; b < kReduceBatch; ++b) {
-        if (!have[b]) continue;  // a dropped pair adds nothing (not even +0)
-        const T* v = reinterpret_cast<const T*>(&raw[b]);
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
-      }
-    }
-    uint4 packed;
-    T* o = reinterpret_cast<T*>(&packed);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) o[i] = from_f32<T>(s[i]);
-    *reinterpret_cast<uint4*>(out + t * out_ld + c) = packed;
-  }
-}
 
 // Direct rows (k = 1): a token whose pair was dropped (an id out of range, which CUDA cannot
 // refuse without a host sync) has no routed row, so F2 / B4 never write its output row; it gets
@@ -128,23 +63,6 @@ bool can_use_mma(const LayerDesc& desc, std::initializer_list<const void*> opera
   return true;
 }
 
-// Columns [col0, col0 + width) of out [T, d] from rows [N, width] (one column chunk's rows).
-template <typename T>
-void token_reduce(int64_t T_, const LayerDesc& desc, const int32_t* tim, const void* rows,
-                  int64_t col0, int64_t width, void* out, cudaStream_t stream) {
-  constexpr int kVec = 16 / int(sizeof(T));
-  T* out_cols = static_cast<T*>(out) + col0;
-  if (width % kVec == 0 && desc.d % kVec == 0 && aligned16(rows) && aligned16(out_cols)) {
-    token_reduce16_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
-        width, width, desc.d, int(desc.k), tim, static_cast<const T*>(rows), out_cols);
-    check_launch("token_reduce16_kernel");
-    return;
-  }
-  token_reduce_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
-      width, width, desc.d, int(desc.k), tim, static_cast<const T*>(rows), out_cols);
-  check_launch("token_reduce_kernel");
-}
-
 // k = 1: a token's output is its one routed row (times g), rounded once, so F2 and B4 write y and
 // dx themselves (row_value: the reduction's bits) and neither the [N, d] rows nor the
 // reduction pass exist. The expert side of the expert-parallel layer runs with k = 1 too. Decided
@@ -154,12 +72,13 @@ bool direct_rows(const LayerDesc& desc, const CudaTuning& tuning) {
   return desc.k == 1 && tuning.direct_rows;
 }
 
-// After F2 / B4 over one column chunk: the per-token reduction of its rows into those columns.
+// After F2 / B4 over one column chunk: columns [col0, col0 + width) of out [T, d] from its rows
+// [N, width], summed per token.
 void reduce_rows(int64_t T_, const LayerDesc& desc, const int32_t* tim, const void* rows,
                  int64_t col0, int64_t width, void* out, cudaStream_t stream) {
-  if (T_ == 0) return;
-  MB_CUDA_DISPATCH_DTYPE(desc.dtype,
-                         token_reduce<scalar_t>(T_, desc, tim, rows, col0, width, out, stream));
+  void* out_cols = static_cast<char*>(out) + size_t(col0) * desc.elem_size();
+  token_reduce(desc.dtype, out_cols, desc.d, rows, width, tim, T_ * desc.k, T_, desc.k, width,
+               stream);
 }
 
 // After F2 / B4 with direct rows: the dropped tokens' zero rows.

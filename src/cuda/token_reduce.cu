@@ -1,0 +1,112 @@
+#include "cuda/token_reduce.hpp"
+
+#include "cuda/cuda_util.cuh"
+
+namespace moeblaze {
+namespace cuda {
+namespace {
+
+constexpr int kReduceThreads = 128;  // a block a token
+
+// A row of the sum: index entry r of token t, or -1 when it adds nothing.
+__device__ __forceinline__ int32_t summed_row(const int32_t* index, int64_t index_rows, int64_t t,
+                                              int k, int j) {
+  const int32_t r = __ldg(index + t * k + j);
+  return r >= 0 && r < index_rows ? r : -1;
+}
+
+// Any width and alignment, an element a thread. __fadd_rn: the additions are never contracted.
+template <typename T>
+__global__ void __launch_bounds__(kReduceThreads)
+    token_reduce_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k, int64_t index_rows,
+                        const int32_t* index, const T* rows, T* out) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+    float s = 0.f;
+    for (int j = 0; j < k; ++j) {
+      const int32_t r = summed_row(index, index_rows, t, k, j);
+      if (r < 0) continue;
+      s = __fadd_rn(s, to_f32<T>(rows[int64_t(r) * rows_ld + c]));
+    }
+    out[t * out_ld + c] = from_f32<T>(s);
+  }
+}
+
+// token_reduce_kernel 16 bytes at a time (width, rows_ld and out_ld multiples of the elements in 16
+// bytes, rows and out 16-byte aligned): the same additions in the same order, so the same bits.
+// A thread issues the loads of up to kReduceBatch rows before its first addition: one DRAM round
+// trip a batch instead of one a row (with a branch around each row, ptxas waited for every load
+// before the next), so each thread keeps up to kReduceBatch * 16 bytes in flight.
+constexpr int kReduceBatch = 8;
+
+template <typename T>
+__global__ void __launch_bounds__(kReduceThreads)
+    token_reduce16_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k, int64_t index_rows,
+                          const int32_t* index, const T* rows, T* out) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  const int64_t t = blockIdx.x;
+  for (int64_t c = kVec * int64_t(threadIdx.x); c < width; c += kVec * int64_t(blockDim.x)) {
+    float s[kVec];
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) s[i] = 0.f;
+    for (int j0 = 0; j0 < k; j0 += kReduceBatch) {
+      uint4 raw[kReduceBatch];
+      bool have[kReduceBatch];
+#pragma unroll
+      for (int b = 0; b < kReduceBatch; ++b) {
+        const int32_t r = j0 + b < k ? summed_row(index, index_rows, t, k, j0 + b) : -1;
+        have[b] = r >= 0;
+        raw[b] = have[b] ? __ldg(reinterpret_cast<const uint4*>(rows + int64_t(r) * rows_ld + c))
+                         : make_uint4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int b = 0; b < kReduceBatch; ++b) {
+        if (!have[b]) continue;  // a row that adds nothing (not even +0)
+        const T* v = reinterpret_cast<const T*>(&raw[b]);
+#pragma unroll
+        for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
+      }
+    }
+    uint4 packed;
+    T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) o[i] = from_f32<T>(s[i]);
+    *reinterpret_cast<uint4*>(out + t * out_ld + c) = packed;
+  }
+}
+
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+template <typename T>
+void launch_token_reduce(T* out, int64_t out_ld, const T* rows, int64_t rows_ld,
+                         const int32_t* index, int64_t index_rows, int64_t T_, int k, int64_t width,
+                         cudaStream_t stream) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  if (width % kVec == 0 && rows_ld % kVec == 0 && out_ld % kVec == 0 && aligned16(rows) &&
+      aligned16(out)) {
+    token_reduce16_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
+        width, rows_ld, out_ld, k, index_rows, index, rows, out);
+    check_launch("token_reduce16_kernel");
+    return;
+  }
+  token_reduce_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(width, rows_ld, out_ld, k,
+                                                                      index_rows, index, rows, out);
+  check_launch("token_reduce_kernel");
+}
+
+}  // namespace
+
+void token_reduce(Dtype dtype, void* out, int64_t out_ld, const void* rows, int64_t rows_ld,
+                  const int32_t* index, int64_t index_rows, int64_t T, int64_t k, int64_t width,
+                  cudaStream_t stream) {
+  if (T == 0 || width == 0) return;
+  MB_CUDA_DISPATCH_DTYPE(
+      dtype, launch_token_reduce<scalar_t>(static_cast<scalar_t*>(out), out_ld,
+                                           static_cast<const scalar_t*>(rows), rows_ld, index,
+                                           index_rows, T, int(k), width, stream));
+}
+
+}  // namespace cuda
+}  // namespace moeblaze
