@@ -27,6 +27,9 @@ Usage:
       MUFU_INTERVAL or its instructions at one a cycle; F1's SwiGLU and SiLU epilogue warps:
       1.5-1.8x when their chains run side by side, 2.1-2.3x with bf16's one-MUFU sigmoid,
       2.6-3.0x two at a time)
+  tools/sass_loops.py LIB --filter 'token_reduce16_kernel' --min-loads-in-flight 8
+      exit 1 when a listed kernel never has that many 16-byte global loads issued before the
+      first of them is read (the per-token sums: a thread's rows one DRAM round trip, not k)
   tools/sass_loops.py --self-test
 
 cuobjdump is looked for in --cuobjdump, $CUOBJDUMP, on the PATH, and in Triton's and NVIDIA's
@@ -174,6 +177,41 @@ def issue_cycles(body):
             kind = next((k for k in LATENCY if op.startswith(k)), None)
             ready[dest] = cycle + LATENCY.get(kind, DEFAULT_LATENCY)
     return cycle
+
+
+def loads_in_flight(ins):
+    """The most 16-byte global loads (LDG*.128) a thread has issued before the first of them is
+    read: for each such load, itself and the ones issued after it until an instruction reads any of
+    its four destination registers, in address order (straight-line code: a loop's loads that are
+    read at once, behind a branch each, count 1)."""
+    loads = [(i, written_register(t)) for i, (a, t) in enumerate(ins)
+             if opcode_and_operands(t)[0].startswith("LDG") and ".128" in t]
+    best = 0
+    for i, dest in loads:
+        if dest is None:
+            continue
+        base = int(dest[1:])
+        regs = {f"R{base + q}" for q in range(4)}
+        count = 1
+        for a, t in ins[i + 1:]:
+            if registers_read(t) & regs:
+                break
+            if opcode_and_operands(t)[0].startswith("LDG") and ".128" in t:
+                count += 1
+        best = max(best, count)
+    return best
+
+
+def check_loads_in_flight(sass, pattern, minimum):
+    """1 if a kernel matching `pattern` has fewer than `minimum` 16-byte loads in flight."""
+    rows = [(short_name(n), loads_in_flight(i)) for n, i in functions(sass)
+            if re.search(pattern, n)]
+    few = [(k, n) for k, n in rows if n < minimum]
+    for k, n in rows:
+        print(f"sass_loops: {k}: {n} 16-byte loads in flight")
+    for k, n in few:
+        print(f"sass_loops: {k}: fewer than {minimum} loads in flight")
+    return 1 if few or not rows else 0
 
 
 def analyse(name, ins):
@@ -331,6 +369,18 @@ def self_test():
             or no_match_status("", True, True) != 77 or no_match_status("", False, True) != 1):
         print("sass_loops self-test FAILED: a filter that matches nothing")
         return 1
+    # Loads in flight: eight row loads before the first read, against each read at once.
+    batched = [(0x10 * i, f"@P{i % 7} LDG.E.128.CONSTANT R{4 * i + 8}, desc[UR10][R{60 + i}.64]")
+               for i in range(8)] + [(0x100 + 0x10 * i, f"FADD R3, R3, R{4 * i + 9}")
+                                     for i in range(8)]
+    serial = []
+    for i in range(8):
+        serial += [(0x200 * i, f"LDG.E.128 R8, desc[UR6][R{60 + i}.64]"),
+                   (0x200 * i + 0x10, "FADD R3, R3, R10"), (0x200 * i + 0x20, "@!P0 BRA 0x40")]
+    if loads_in_flight(batched) != 8 or loads_in_flight(serial) != 1:
+        print("sass_loops self-test FAILED: loads in flight",
+              loads_in_flight(batched), loads_in_flight(serial))
+        return 1
     print("sass_loops self-test: PASS")
     return 0
 
@@ -345,6 +395,9 @@ def main():
                          "throughput bound: its MUFU at one per MUFU_INTERVAL or its instructions "
                          "at one a cycle, whichever is longer (a schedule that runs the chains "
                          "one or two at a time)")
+    ap.add_argument("--min-loads-in-flight", type=int, default=0, metavar="N",
+                    help="exit 1 unless every kernel --filter matches (any kernel, not only the "
+                         "GEMMs) has N 16-byte global loads issued before the first is read")
     ap.add_argument("--skip-without-cuobjdump", action="store_true",
                     help="exit 77 (a skipped test) without cuobjdump or without any kernel of "
                          "--arch in the input (a kernel that --filter misses fails the check)")
@@ -379,6 +432,11 @@ def main():
         sass = subprocess.run(args, check=True, capture_output=True, text=True).stdout
     else:
         sass = open(a.input, encoding="utf-8", errors="replace").read()
+    if a.min_loads_in_flight:
+        if a.skip_without_cuobjdump and not re.search(r"Function\s*:", sass):
+            print(f"sass_loops: SKIPPED: no {a.arch} kernel in {a.input}")
+            return 77
+        return check_loads_in_flight(sass, a.filter, a.min_loads_in_flight)
     rows = report(sass, a.filter)
     if not rows:
         status = no_match_status(sass, a.skip_without_cuobjdump, bool(a.max_epilogue_ratio))
