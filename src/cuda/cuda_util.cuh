@@ -62,6 +62,11 @@ inline unsigned blocks_for(int64_t n, int threads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }
 
+// Whether a pointer is 16-byte aligned: what 16-byte vector loads, TMA and the mma kernels need.
+inline bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
 // ---- storage dtype conversions (round-to-nearest-even) ------------------------------------------
 
 template <typename T>

@@ -51,10 +51,6 @@ __global__ void write_header_kernel(SavedHeader header, SavedHeader* out) {
   *out = header;
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-
 bool can_use_mma(const LayerDesc& desc, std::initializer_list<const void*> operands) {
   if (desc.dtype != Dtype::BF16 && desc.dtype != Dtype::F16) return false;
   if (desc.d % 8 != 0 || desc.h % 8 != 0) return false;

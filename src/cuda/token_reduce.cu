@@ -75,10 +75,6 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-
 template <typename T>
 void launch_token_reduce(T* out, int64_t out_ld, const T* rows, int64_t rows_ld,
                          const int32_t* index, int64_t index_rows, int64_t T_, int k, int64_t width,

@@ -1,15 +1,12 @@
 // The expert GEMMs of gemm_ops.hpp as the portable grouped GEMM's parameters (gemm.cuh).
 #include "cuda/engines/portable/portable_engine.hpp"
 
+#include "cuda/cuda_util.cuh"
 #include "cuda/engines/portable/gemm.cuh"
 
 namespace moeblaze {
 namespace cuda {
 namespace {
-
-bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
 
 // Column `col` of a row-major buffer of `es`-byte elements (nullptr stays nullptr).
 void* column(const void* base, int64_t col, size_t es) {

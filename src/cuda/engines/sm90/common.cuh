@@ -152,10 +152,6 @@ int max_resident_2cta_clusters(std::initializer_list<Kernel> kernels, int thread
   return fewest;
 }
 
-inline bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-
 }  // namespace sm90
 }  // namespace cuda
 }  // namespace moeblaze
