@@ -1,12 +1,23 @@
 #include "cuda/token_reduce.hpp"
 
+#include <algorithm>
+
 #include "cuda/cuda_util.cuh"
 
 namespace moeblaze {
 namespace cuda {
 namespace {
 
-constexpr int kReduceThreads = 128;  // a block a token
+// A block a token of up to kReduceThreads threads, as many warps as the row has columns (or
+// 16-byte chunks) for: narrow rows (d = 512 in bf16: 64 chunks) leave no thread idle, and an SM
+// then holds twice the working threads (32 blocks of 64).
+constexpr int kReduceThreads = 128;
+
+unsigned reduce_threads(int64_t items) {
+  const int64_t warps =
+      std::min<int64_t>(std::max<int64_t>((items + 31) / 32, 1), kReduceThreads / 32);
+  return unsigned(32 * warps);
+}
 
 // A row of the sum: index entry r of token t, or -1 when it adds nothing.
 __device__ __forceinline__ int32_t summed_row(const int32_t* index, int64_t index_rows, int64_t t,
@@ -82,13 +93,13 @@ void launch_token_reduce(T* out, int64_t out_ld, const T* rows, int64_t rows_ld,
   constexpr int kVec = 16 / int(sizeof(T));
   if (width % kVec == 0 && rows_ld % kVec == 0 && out_ld % kVec == 0 && aligned16(rows) &&
       aligned16(out)) {
-    token_reduce16_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(
+    token_reduce16_kernel<T><<<unsigned(T_), reduce_threads(width / kVec), 0, stream>>>(
         width, rows_ld, out_ld, k, index_rows, index, rows, out);
     check_launch("token_reduce16_kernel");
     return;
   }
-  token_reduce_kernel<T><<<unsigned(T_), kReduceThreads, 0, stream>>>(width, rows_ld, out_ld, k,
-                                                                      index_rows, index, rows, out);
+  token_reduce_kernel<T><<<unsigned(T_), reduce_threads(width), 0, stream>>>(
+      width, rows_ld, out_ld, k, index_rows, index, rows, out);
   check_launch("token_reduce_kernel");
 }
 
