@@ -499,6 +499,12 @@ def worker_main(argv):
     os.replace(out_path + ".tmp", out_path)
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: the results are written and the group is closed,
+    # and torch's gloo threads can abort that teardown ("terminate called without an active
+    # exception", SIGABRT), failing a rank that has finished its work.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------------------------------------

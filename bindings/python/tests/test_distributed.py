@@ -220,6 +220,12 @@ def worker_main(argv):
     torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+    # Leave without the interpreter's teardown: the results are written and the group is closed,
+    # and torch's gloo threads can abort that teardown ("terminate called without an active
+    # exception", SIGABRT), failing a rank that has finished its work.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ------------------------------------------------------------------------------------------------
