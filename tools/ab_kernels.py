@@ -5,7 +5,8 @@ reversed every round (A B, B A, ...), so the card's clock drift falls on every b
 is a library (MOEBLAZE_LIBRARY) with optional environment variables, so a kernel form forced by a
 MOEBLAZE_CUDA_* switch can be compared within one library as well. Prints, per shape and build, the
 median over rounds of the step's time and of each tagged GEMM's (F1, F2, B1, ...), with the
-speed against the first build. For a kernel change this is the diagnosis; the benchmark
+speed against the first build, and the untagged kernels' time (rest) and every kernel's (busy).
+For a kernel change this is the diagnosis; the benchmark
 (tools/ab_libraries.py, bench/run_bench.py) decides.
 
 Usage (a GPU machine, from the repository root):
@@ -30,6 +31,8 @@ sys.path.insert(0, HERE)
 from shape_args import args_for, load_configs  # noqa: E402
 
 STEP = "step"  # the column of the whole forward + backward
+REST = "rest"  # the profiled step's untagged kernels (routing indices, dg sums, copies, ...)
+BUSY = "busy"  # every kernel of the profiled steps (the step column is timed apart, unprofiled)
 
 
 def parse_build(spec):
@@ -66,8 +69,8 @@ STEP_LINE = re.compile(r"^fwd\+bwd ([0-9.]+) ms")
 
 
 def parse_profile(text):
-    """profile_kernels.py's output -> {'step': ms, TAG: ms a step, ...}; the kernels of one tag
-    are added (untagged kernels are left out)."""
+    """profile_kernels.py's output -> {'step': ms, TAG: ms a step, ..., 'rest': the untagged
+    kernels' ms a step, 'busy': every kernel's}; the kernels of one tag are added."""
     times = {}
     for line in text.splitlines():
         m = STEP_LINE.match(line)
@@ -75,8 +78,10 @@ def parse_profile(text):
             times[STEP] = float(m.group(1))
             continue
         m = KERNEL_LINE.match(line)
-        if m and m.group(5) != "-":
-            times[m.group(5)] = times.get(m.group(5), 0.0) + float(m.group(1))
+        if m:
+            tag = m.group(5) if m.group(5) != "-" else REST
+            times[tag] = times.get(tag, 0.0) + float(m.group(1))
+            times[BUSY] = times.get(BUSY, 0.0) + float(m.group(1))
     return times
 
 
@@ -152,7 +157,9 @@ def self_test():
         "kernel    0.105 ms (0.100-0.110)  x1   F2  gemm               void moeblaze::f2b",
         "kernel    0.050 ms (0.049-0.052)  x1   -   elementwise        void at::fill"])
     times = parse_profile(sample)
-    assert times == {STEP: 3.418, "B1": 0.991, "F2": 0.5}, times
+    assert set(times) == {STEP, "B1", "F2", REST, BUSY}, times
+    assert times[STEP] == 3.418 and times["B1"] == 0.991 and times[REST] == 0.05, times
+    assert abs(times["F2"] - 0.5) < 1e-12 and abs(times[BUSY] - 1.541) < 1e-12, times
     shape = ("conf5", "silu")
     runs = {(shape, "base"): [{STEP: 3.4, "B1": 1.0}, {STEP: 3.6, "B1": 0.98},
                               {STEP: 3.5, "B1": 0.99}],
@@ -179,7 +186,9 @@ def main():
                    help="CONFIG:ACT pairs, configurations from bench/configs.json")
     p.add_argument("--kernels", default=None,
                    help="kernel tags to report (tools/kernel_tags.py; default the GEMMs and RD, "
-                        "the per-token sums, and with --layer RF and RB, the router's)")
+                        "the per-token sums, and with --layer RF and RB, the router's), and "
+                        "'rest' (every untagged kernel) and 'busy' (every kernel; the step "
+                        "column is timed apart from the profiled steps, without the profiler)")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=7, help="profiled steps a run (their median)")
     p.add_argument("--policy", default="save_preact")
@@ -210,7 +219,7 @@ def main():
         if config not in configs:
             p.error(f"--shapes: unknown configuration {config!r}")
     if a.kernels is None:
-        a.kernels = "F1,F2,B1,B2,B3,B4,RD" + (",RF,RB" if a.layer else "")
+        a.kernels = "F1,F2,B1,B2,B3,B4,RD" + (",RF,RB" if a.layer else "") + ",rest,busy"
     kernels = [k for k in a.kernels.split(",") if k]
     start = time.time()
     plan = [(round_index, shape, build) for round_index in range(a.rounds) for shape in shapes
