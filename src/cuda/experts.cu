@@ -161,7 +161,10 @@ int64_t gu_chunk_cols(const LayerDesc& desc, int64_t T, int64_t N, int64_t row_c
 // ---- forward ------------------------------------------------------------------------------------
 
 void experts_forward(const LayerDesc& desc, const ExpertsForwardCall& call, Carver& ws, bool run,
-                     const CudaTuning& tuning) {
+                     const CudaTuning& backend_tuning) {
+  // F2's overrides and its form resolved (the chunks of d align to its tiles); F1 reads neither.
+  CudaTuning tuning = backend_tuning.for_f2();
+  if (tuning.sm90) tuning.sm90_forms.rows_form = sm90_f2_rows_form(desc, tuning.sm90_forms);
   const int64_t T = call.T, N = T * desc.k, h = desc.h, d = desc.d, E = desc.E;
   const size_t es = desc.elem_size();
   // With a saved buffer (training; the size query's MOEBLAZE_FORWARD_WITH_SAVED) the routing

@@ -25,6 +25,11 @@ CudaTuning CudaTuning::from_environment() {
     const int c = std::atoi(chunks);
     t.row_chunks = c > 0 ? c : 0;
   }
+  if (const char* chunks = std::getenv("MOEBLAZE_CUDA_F2_CHUNKS")) {
+    const int c = std::atoi(chunks);
+    t.f2_row_chunks = c > 0 ? c : 0;
+  }
+  t.f2_rows_form = sm90_parse_rows_form(std::getenv("MOEBLAZE_CUDA_F2_ROWS_FORM"));
   t.direct_rows = !is_zero(std::getenv("MOEBLAZE_CUDA_DIRECT_ROWS"));
   t.sm90_forms.f1_form = sm90_parse_f1_form(std::getenv("MOEBLAZE_CUDA_F1_FORM"));
   t.sm90_forms.f1_cluster = sm90_parse_f1_cluster(std::getenv("MOEBLAZE_CUDA_F1_CLUSTER"));

@@ -23,6 +23,10 @@ struct CudaTuning {
   // MOEBLAZE_CUDA_ROW_CHUNKS: F2/B4's column chunks of d (experts.cu, row_chunk_cols); 0 = its
   // policy, n > 0 = n chunks.
   int row_chunks = 0;
+  // MOEBLAZE_CUDA_F2_CHUNKS, MOEBLAZE_CUDA_F2_ROWS_FORM: the same two choices for F2 alone (B4
+  // keeps row_chunks and sm90_forms.rows_form); 0 / -1 = as for B4.
+  int f2_row_chunks = 0;
+  int f2_rows_form = -1;
   // MOEBLAZE_CUDA_DIRECT_ROWS=0: with k = 1, y and dx through the rows and the per-token reduction
   // instead of straight from F2 / B4's epilogue.
   bool direct_rows = true;
@@ -34,6 +38,13 @@ struct CudaTuning {
   // The defaults above, overridden by the MOEBLAZE_CUDA_* variables that are set (values that do
   // not parse keep the default).
   static CudaTuning from_environment();
+  // This tuning with F2's overrides in row_chunks and sm90_forms.rows_form (the forward's).
+  CudaTuning for_f2() const {
+    CudaTuning t = *this;
+    if (f2_row_chunks > 0) t.row_chunks = f2_row_chunks;
+    if (f2_rows_form >= 0) t.sm90_forms.rows_form = f2_rows_form;
+    return t;
+  }
 };
 
 }  // namespace cuda

@@ -928,6 +928,17 @@ TEST_SUITE("cuda") {
     // (MOEBLAZE_CUDA_ROW_CHUNKS).
     Rng rng(test_seed(9973));
     const ScopedSwitch chunk_switch("MOEBLAZE_CUDA_ROW_CHUNKS");
+    // F2 alone in another form or number of column chunks (MOEBLAZE_CUDA_F2_ROWS_FORM,
+    // MOEBLAZE_CUDA_F2_CHUNKS), B4 as the policy has it.
+    chunk_switch.set("2");
+    for (int64_t k : {int64_t(2), int64_t(1)}) {
+      moeblaze_layer_config_t cfg = make_config(MOEBLAZE_DTYPE_BF16, 1000, 264, 5, k);
+      CAPTURE(describe(cfg));
+      check_switch_keeps_bits_skewed("MOEBLAZE_CUDA_F2_ROWS_FORM",
+                                     {"pingpong2cta", "pingpong", "consumers", "neither"}, cfg, 700,
+                                     rng);
+      check_switch_keeps_bits_skewed("MOEBLAZE_CUDA_F2_CHUNKS", {"1", "3", "0"}, cfg, 700, rng);
+    }
     for (const char* chunks : {"1", "2"}) {
       if (quick() && std::string(chunks) == "2") continue;
       chunk_switch.set(chunks);

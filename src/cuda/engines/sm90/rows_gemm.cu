@@ -527,6 +527,11 @@ PingpongChoice pingpong_choice(const Sm90Forms& forms) {
   return c;
 }
 
+int sm90_f2_rows_form(const LayerDesc& desc, const Sm90Forms& forms) {
+  if (forms.rows_form >= 0) return forms.rows_form;
+  return desc.h <= kSm90F2PingpongMaxH ? kSm90RowsFormPingpong2Cta : -1;
+}
+
 void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& forms,
                     cudaStream_t stream) {
   const PingpongChoice ping = pingpong_choice(forms);

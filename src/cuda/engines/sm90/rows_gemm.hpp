@@ -71,6 +71,13 @@ constexpr int kSm90RowsFormPingpong192 = 2;
 constexpr int kSm90RowsFormPingpong128 = 3;
 constexpr int kSm90RowsFormPingpong2Cta = 4;
 
+// F2's form as its launch takes it (Sm90Forms::rows_form): the forced one; else, for F2's short
+// main loops (h <= kSm90F2PingpongMaxH: at most 16 k-steps a tile), the 192-column ping-pong in
+// 2-CTA clusters, SonicMoE's down-projection form (it falls back to the cooperative kernel where
+// the device has no such clusters prepared); else -1, the cooperative kernel's policy.
+constexpr int64_t kSm90F2PingpongMaxH = 1024;
+int sm90_f2_rows_form(const LayerDesc& desc, const Sm90Forms& forms);
+
 // The ping-pong forms of F2 and B4 (rows_pingpong_gemm.cu); tile_n = 192 or 128, cluster = 1, or
 // 2 with tile_n 192 (Sm90Device::rows_pingpong_clusters > 0). Precondition: sm90_rows_supported
 // over the op's tensors.

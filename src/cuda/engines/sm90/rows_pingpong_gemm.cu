@@ -15,10 +15,11 @@
 // (5 of 40 KB, or 6 of 32 KB). The stages are used in the CTA's tile order, each by the one
 // warpgroup whose tile it holds: a stage's empty barrier takes that warpgroup's 4 warps. The two
 // main loops take turns (a turn barrier each; tools/models/rows_pingpong_protocol_model.py checks
-// the protocol, and that it fails without the turns). Each warpgroup stores its rows from registers
-// as the cooperative kernel's consumers' form does (row_value of the row's weight, rounded once;
-// 4-byte column pairs). The k order of every element is the cooperative kernel's (16-k wgmmas in k
-// order), so the two should give the same bits; the CUDA suite checks it.
+// the protocol, and that it fails without the turns). Each warp stores its rows (row_value of the
+// row's weight, rounded once) through its own 2 KB staging buffer after the stages, 64 columns at a
+// time, with 16-byte stores; the rows' pairs and weights are loaded during the main loop. The k
+// order of every element is the cooperative kernel's (16-k wgmmas in k order), so the two should
+// give the same bits; the CUDA suite checks it.
 #include <algorithm>
 
 #include "cuda/engines/sm90/rows_layout.cuh"
@@ -41,8 +42,11 @@ struct PingLayout {
   // As many stages as fit beside the barriers and the schedule of kMaxExperts (no hand-off).
   static constexpr int kStages = TILE_N == 192 ? 5 : 6;
   static constexpr int kAcc = TILE_N / 2;  // accumulators a thread per m64 half
+  // Each consumer warp's staging buffer for its rows' stores: 16 rows x 64 columns (2 KB).
+  static constexpr int kStagingWarpBytes = 16 * 64 * 2;
+  static constexpr int kStagingBytes = 8 * kStagingWarpBytes;
   static constexpr size_t smem_bytes(int E) {
-    return pipeline_smem_bytes(kStages, kStageBytes, 0, E);
+    return pipeline_smem_bytes(kStages, kStageBytes, kStagingBytes, E);
   }
 };
 static_assert(PingLayout<192>::smem_bytes(kMaxExperts) <= kSmemPerBlock, "227 KB per block");
@@ -66,28 +70,93 @@ __device__ __forceinline__ TileCoord ping_decode(int t, const int* tile_start, c
   return {g.e, g.row0 + kBM * rank, rows > 0 ? rows : 0, g.n_tile * TILE_N};
 }
 
-// One m64 half of a warpgroup's tile, from registers: register 4j + q of lane (g, t4) holds row
-// first_row + 8 (q >> 1), column 8j + 2 t4 + (q & 1) (first_row = the half's 64 m + 16 warp + g).
-// Each row weighted (F2's g; B4: 1), rounded once and stored as 4-byte column pairs.
+// A consumer thread's rows of a tile: i = 2 half + rr is row 64 half + 16 warp + g + 8 rr.
+__device__ __forceinline__ int ping_row(int i, int warp_in_wg, int g) {
+  return 64 * (i >> 1) + 16 * warp_in_wg + g + 8 * (i & 1);
+}
+
+// The rows' (token, j) pairs where the store needs them (F2's weights, k = 1's direct rows), and
+// then their weights: issued during the main loop, so that the epilogue, which the other
+// warpgroup's main loop has to cover, waits for no load (it took two dependent loads a row).
+struct PingRowInfo {
+  int32_t pair[4];
+  float w[4];
+};
+
+__device__ __forceinline__ bool ping_needs_pair(const RowsParams& p) {
+  return p.row_pair != nullptr && (p.out_w != nullptr || p.out_by_pair);
+}
+
+__device__ __forceinline__ void ping_load_pairs(const RowsParams& p, const TileCoord& c,
+                                                int warp_in_wg, int g, PingRowInfo& info) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int row = ping_row(i, warp_in_wg, g);
+    info.pair[i] = c.row0 + row;
+    if (ping_needs_pair(p) && row < c.rows) info.pair[i] = __ldg(p.row_pair + c.row0 + row);
+  }
+}
+
+__device__ __forceinline__ void ping_load_weights(const RowsParams& p, const TileCoord& c,
+                                                  int warp_in_wg, int g, PingRowInfo& info) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    info.w[i] = 1.f;
+    if (p.out_w != nullptr && ping_row(i, warp_in_wg, g) < c.rows)
+      info.w[i] = __ldg(p.out_w + info.pair[i]);
+  }
+}
+
+// One m64 half of a warpgroup's tile, through the warp's 2 KB staging buffer: per 64-column group,
+// the warp's 16 rows go in by stmatrix (register 4j + q of lane (g, t4) holds row 8 (q >> 1) + g
+// of them, column 8j + 2 t4 + (q & 1); 16-byte chunk c of row r at r * 128 + ((c ^ (r & 7)) <<
+// 4), so neither side has bank conflicts) and out by 16-byte stores, eight lanes a 128-byte row
+// segment. Each row weighted (F2's g; B4: 1) and rounded once, as stored. Against storing 4-byte
+// column pairs from registers: a quarter of the store instructions, each writing whole sectors.
 template <typename T, int TILE_N>
-__device__ __forceinline__ void ping_store_half(const RowsParams& p, const TileCoord& c,
-                                                int first_row, int t4,
+__device__ __forceinline__ void ping_store_half(const RowsParams& p, const TileCoord& c, int half,
+                                                int warp_in_wg, int lane, uint32_t* stg,
+                                                const PingRowInfo& info,
                                                 const float (&acc)[TILE_N / 2]) {
+  const int first_row = 64 * half + 16 * warp_in_wg;  // the warp's rows of the tile
+  const uint32_t stg_addr = smem_u32(stg);
+  // stmatrix: lane l addresses row l & 7 (+ 8 for matrices 1 and 3) of block j + (l >> 4).
+  const int st_row = (lane & 7) + 8 * ((lane >> 3) & 1);
+  const int st_block = lane >> 4;
+  // Copy-out: lane l moves chunk l & 7 of rows (l >> 3) + 4 i.
+  const int chunk = lane & 7;
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int row = first_row + 8 * rr;
-    if (row >= c.rows) continue;
-    const int64_t r = int64_t(c.row0) + row;
-    const int64_t pair = p.row_pair != nullptr ? int64_t(__ldg(p.row_pair + r)) : r;
-    const float w = p.out_w != nullptr ? __ldg(p.out_w + pair) : 1.f;
-    const int64_t out_row = p.out_by_pair ? pair : r;
-    T* orow = static_cast<T*>(p.out) + out_row * p.out_ld + c.n0 + 2 * t4;
+  for (int grp = 0; grp < TILE_N / 64; ++grp) {
+    if (c.n0 + 64 * grp >= p.n_out) break;  // n_out % 8 == 0: whole chunks in or out below
 #pragma unroll
-    for (int j = 0; j < TILE_N / 8; ++j) {
-      if (c.n0 + 8 * j < p.n_out)  // n_out % 8 == 0: a column pair is all in or all out
-        *reinterpret_cast<uint32_t*>(orow + 8 * j) =
-            row_value_pair<T>(w, acc[4 * j + 2 * rr], acc[4 * j + 2 * rr + 1]);
+    for (int j = 8 * grp; j < 8 * grp + 8; j += 2) {
+      uint32_t m[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int jj = j + (q >> 1), rr = q & 1;
+        m[q] = row_value_pair<T>(info.w[2 * half + rr], acc[4 * jj + 2 * rr],
+                                 acc[4 * jj + 2 * rr + 1]);
+      }
+      const int jj = (j + st_block) & 7;
+      stmatrix_x4(stg_addr + uint32_t(st_row * 128 + ((jj ^ (st_row & 7)) << 4)), m[0], m[1], m[2],
+                  m[3]);
     }
+    __syncwarp();
+    const int col = c.n0 + 64 * grp + 8 * chunk;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = (lane >> 3) + 4 * i;  // the warp's row: its 8 (i >> 1) + (r & 7)
+      // k = 1's direct rows: the row's pair, from a lane holding the row (g = r & 7).
+      const int32_t pair =
+          p.out_by_pair ? __shfl_sync(0xffffffffu, info.pair[2 * half + (i >> 1)], (r & 7) * 4) : 0;
+      const uint4 v = *reinterpret_cast<const uint4*>(stg + r * 32 + ((chunk ^ (r & 7)) << 2));
+      const int row = first_row + r;
+      if (row < c.rows && col < p.n_out) {
+        const int64_t out_row = p.out_by_pair ? int64_t(pair) : int64_t(c.row0) + row;
+        *reinterpret_cast<uint4*>(static_cast<T*>(p.out) + out_row * p.out_ld + col) = v;
+      }
+    }
+    __syncwarp();  // every lane's reads before the next group's stmatrix
   }
 }
 
@@ -108,7 +177,7 @@ __global__ void __launch_bounds__(kPingThreads, 1)
   constexpr bool kBMn = KIND == kB4;  // B4's B is MN-major, F2's K-major
   constexpr uint32_t kBTileBytes = uint32_t(TILE_N) * kBK * 2;
   extern __shared__ uint8_t smem_raw[];
-  const GatherPipelineSmem<kStages, L::kStageBytes> shm(smem_raw, 0);
+  const GatherPipelineSmem<kStages, L::kStageBytes> shm(smem_raw, L::kStagingBytes);
 
   const int tid = threadIdx.x;
   const int warp = __shfl_sync(0xffffffffu, tid >> 5, 0), lane = tid & 31;
@@ -182,7 +251,8 @@ __global__ void __launch_bounds__(kPingThreads, 1)
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kPingRegsConsumer) : "memory");
     const int wg = (warp >> 2) - 1;   // this warpgroup takes the CTA's tiles n with n % 2 == wg
     const int warp_in_wg = warp & 3;  // rows [16 warp_in_wg, +16) of each m64 half
-    const int g = lane >> 2, t4 = lane & 3;
+    const int g = lane >> 2;
+    uint32_t* stg = reinterpret_cast<uint32_t*>(shm.epi + (warp - 4) * L::kStagingWarpBytes);
     float acc0[L::kAcc], acc1[L::kAcc];  // rows [0, 64) and [64, 128) of the tile
 #pragma unroll
     for (int i = 0; i < L::kAcc; ++i) acc0[i] = acc1[i] = 0.f;
@@ -205,6 +275,10 @@ __global__ void __launch_bounds__(kPingThreads, 1)
       const TileCoord c = ping_decode<TILE_N, CLUSTER>(t, shm.tile_start, p, rank);
       const bool live = c.rows > 0;  // a cluster's CTA past its expert's rows only passes B on
       if (n >= 1) mbar_wait(my_turn, turns++ & 1);
+      PingRowInfo info = {};
+      // The rows' pairs once the first k-step's wgmmas are issued, their weights three k-steps
+      // later, so neither load's latency falls on the main loop or the epilogue.
+      const int weights_kt = min(3, k_tiles - 1);
       int prev_s = 0;
       for (int kt = 0; kt < k_tiles; ++kt, ++it) {
         const int s = int(it % kStages);
@@ -230,6 +304,8 @@ __global__ void __launch_bounds__(kPingThreads, 1)
                                                       desc_b + kStepB * kk, scale);
           }
           wgmma_commit();
+          if (kt == 0) ping_load_pairs(p, c, warp_in_wg, g, info);
+          if (kt == weights_kt) ping_load_weights(p, c, warp_in_wg, g, info);
           wgmma_wait<1>();
           fence_accumulators(acc0);
           fence_accumulators(acc1);
@@ -244,8 +320,8 @@ __global__ void __launch_bounds__(kPingThreads, 1)
       release_stage<CLUSTER>(smem_u32(shm.empty_bar + prev_s), lane);
 
       // Epilogue, while the other warpgroup's main loop runs.
-      ping_store_half<T, TILE_N>(p, c, 16 * warp_in_wg + g, t4, acc0);
-      ping_store_half<T, TILE_N>(p, c, 64 + 16 * warp_in_wg + g, t4, acc1);
+      ping_store_half<T, TILE_N>(p, c, 0, warp_in_wg, lane, stg, info, acc0);
+      ping_store_half<T, TILE_N>(p, c, 1, warp_in_wg, lane, stg, info, acc1);
     }
   }
   // The peer may still arrive on our empty barriers (and we on its) until both are done.
