@@ -10,8 +10,8 @@ struct Sm90Device {
   // Compute capability 9.0, the library's sm_90a image of every sm90 kernel picked by the runtime,
   // the shared-memory opt-in granted, and the driver's tensor-map encoder found.
   bool usable = false;
-  // The opt-in ping-pong F2/B4 kernels are prepared too (MOEBLAZE_CUDA_ROWS_FORM=pingpong); where
-  // they are not, that form falls back to the policy's, and nothing else depends on them.
+  // The ping-pong F2/B4 kernels are prepared too (F2's form for h <= 1024, B4's when forced);
+  // where they are not, F2 and B4 run the cooperative kernel, and nothing else depends on them.
   bool rows_pingpong = false;
   // 2-CTA clusters of the ping-pong kernel resident at once (its grid); 0: that form falls back.
   int rows_pingpong_clusters = 0;

@@ -521,7 +521,7 @@ PingpongChoice pingpong_choice(const Sm90Forms& forms) {
   if (forms.rows_form == kSm90RowsFormPingpong128) c.tile_n = 128;
   if (forms.rows_form == kSm90RowsFormPingpong2Cta) c = {192, 2};
   if (c.tile_n == 0) return c;
-  // The device lookup (a lock) only when the opt-in form is asked for, not on every launch.
+  // The device lookup (a lock) only for the ping-pong forms, not on every launch.
   const Sm90Device& info = sm90_current_device();
   if (!info.rows_pingpong || (c.cluster > 1 && info.rows_pingpong_clusters == 0)) c.tile_n = 0;
   return c;

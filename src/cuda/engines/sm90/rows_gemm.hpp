@@ -58,14 +58,14 @@ void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& form
 void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& forms,
                     cudaStream_t stream);
 
-// F2's and B4's form (Sm90Forms::rows_form): -1 = the policy (the epilogue warps'), 0 the
+// F2's and B4's form (Sm90Forms::rows_form): -1 = the epilogue warps' (B4's policy), 0 the
 // consumers' (they store their rows after each main loop), 1 the epilogue warps' (the consumers
 // hand the rounded rows to warps 1-3 of the producer warpgroup and go on; 3 stages instead of 4),
 // 2 and 3 the ping-pong kernel (rows_pingpong_gemm.cu: each consumer warpgroup a whole tile of 192
-// or 128 columns, one's store under the other's main loop; opt-in, not faster on the H200), 4 the
-// same kernel with 192 columns in 2-CTA clusters that share B by multicast. Every form should give
-// the same bits (the CUDA suite checks it). Parses MOEBLAZE_CUDA_ROWS_FORM's value ("consumers",
-// "warps", "pingpong", "pingpong128", "pingpong2cta"; nullptr or anything else: -1).
+// or 128 columns, one's store under the other's main loop), 4 the same kernel with 192 columns in
+// 2-CTA clusters that share B by multicast (F2's form for h <= kSm90F2PingpongMaxH, below). Every
+// form gives the same bits (the CUDA suite checks it). Parses MOEBLAZE_CUDA_ROWS_FORM's value
+// ("consumers", "warps", "pingpong", "pingpong128", "pingpong2cta"; nullptr or anything else: -1).
 int sm90_parse_rows_form(const char* value);
 constexpr int kSm90RowsFormPingpong192 = 2;
 constexpr int kSm90RowsFormPingpong128 = 3;
@@ -73,8 +73,9 @@ constexpr int kSm90RowsFormPingpong2Cta = 4;
 
 // F2's form as its launch takes it (Sm90Forms::rows_form): the forced one; else, for F2's short
 // main loops (h <= kSm90F2PingpongMaxH: at most 16 k-steps a tile), the 192-column ping-pong in
-// 2-CTA clusters, SonicMoE's down-projection form (it falls back to the cooperative kernel where
-// the device has no such clusters prepared); else -1, the cooperative kernel's policy.
+// 2-CTA clusters, SonicMoE's down-projection form: no tile boundary leaves the tensor cores
+// waiting for an epilogue (F2 2-4 % faster on qwen3-30b-a3b and sonicmoe-readme on an H100; it
+// falls back to the cooperative kernel where no such clusters are prepared); else -1.
 constexpr int64_t kSm90F2PingpongMaxH = 1024;
 int sm90_f2_rows_form(const LayerDesc& desc, const Sm90Forms& forms);
 

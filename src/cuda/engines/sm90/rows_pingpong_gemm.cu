@@ -1,5 +1,6 @@
-// F2 and B4 on Hopper with ping-pong consumers (MOEBLAZE_CUDA_ROWS_FORM=pingpong or pingpong128;
-// see rows_gemm.hpp for what F2 and B4 compute).
+// F2 and B4 on Hopper with ping-pong consumers: F2's form for h <= 1024 (192 columns, 2-CTA
+// clusters; sm90_f2_rows_form), B4's only when forced (MOEBLAZE_CUDA_ROWS_FORM=pingpong,
+// pingpong128 or pingpong2cta). See rows_gemm.hpp for what F2 and B4 compute.
 //
 // Why: where a tile's main loop is short (F2 at h = 768 runs 12 k-steps), rows_gemm.cu's
 // cooperative tile (both consumer warpgroups on one 128 x 256 tile) leaves the tensor cores idle
@@ -18,8 +19,8 @@
 // the protocol, and that it fails without the turns). Each warp stores its rows (row_value of the
 // row's weight, rounded once) through its own 2 KB staging buffer after the stages, 64 columns at a
 // time, with 16-byte stores; the rows' pairs and weights are loaded during the main loop. The k
-// order of every element is the cooperative kernel's (16-k wgmmas in k order), so the two should
-// give the same bits; the CUDA suite checks it.
+// order of every element is the cooperative kernel's (16-k wgmmas in k order), so the two give the
+// same bits (the CUDA suite checks it).
 #include <algorithm>
 
 #include "cuda/engines/sm90/rows_layout.cuh"
