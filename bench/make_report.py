@@ -333,6 +333,24 @@ def command_lines(doc):
     return [f"Command: `{scrub_text(doc.get('command') or '')}`"]
 
 
+def build_checked(doc):
+    """Whether tools/same_code.py found the run's library (whose build info names another
+    revision) to hold the code of a build of the run's commit (the run's build_check)."""
+    check = doc.get("build_check") or {}
+    info = doc.get("environment", {}).get("moeblaze_build_info", "")
+    return bool(check.get("same_code_as")) and str(doc.get("commit", "")).startswith(
+        check["same_code_as"]) and f"(git {check.get('library_revision')})" in info
+
+
+def build_check_lines(doc):
+    if not build_checked(doc):
+        return []
+    check = doc["build_check"]
+    return [f"**Build check:** the library reported revision `{check['library_revision']}`; "
+            f"{check.get('by', 'tools/same_code.py')} found it the same code as a build of "
+            f"`{check['same_code_as']}` ({'; '.join(check.get('compared', []))})."]
+
+
 def markdown(doc, plot_names=(), image_dir="", accuracy=True):
     """The report. image_dir prefixes the plots' file names (the path from the markdown file that
     shows them to the plots); accuracy=False replaces the accuracy table by its one-line summary
@@ -347,8 +365,9 @@ def markdown(doc, plot_names=(), image_dir="", accuracy=True):
            False: "; backward keeps its saved buffer (--keep-saved).",
            None: "."}[env.get("moeblaze_consume_saved")],
         *peer_lines(doc),
-        *([f"**Commit mismatch:** {doc['commit_mismatch']}."] if doc.get("commit_mismatch")
-          else []),
+        *([f"**Commit mismatch:** {doc['commit_mismatch']}."]
+          if doc.get("commit_mismatch") and not build_checked(doc) else []),
+        *build_check_lines(doc),
         *command_lines(doc),
         *clock_lines(doc),
         "",
@@ -602,7 +621,7 @@ def publish(json_path, results_dir=RESULTS_DIR, doc_path=PERFORMANCE_DOC, make_p
         raise SystemExit(f"--as {as_}: expected latest, " + ", ".join(PUBLISH_AS))
     with open(json_path) as f:
         doc = scrub_machine_paths(json.load(f))
-    if doc.get("commit_mismatch"):
+    if doc.get("commit_mismatch") and not build_checked(doc):
         # A committed result names the build it measured.
         raise SystemExit(f"make_report: {json_path} is not published: {doc['commit_mismatch']}")
     os.makedirs(results_dir, exist_ok=True)

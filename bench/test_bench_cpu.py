@@ -294,13 +294,33 @@ def test_a_library_built_at_another_commit_is_flagged_and_not_published(tmp_path
         make_report.publish(str(path), results_dir=str(tmp_path / "results"), doc_path=None,
                             make_plots=False)
     assert not (tmp_path / "results").exists()
+    # tools/same_code.py's check that the library is a build of the run's commit but for its
+    # revision: published, with the check in the report. A check of another commit or library
+    # is not enough.
+    good = {"library_revision": "b18fd4923aea", "same_code_as": "0b79da4",
+            "compared": ["the SASS of 2 kernels"], "by": "tools/same_code.py"}
+    for check in ({**good, "same_code_as": "1234567"}, {**good, "library_revision": "ffff"}):
+        path.write_text(json.dumps({**doc, "build_check": check}))
+        with pytest.raises(SystemExit, match="not published"):
+            make_report.publish(str(path), results_dir=str(tmp_path / "results"), doc_path=None,
+                                make_plots=False)
+    checked = {**doc, "build_check": good}
+    text = make_report.markdown(checked)
+    assert "**Build check:**" in text and "**Commit mismatch:**" not in text
+    path.write_text(json.dumps(checked))
+    make_report.publish(str(path), results_dir=str(tmp_path / "results"), doc_path=None,
+                        make_plots=False)
+    assert (tmp_path / "results" / "latest.json").exists()
 
 
 def test_committed_result_sets_name_the_build_they_measured():
+    import make_report
     for name in ("latest.json", "layer.json", "megablocks.json"):
         with open(os.path.join(HERE, "results", name)) as f:
             doc = json.load(f)
         build = doc["environment"]["moeblaze_build_info"]
+        if make_report.build_checked(doc):  # tools/same_code.py: the commit's code
+            continue
         assert "commit_mismatch" not in doc, name
         assert run_bench.commit_mismatch(doc["commit"], build) is None, (name, doc["commit"], build)
         assert "(git " in build and not doc["commit"].endswith("-dirty"), (name, doc["commit"])

@@ -11,6 +11,7 @@
 #include "common/checks.hpp"
 #include "common/handles.hpp"
 #include "common/saved_layout.hpp"
+#include "moeblaze_revision.h"  // MOEBLAZE_GIT_REVISION, written at build time
 
 using namespace moeblaze;
 using namespace moeblaze::api;
@@ -66,10 +67,6 @@ void run_pass(moeblaze_layer_t layer, const Args* args, size_t first_published_s
 }
 
 }  // namespace
-
-#ifndef MOEBLAZE_GIT_REVISION
-#define MOEBLAZE_GIT_REVISION "unknown"
-#endif
 
 #define MB_STRINGIFY2(x) #x
 #define MB_STRINGIFY(x) MB_STRINGIFY2(x)
