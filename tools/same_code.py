@@ -34,11 +34,10 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sass_loops import find_cuobjdump  # noqa: E402
+from sass_loops import find_cuobjdump, functions  # noqa: E402
 
 REVISION = re.compile(rb" \(git ([0-9A-Za-z._-]+)\), ABI ")
 ANONYMOUS = re.compile(r"_GLOBAL__N__[0-9a-f]+_[0-9]+_[A-Za-z0-9_]+?_cu_[0-9a-f]{8}")
-SASS_ADDRESS = re.compile(r"/\*[0-9a-f]{4,}\*/")
 HOST_ADDRESS = re.compile(r"\b(?:0x)?[0-9a-f]{4,}\b")
 FATBIN = ".nv_fatbin"
 
@@ -80,15 +79,11 @@ def host_code(path):
 
 
 def kernels(path, cuobjdump):
-    """{kernel name: its SASS} with addresses and anonymous-namespace hashes normalised."""
+    """{kernel name: its instructions} (sass_loops.functions: addresses and NOPs aside), with
+    anonymous-namespace hashes normalised."""
     out = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
-    found = {}
-    for chunk in out.split("Function : ")[1:]:
-        name, body = chunk.split("\n", 1)
-        text = "\n".join(SASS_ADDRESS.sub("", line).strip() for line in body.split("\n")
-                         if "nvdisasm" not in line)
-        found[ANONYMOUS.sub("ANON", name.strip())] = ANONYMOUS.sub("ANON", text)
-    return found
+    return {ANONYMOUS.sub("ANON", name): [ANONYMOUS.sub("ANON", text) for _, text in body]
+            for name, body in functions(out)}
 
 
 def compare(ran, fresh, cuobjdump):
