@@ -12,13 +12,23 @@ Used by bench/run_bench.py (the run's header) and tests/cuda/profile_kernels.py 
 Python plus torch; every function degrades to an explanation when there is no GPU or no nvidia-smi.
 """
 
+import functools
 import os
 import shutil
 import subprocess
 import time
 
-FIELDS = ("clocks.sm", "clocks.mem", "power.draw", "enforced.power.limit", "temperature.gpu",
-          "clocks_event_reasons.active")
+# Board power, the first of these that nvidia-smi answers for the GPU: the instantaneous reading
+# (drivers 530 and newer), else power.draw, which on Ampere and newer cards is a one-second
+# average (NVML's nvmlDeviceGetPowerUsage) that blurs a row's short rounds into its neighbours'.
+POWER_FIELDS = ("power.draw.instant", "power.draw")
+
+
+def fields(power="power.draw"):
+    """The columns a sample has, in order, with `power` as its power column."""
+    return ("clocks.sm", "clocks.mem", power, "enforced.power.limit", "temperature.gpu",
+            "clocks_event_reasons.active")
+
 # NVML clock-event reason bits (nvmlClocksEventReason*): why the clock is below its maximum.
 REASON_BITS = {0x1: "idle", 0x2: "application clocks setting", 0x4: "software power cap",
                0x8: "hardware slowdown", 0x10: "sync boost", 0x20: "software thermal slowdown",
@@ -42,9 +52,33 @@ def visible_gpu():
     return first or "0"
 
 
+@functools.lru_cache(maxsize=None)
+def power_field(gpu):
+    """The first of POWER_FIELDS that nvidia-smi reads as a number for `gpu` (asked once per
+    process), or None without nvidia-smi. An unknown field fails the query; an unsupported one
+    reads [N/A]."""
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    for field in POWER_FIELDS:
+        try:
+            out = subprocess.run([exe, f"--id={gpu}", f"--query-gpu={field}",
+                                  "--format=csv,noheader,nounits"], capture_output=True,
+                                 text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        try:
+            if out.returncode == 0:
+                float(out.stdout.strip().splitlines()[0])
+                return field
+        except (ValueError, IndexError):
+            pass
+    return POWER_FIELDS[-1]
+
+
 class ClockSampler:
-    """Samples FIELDS every interval_ms while the `with` block runs (the process's CUDA device 0,
-    or `gpu`: an nvidia-smi index or UUID).
+    """Samples fields(power_field(gpu)) every interval_ms while the `with` block runs (the
+    process's CUDA device 0, or `gpu`: an nvidia-smi index or UUID).
 
     After the block, .samples holds one dict per sample and .summary() condenses them. With no
     nvidia-smi the block still runs and .error says why there are no samples."""
@@ -53,15 +87,17 @@ class ClockSampler:
         self.interval_ms = interval_ms
         self.gpu = visible_gpu() if gpu is None else gpu
         self.samples, self.error, self._proc = [], None, None
+        self.power_field = None  # the power column nvidia-smi was asked for (POWER_FIELDS)
 
     def __enter__(self):
         exe = shutil.which("nvidia-smi")
         if exe is None:
             self.error = "nvidia-smi not found"
             return self
+        self.power_field = power_field(self.gpu) or POWER_FIELDS[-1]
         try:
             self._proc = subprocess.Popen(
-                [exe, f"--id={self.gpu}", f"--query-gpu={','.join(FIELDS)}",
+                [exe, f"--id={self.gpu}", f"--query-gpu={','.join(fields(self.power_field))}",
                  "--format=csv,noheader,nounits", "-lms", str(self.interval_ms)],
                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         except OSError as error:
@@ -86,7 +122,8 @@ class ClockSampler:
         """Medians, ranges and the share of samples with each clock-event reason."""
         if not self.samples:
             return {"samples": 0, "error": self.error}
-        out = {"samples": len(self.samples), "interval_ms": self.interval_ms}
+        out = {"samples": len(self.samples), "interval_ms": self.interval_ms,
+               "power_field": self.power_field}
         for key in ("sm_mhz", "mem_mhz", "power_w", "power_limit_w", "temperature_c"):
             values = sorted(s[key] for s in self.samples if s[key] is not None)
             if values:
@@ -114,13 +151,14 @@ def row_clocks(summary, ms):
     count = (summary or {}).get("samples", 0)
     mhz, watts = (median("sm_mhz"), median("power_w")) if count else (None, None)
     joules = watts * ms / 1e3 if watts is not None and ms is not None else None
-    return {"clock_samples": count, "sm_mhz": mhz, "power_w": watts, "joules": joules}
+    return {"clock_samples": count, "sm_mhz": mhz, "power_w": watts, "joules": joules,
+            "power_field": summary.get("power_field") if count else None}
 
 
 def parse_sample(line):
     """One nvidia-smi CSV line -> dict, or None for a malformed line ('[N/A]' fields: None)."""
     parts = [p.strip() for p in line.split(",")]
-    if len(parts) != len(FIELDS):
+    if len(parts) != len(fields()):
         return None
 
     def number(text):

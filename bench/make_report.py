@@ -167,6 +167,54 @@ def memory_table(doc):
     return "\n".join(out)
 
 
+def energy_table(doc):
+    """Each row's median SM clock and board power while its repetitions ran, and the joules of one
+    repetition (bench/gpu_clocks.py row_clocks), beside the peers'; "" when no row was sampled.
+    Under the power limit the implementation that needs fewer joules a step runs its SMs faster,
+    so this table says why two step times differ where their kernels' cycles do not."""
+    rows = doc["rows"]
+    if not any(r.get("clock_samples") for r in rows):
+        return ""
+    idx = _index(rows)
+    bases = baselines(rows)
+    names = " / ".join(bases + ["moeblaze"])
+    head = (["config", "act", f"SM MHz {names}", f"W {names}", f"J a repetition {names}"]
+            + [f"J moeblaze ÷ {b}" for b in bases])
+    out = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for cfg, act in _keys(rows):
+        impls = [_baseline_row(rows, idx, cfg, act, b) for b in bases]
+        mb = idx.get((cfg, act, "moeblaze", "save_preact")) or {}
+        impls.append(mb)
+
+        def each(field, spec):
+            return " / ".join(_fmt(r.get(field) if r.get("clock_samples") else None, spec)
+                              for r in impls)
+
+        def joules(row):
+            return row.get("joules") if row.get("clock_samples") else None
+
+        cells = ([cfg, act, each("sm_mhz", ".0f"), each("power_w", ".0f"), each("joules", ".2f")]
+                 + [_fmt(_ratio(joules(mb), joules(b)), ".3f") for b in impls[:-1]])
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def energy_caption(doc):
+    """What energy_table's figures are, naming the power reading the run sampled."""
+    used = sorted({r.get("power_field") or "power.draw" for r in doc["rows"]
+                   if r.get("clock_samples")})
+    power = " and ".join(f"`{field}`" for field in used)
+    text = ("**Clocks and energy.** Medians of the nvidia-smi samples taken while a row's timed "
+            f"repetitions ran: SM clock and board power ({power}); joules a repetition = that "
+            "power × the median time. Where the card sits at its power limit, the implementation "
+            "that needs fewer joules a step runs at the higher clock.")
+    if "power.draw" in used:
+        text += (" `power.draw` is a one-second average on Ampere and newer cards, so a row whose "
+                 "timing rounds are shorter reads partly its neighbours' draw; the SM clock is "
+                 "an instantaneous reading.")
+    return text
+
+
 def accuracy_table(doc):
     out = ["| config | act | impl | policy | y | dx | dw_gate | dw_up | dw_down | dg "
            "| bitwise repeat |",
@@ -383,6 +431,9 @@ def markdown(doc, plot_names=(), image_dir="", accuracy=True):
         "",
         memory_table(doc),
     ]
+    energy = energy_table(doc)
+    if energy:
+        parts += ["", energy_caption(doc), "", energy]
     if accuracy:
         parts += ["", "**Accuracy** (‖out − ref‖ / ‖ref‖ against the fp32 reference):", "",
                   accuracy_table(doc)]

@@ -382,6 +382,30 @@ def test_make_report_gives_every_baseline_its_columns():
     assert "peak MiB grouped_mm / sonicmoe" in memory[0] and "| 4 / 2 |" in memory[2]
 
 
+def test_make_report_energy_table_compares_joules_and_names_the_power_reading():
+    import make_report
+    rows = _report_rows()
+    doc = {"device": "cpu", "commit": "abc", "command": "x", "environment": {}, "rows": rows}
+    assert make_report.energy_table(doc) == ""  # nothing sampled: no table, no caption
+    assert "Clocks and energy" not in make_report.markdown(doc)
+    for r, (mhz, watts) in zip(rows, ((1440, 690), (1500, 680), (1470, 700))):
+        r.update(clock_samples=8, sm_mhz=mhz, power_w=watts, joules=watts * r["ms"] / 1e3,
+                 power_field="power.draw.instant")
+    table = make_report.energy_table(doc).splitlines()
+    assert "| SM MHz grouped_mm / sonicmoe / moeblaze |" in table[0]
+    assert table[0].endswith("| J moeblaze ÷ grouped_mm | J moeblaze ÷ sonicmoe |")
+    # moeblaze 1.40 J against 2.76 and 1.70
+    assert table[2] == ("| c1 | swiglu | 1440 / 1500 / 1470 | 690 / 680 / 700 "
+                        "| 2.76 / 1.70 / 1.40 | 0.507 | 0.824 |")
+    md = make_report.markdown(doc)
+    assert "board power (`power.draw.instant`)" in md and "one-second average" not in md
+    rows[1].pop("power_field")  # a set from before the instant reading: power.draw, with a caveat
+    caption = make_report.energy_caption(doc)
+    assert "(`power.draw` and `power.draw.instant`)" in caption and "one-second average" in caption
+    rows[0]["clock_samples"] = 0  # an unsampled row reads as a dash, not as zero
+    assert "| – / 1500 / 1470 |" in make_report.energy_table(doc)
+
+
 def test_make_report_tells_a_consistent_lead_from_a_mixed_one():
     import make_report
     verdict = make_report.round_verdict
@@ -517,7 +541,39 @@ def test_row_clocks_give_the_energy_of_a_step():
     assert abs(fields["joules"] - 692.0 * 14.5e-3) < 1e-12
     for nothing in (None, {"samples": 0, "error": "nvidia-smi not found"}):
         assert gpu_clocks.row_clocks(nothing, 14.5) == {
-            "clock_samples": 0, "sm_mhz": None, "power_w": None, "joules": None}
+            "clock_samples": 0, "sm_mhz": None, "power_w": None, "joules": None,
+            "power_field": None}
+    summary = dict(sampler.summary(), power_field="power.draw.instant")
+    assert gpu_clocks.row_clocks(summary, 14.5)["power_field"] == "power.draw.instant"
+
+
+def _fake_nvidia_smi(tmp_path, monkeypatch, answers):
+    """An nvidia-smi on PATH that answers a one-field --query-gpu with answers[field] (exit 0), and
+    any other field as the real one answers an unknown field (exit 2)."""
+    import gpu_clocks
+    script = tmp_path / "nvidia-smi"
+    cases = "".join(f'  *"--query-gpu={field} "*) echo "{text}"; exit 0;;\n'
+                    for field, text in answers.items())
+    script.write_text('#!/bin/sh\ncase "$*" in\n' + cases +
+                      '  *) echo "Field is not a valid field to query." >&2; exit 2;;\nesac\n')
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ.get('PATH', '')}")
+    gpu_clocks.power_field.cache_clear()
+
+
+def test_power_field_takes_the_instant_reading_where_nvidia_smi_has_one(tmp_path, monkeypatch):
+    import gpu_clocks
+    _fake_nvidia_smi(tmp_path, monkeypatch, {"power.draw.instant": "512.34", "power.draw": "600"})
+    assert gpu_clocks.power_field("0") == "power.draw.instant"
+    # An older driver: the field is unknown, the query fails.
+    _fake_nvidia_smi(tmp_path, monkeypatch, {"power.draw": "600.00"})
+    assert gpu_clocks.power_field("0") == "power.draw"
+    # Known but not supported on this card.
+    _fake_nvidia_smi(tmp_path, monkeypatch, {"power.draw.instant": "[N/A]", "power.draw": "600"})
+    assert gpu_clocks.power_field("0") == "power.draw"
+    assert gpu_clocks.fields("power.draw.instant")[2] == "power.draw.instant"
+    assert len(gpu_clocks.fields("power.draw.instant")) == len(gpu_clocks.fields())
+    gpu_clocks.power_field.cache_clear()
 
 
 def test_clock_sampler_follows_cuda_visible_devices(monkeypatch):
