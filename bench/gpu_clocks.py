@@ -114,6 +114,8 @@ class ClockSampler:
             self._proc.kill()
             out, _ = self._proc.communicate()
         self.samples = [s for s in (parse_sample(line) for line in out.splitlines()) if s]
+        for sample in self.samples:  # samples gathered over several blocks keep their reading
+            sample["power_field"] = self.power_field
         if not self.samples:
             self.error = "nvidia-smi gave no readable samples"
         return False
@@ -122,8 +124,9 @@ class ClockSampler:
         """Medians, ranges and the share of samples with each clock-event reason."""
         if not self.samples:
             return {"samples": 0, "error": self.error}
-        out = {"samples": len(self.samples), "interval_ms": self.interval_ms,
-               "power_field": self.power_field}
+        field = self.power_field or next(
+            (s["power_field"] for s in self.samples if s.get("power_field")), None)
+        out = {"samples": len(self.samples), "interval_ms": self.interval_ms, "power_field": field}
         for key in ("sm_mhz", "mem_mhz", "power_w", "power_limit_w", "temperature_c"):
             values = sorted(s[key] for s in self.samples if s[key] is not None)
             if values:

@@ -543,8 +543,12 @@ def test_row_clocks_give_the_energy_of_a_step():
         assert gpu_clocks.row_clocks(nothing, 14.5) == {
             "clock_samples": 0, "sm_mhz": None, "power_w": None, "joules": None,
             "power_field": None}
-    summary = dict(sampler.summary(), power_field="power.draw.instant")
-    assert gpu_clocks.row_clocks(summary, 14.5)["power_field"] == "power.draw.instant"
+    assert fields["power_field"] is None  # samples that do not say which reading they are
+    # run_bench.clock_summary condenses samples from several sampled blocks in a new sampler: the
+    # reading comes with the samples.
+    merged = gpu_clocks.ClockSampler()
+    merged.samples = [dict(s, power_field="power.draw.instant") for s in sampler.samples]
+    assert gpu_clocks.row_clocks(merged.summary(), 14.5)["power_field"] == "power.draw.instant"
 
 
 def _fake_nvidia_smi(tmp_path, monkeypatch, answers):
@@ -571,6 +575,21 @@ def test_power_field_takes_the_instant_reading_where_nvidia_smi_has_one(tmp_path
     # Known but not supported on this card.
     _fake_nvidia_smi(tmp_path, monkeypatch, {"power.draw.instant": "[N/A]", "power.draw": "600"})
     assert gpu_clocks.power_field("0") == "power.draw"
+    # A sampler asks for the reading power_field found, and its rows say which one it was.
+    script = tmp_path / "nvidia-smi"
+    script.write_text('#!/bin/sh\ncase "$*" in\n'
+                      '  *"-lms"*) echo "1500, 3201, 612.5, 700.00, 60, 0x4"; '
+                      'echo "1485, 3201, 640.0, 700.00, 61, 0x4"; exec sleep 30;;\n'
+                      '  *"--query-gpu=power.draw.instant "*) echo "512.34"; exit 0;;\n'
+                      '  *) exit 2;;\nesac\n')
+    gpu_clocks.power_field.cache_clear()
+    import time
+    with gpu_clocks.ClockSampler(interval_ms=50) as sampler:
+        time.sleep(0.5)
+    summary = sampler.summary()
+    assert sampler.power_field == "power.draw.instant" and summary["samples"] == 2
+    assert summary["power_field"] == "power.draw.instant"
+    assert summary["power_w"]["max"] == 640.0
     assert gpu_clocks.fields("power.draw.instant")[2] == "power.draw.instant"
     assert len(gpu_clocks.fields("power.draw.instant")) == len(gpu_clocks.fields())
     gpu_clocks.power_field.cache_clear()
