@@ -167,6 +167,11 @@ def memory_table(doc):
     return "\n".join(out)
 
 
+def _sampled(row, field):
+    """A row's clock or energy field, None where nothing was sampled while it ran."""
+    return row.get(field) if row.get("clock_samples") else None
+
+
 def energy_table(doc):
     """Each row's median SM clock and board power while its repetitions ran, and the joules of one
     repetition (bench/gpu_clocks.py row_clocks), beside the peers'; "" when no row was sampled.
@@ -187,14 +192,11 @@ def energy_table(doc):
         impls.append(mb)
 
         def each(field, spec):
-            return " / ".join(_fmt(r.get(field) if r.get("clock_samples") else None, spec)
-                              for r in impls)
-
-        def joules(row):
-            return row.get("joules") if row.get("clock_samples") else None
+            return " / ".join(_fmt(_sampled(r, field), spec) for r in impls)
 
         cells = ([cfg, act, each("sm_mhz", ".0f"), each("power_w", ".0f"), each("joules", ".2f")]
-                 + [_fmt(_ratio(joules(mb), joules(b)), ".3f") for b in impls[:-1]])
+                 + [_fmt(_ratio(_sampled(mb, "joules"), _sampled(b, "joules")), ".3f")
+                    for b in impls[:-1]])
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 

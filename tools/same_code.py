@@ -59,11 +59,15 @@ def sections(path):
     return data, out
 
 
-def revision(path):
-    data, secs = sections(path)
+def revision_in(data, secs):
+    """The build-info revision in an ELF file's .rodata (sections()'s data and table), or None."""
     _, offset, size = secs.get(".rodata", (0, 0, 0))
     m = REVISION.search(data, offset, offset + size)
     return m.group(1).decode() if m else None
+
+
+def revision(path):
+    return revision_in(*sections(path))
 
 
 def section_bytes(data, secs, name):
@@ -91,7 +95,7 @@ def compare(ran, fresh, cuobjdump):
     diffs, compared = [], []
     data_a, secs_a = sections(ran)
     data_b, secs_b = sections(fresh)
-    rev_a, rev_b = revision(ran), revision(fresh)
+    rev_a, rev_b = revision_in(data_a, secs_a), revision_in(data_b, secs_b)
     if rev_a is None or rev_b is None:
         diffs.append("no build-info revision string in " + (ran if rev_a is None else fresh))
         return diffs, compared
@@ -163,9 +167,9 @@ def self_test(lib, cuobjdump):
     if not shutil.which("objdump"):
         print("same_code self-test: SKIPPED (no objdump)")
         return 77
-    rev = revision(lib)
-    assert rev, f"no revision string in {lib}"
     data, secs = sections(lib)
+    rev = revision_in(data, secs)
+    assert rev, f"no revision string in {lib}"
     _, ro_offset, ro_size = secs[".rodata"]
     with tempfile.TemporaryDirectory() as tmp:
         restamped, touched = os.path.join(tmp, "restamped.so"), os.path.join(tmp, "touched.so")
