@@ -511,19 +511,21 @@ bool sm90_rows_supported(const LayerDesc& desc, int64_t T,
 }
 
 // The ping-pong kernel's tile width and cluster size when `forms` selects it and the device has it
-// prepared, else tile_n 0 (the other forms).
+// prepared, with the device's facts for the launch, else tile_n 0 (the other forms).
 struct PingpongChoice {
   int tile_n = 0, cluster = 1;
+  const Sm90Device* device = nullptr;
 };
 PingpongChoice pingpong_choice(const Sm90Forms& forms) {
   PingpongChoice c;
   if (forms.rows_form == kSm90RowsFormPingpong192) c.tile_n = 192;
   if (forms.rows_form == kSm90RowsFormPingpong128) c.tile_n = 128;
-  if (forms.rows_form == kSm90RowsFormPingpong2Cta) c = {192, 2};
+  if (forms.rows_form == kSm90RowsFormPingpong2Cta) c.tile_n = 192, c.cluster = 2;
   if (c.tile_n == 0) return c;
-  // The device lookup (a lock) only for the ping-pong forms, not on every launch.
-  const Sm90Device& info = sm90_current_device();
-  if (!info.rows_pingpong || (c.cluster > 1 && info.rows_pingpong_clusters == 0)) c.tile_n = 0;
+  // The device lookup (a lock and cudaGetDevice) only for the ping-pong forms, once a launch.
+  c.device = &sm90_current_device();
+  if (!c.device->rows_pingpong || (c.cluster > 1 && c.device->rows_pingpong_clusters == 0))
+    c.tile_n = 0;
   return c;
 }
 
@@ -536,7 +538,7 @@ void sm90_f2_launch(const LayerDesc& desc, const F2Op& op, const Sm90Forms& form
                     cudaStream_t stream) {
   const PingpongChoice ping = pingpong_choice(forms);
   if (ping.tile_n != 0) {
-    sm90_f2_pingpong_launch(desc, op, ping.tile_n, ping.cluster, forms, stream);
+    sm90_f2_pingpong_launch(desc, op, *ping.device, ping.tile_n, ping.cluster, forms, stream);
     return;
   }
   if (op.rows.T * desc.k == 0) return;
@@ -548,7 +550,7 @@ void sm90_b4_launch(const LayerDesc& desc, const B4Op& op, const Sm90Forms& form
                     cudaStream_t stream) {
   const PingpongChoice ping = pingpong_choice(forms);
   if (ping.tile_n != 0) {
-    sm90_b4_pingpong_launch(desc, op, ping.tile_n, ping.cluster, forms, stream);
+    sm90_b4_pingpong_launch(desc, op, *ping.device, ping.tile_n, ping.cluster, forms, stream);
     return;
   }
   if (op.rows.T * desc.k == 0) return;

@@ -79,13 +79,14 @@ constexpr int kSm90RowsFormPingpong2Cta = 4;
 constexpr int64_t kSm90F2PingpongMaxH = 1024;
 int sm90_f2_rows_form(const LayerDesc& desc, const Sm90Forms& forms);
 
-// The ping-pong forms of F2 and B4 (rows_pingpong_gemm.cu); tile_n = 192 or 128, cluster = 1, or
-// 2 with tile_n 192 (Sm90Device::rows_pingpong_clusters > 0). Precondition: sm90_rows_supported
-// over the op's tensors.
-void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n, int cluster,
-                             const Sm90Forms& forms, cudaStream_t stream);
-void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n, int cluster,
-                             const Sm90Forms& forms, cudaStream_t stream);
+// The ping-pong forms of F2 and B4 (rows_pingpong_gemm.cu) on `device`, the current device's
+// facts as the caller looked them up for its choice of form (one lookup a launch); tile_n = 192 or
+// 128, cluster = 1, or 2 with tile_n 192 (device.rows_pingpong_clusters > 0). Precondition:
+// sm90_rows_supported over the op's tensors.
+void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, const Sm90Device& device,
+                             int tile_n, int cluster, const Sm90Forms& forms, cudaStream_t stream);
+void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, const Sm90Device& device,
+                             int tile_n, int cluster, const Sm90Forms& forms, cudaStream_t stream);
 // As sm90_rows_prepare_kernels, for the ping-pong kernels alone (Sm90Device::rows_pingpong); sets
 // *max_clusters to the 2-CTA clusters that can be resident at once (0: none).
 bool sm90_rows_pingpong_prepare_kernels(int* max_clusters);

@@ -356,14 +356,14 @@ size_t ping_smem_bytes(int tile_n, int E) {
   return tile_n == 192 ? PingLayout<192>::smem_bytes(E) : PingLayout<128>::smem_bytes(E);
 }
 
-void ping_launch(const LayerDesc& desc, int kind, int tile_n, int cluster, const CUtensorMap& a,
-                 const CUtensorMap& b0, const CUtensorMap& b1, const RowsParams& params,
-                 const Sm90Forms& forms, cudaStream_t stream, const char* what) {
+void ping_launch(const LayerDesc& desc, const Sm90Device& info, int kind, int tile_n, int cluster,
+                 const CUtensorMap& a, const CUtensorMap& b0, const CUtensorMap& b1,
+                 const RowsParams& params, const Sm90Forms& forms, cudaStream_t stream,
+                 const char* what) {
   RowsParams p = params;
   p.n_tiles = (p.n_out + tile_n - 1) / tile_n;
   p.band_mtiles =
       sm90_band_mtiles(kind == kF2 ? Sm90Gemm::F2 : Sm90Gemm::B4, p.n_tiles, forms.band_mtiles);
-  const Sm90Device& info = sm90_current_device();
   MB_REQUIRE(info.usable, MOEBLAZE_ERR_CUDA, "sm90 %s launched on an unsupported device", what);
   // Persistent, one CTA per SM (fewer when there are fewer tiles; an upper bound of the count);
   // clusters: as many as can be resident at once (not every SM can join a cluster).
@@ -407,21 +407,21 @@ bool sm90_rows_pingpong_prepare_kernels(int* max_clusters) {
   return true;
 }
 
-void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, int tile_n, int cluster,
-                             const Sm90Forms& forms, cudaStream_t stream) {
+void sm90_f2_pingpong_launch(const LayerDesc& desc, const F2Op& op, const Sm90Device& device,
+                             int tile_n, int cluster, const Sm90Forms& forms, cudaStream_t stream) {
   if (op.rows.T * desc.k == 0) return;
   // w_down in boxes of 64 rows of n; a cluster's CTA loads half the tile's rows at once.
   const RowsOperands o = f2_operands(desc, op, cluster > 1 ? 192 / 2 : kPingBoxCols);
-  ping_launch(desc, kF2, tile_n, cluster, o.a, o.b0, o.b1, o.p, forms, stream,
+  ping_launch(desc, device, kF2, tile_n, cluster, o.a, o.b0, o.b1, o.p, forms, stream,
               "sm90_rows_pingpong_kernel (F2)");
 }
 
-void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, int tile_n, int cluster,
-                             const Sm90Forms& forms, cudaStream_t stream) {
+void sm90_b4_pingpong_launch(const LayerDesc& desc, const B4Op& op, const Sm90Device& device,
+                             int tile_n, int cluster, const Sm90Forms& forms, cudaStream_t stream) {
   if (op.rows.T * desc.k == 0) return;
   // w_gate, w_up in boxes of 64 k; a cluster's CTA loads half of each box's k.
   const RowsOperands o = b4_operands(desc, op, cluster > 1 ? kBK / 2 : kBK);
-  ping_launch(desc, kB4, tile_n, cluster, o.a, o.b0, o.b1, o.p, forms, stream,
+  ping_launch(desc, device, kB4, tile_n, cluster, o.a, o.b0, o.b1, o.p, forms, stream,
               "sm90_rows_pingpong_kernel (B4)");
 }
 
