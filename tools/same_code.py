@@ -91,18 +91,19 @@ def kernels(path, cuobjdump):
 
 
 def compare(ran, fresh, cuobjdump):
-    """(differences, what was compared): the same code when the first is empty."""
+    """(differences, what was compared, the two revisions): the same code when the first is
+    empty."""
     diffs, compared = [], []
     data_a, secs_a = sections(ran)
     data_b, secs_b = sections(fresh)
     rev_a, rev_b = revision_in(data_a, secs_a), revision_in(data_b, secs_b)
     if rev_a is None or rev_b is None:
         diffs.append("no build-info revision string in " + (ran if rev_a is None else fresh))
-        return diffs, compared
+        return diffs, compared, (rev_a, rev_b)
     if len(rev_a) != len(rev_b):
         diffs.append(f"revisions of different lengths ({rev_a}, {rev_b}): their data cannot be "
                      "compared byte for byte; build FRESH with MOEBLAZE_COMMIT of RAN's length")
-        return diffs, compared
+        return diffs, compared, (rev_a, rev_b)
     table_a = {n: (k, s) for n, (k, _, s) in secs_a.items() if n != FATBIN}
     table_b = {n: (k, s) for n, (k, _, s) in secs_b.items() if n != FATBIN}
     if table_a != table_b:
@@ -138,14 +139,15 @@ def compare(ran, fresh, cuobjdump):
                 diffs.append(f"kernels: {len(changed)} with other SASS, {len(only)} in one build "
                              f"only, {len(ka)} / {len(kb)} in all: {(changed + only)[:3]}")
             compared.append(f"the SASS of {len(ka)} kernels")
-    return diffs, compared
+    return diffs, compared, (rev_a, rev_b)
 
 
-def stamp(run_json, ran, fresh, compared):
-    """Records in run_json that the library it ran (ran) is fresh's build of the run's commit."""
+def stamp(run_json, revisions, compared):
+    """Records in run_json that the library it ran (revisions[0]) is a build of the run's commit
+    (revisions[1], the fresh build's), as compare() found."""
     with open(run_json) as f:
         doc = json.load(f)
-    rev_ran, rev_fresh = revision(ran), revision(fresh)
+    rev_ran, rev_fresh = revisions
     info = doc.get("environment", {}).get("moeblaze_build_info", "")
     if f"(git {rev_ran})" not in info:
         raise SystemExit(f"same_code: {run_json} ran a library that reports {info!r}, "
@@ -177,14 +179,14 @@ def self_test(lib, cuobjdump):
         with open(restamped, "wb") as f:
             f.write(data.replace(f"(git {rev})".encode(), f"(git {other})".encode()))
         assert revision(restamped) == other
-        diffs, compared = compare(lib, restamped, cuobjdump)
+        diffs, compared, _ = compare(lib, restamped, cuobjdump)
         assert not diffs, f"a copy with another revision differs: {diffs}"
         # One byte of read-only data (away from the revision) changed must be found.
         rev_at = data.find(rev.encode(), ro_offset)
         at = ro_offset if rev_at - ro_offset > 64 else ro_offset + ro_size - 1
         with open(touched, "wb") as f:
             f.write(data[:at] + bytes([data[at] ^ 0x5A]) + data[at + 1:])
-        diffs, _ = compare(lib, touched, None)  # the kernels are the first copy's
+        diffs, _, _ = compare(lib, touched, None)  # the kernels are the first copy's
         assert any(".rodata" in d for d in diffs), f"a changed byte went unseen: {diffs}"
     print(f"same_code self-test: ok ({'; '.join(compared)})")
     return 0
@@ -203,8 +205,8 @@ def main():
         return self_test(args.ran, cuobjdump)
     if not args.fresh:
         ap.error("FRESH is required")
-    diffs, compared = compare(args.ran, args.fresh, cuobjdump)
-    print(f"revisions: {revision(args.ran)} / {revision(args.fresh)}")
+    diffs, compared, revisions = compare(args.ran, args.fresh, cuobjdump)
+    print("revisions: %s / %s" % revisions)
     print("compared: " + "; ".join(compared))
     for d in diffs:
         print("DIFFERS: " + d)
@@ -212,7 +214,7 @@ def main():
         return 1
     print("same code")
     if args.stamp:
-        stamp(args.stamp, args.ran, args.fresh, compared)
+        stamp(args.stamp, revisions, compared)
     return 0
 
 
