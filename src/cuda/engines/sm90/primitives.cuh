@@ -58,24 +58,33 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
 
+// One poll of the phase with `parity`: true once it has completed (the thread may be suspended
+// for a while inside the poll until it does).
+__device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // Spins until the phase with `parity` completes. A wait far beyond any real stall (real waits are
 // microseconds) traps instead of hanging the device: after MB_SM90_MBAR_POLL_LIMIT polls, 2^26 in
 // the library. An experiment may define a smaller limit before including this header to fail
 // fast (2^24 polls take about a minute: each poll can suspend the thread).
+// The first poll stands alone, so a wait that is already over (most of a main loop's) costs the
+// poll and a branch, not the counter's three instructions as well.
 // No printf here: a call anywhere in a kernel makes ptxas serialise its wgmmas (C7510).
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  uint32_t done;
-  uint32_t polls = 0;
-  do {
+  if (__builtin_expect(mbar_try_wait(bar, parity), 1)) return;
+  uint32_t polls = 1;
+  while (!mbar_try_wait(bar, parity)) {
     if (++polls == uint32_t(MB_SM90_MBAR_POLL_LIMIT)) __trap();
-    asm volatile(
-        "{\n.reg .pred p;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, p;\n}\n"
-        : "=r"(done)
-        : "r"(bar), "r"(parity)
-        : "memory");
-  } while (!done);
+  }
 }
 
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
@@ -660,6 +669,9 @@ class HalfTileGather {
     smem_off_ =
         uint32_t(wg_) * (64u * 128u) + uint32_t(row) * 128u + uint32_t((chunk ^ (row & 7)) << 4);
     col_ = chunk * 8;
+    // Opaque to the compiler from here: kept in registers, not recomputed from threadIdx every
+    // k-step (ptxas rematerialised both, nine instructions a k-step).
+    asm volatile("" : "+r"(smem_off_), "+r"(col_));
     fetch_ids(ids_, tile_, row_range);
     fetch_ids(next_ids_, tile_ + tile_step_, row_range);
   }

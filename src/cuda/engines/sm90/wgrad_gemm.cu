@@ -232,6 +232,7 @@ class KRowGather {
     // Rows row + 16 i share row & 7, so their swizzled chunks are i * 2 KB apart.
     smem_off_ =
         uint32_t(wg_) * kBoxBytes + uint32_t(row) * 128u + uint32_t((chunk ^ (row & 7)) << 4);
+    asm volatile("" : "+r"(smem_off_));  // kept, not recomputed from threadIdx (HalfTileGather)
     locate();
     fetch_ids();
   }
