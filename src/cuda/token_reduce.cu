@@ -43,39 +43,68 @@ __global__ void __launch_bounds__(kReduceThreads)
   }
 }
 
+// Rows a thread loads before its first addition (token_reduce16_kernel).
+constexpr int kReduceBatch = 8;
+
+// The sum of one 16-byte column chunk c over the token's rows: row_at[b] (have[b]) is row b of the
+// batch; up to kReduceBatch loads issued before the first addition.
+template <typename T, int kVec>
+__device__ __forceinline__ void add_batch(float (&s)[kVec], const T* const (&row_at)[kReduceBatch],
+                                          const bool (&have)[kReduceBatch], int64_t c) {
+  uint4 raw[kReduceBatch];
+#pragma unroll
+  for (int b = 0; b < kReduceBatch; ++b)
+    raw[b] =
+        have[b] ? __ldg(reinterpret_cast<const uint4*>(row_at[b] + c)) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+  for (int b = 0; b < kReduceBatch; ++b) {
+    if (!have[b]) continue;  // a row that adds nothing (not even +0)
+    const T* v = reinterpret_cast<const T*>(&raw[b]);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
+  }
+}
+
+// The rows of batch j0 of token t: their addresses (row 0 where a row adds nothing; not read).
+template <typename T>
+__device__ __forceinline__ void locate_batch(const T* (&row_at)[kReduceBatch],
+                                             bool (&have)[kReduceBatch], const T* rows,
+                                             int64_t rows_ld, const int32_t* index,
+                                             int64_t index_rows, int64_t t, int k, int j0) {
+#pragma unroll
+  for (int b = 0; b < kReduceBatch; ++b) {
+    const int32_t r = j0 + b < k ? summed_row(index, index_rows, t, k, j0 + b) : -1;
+    have[b] = r >= 0;
+    row_at[b] = rows + (have[b] ? int64_t(r) * rows_ld : 0);
+  }
+}
+
 // token_reduce_kernel 16 bytes at a time (width, rows_ld and out_ld multiples of the elements in 16
 // bytes, rows and out 16-byte aligned): the same additions in the same order, so the same bits.
 // A thread issues the loads of up to kReduceBatch rows before its first addition: one DRAM round
 // trip a batch instead of one a row (with a branch around each row, ptxas waited for every load
-// before the next), so each thread keeps up to kReduceBatch * 16 bytes in flight.
-constexpr int kReduceBatch = 8;
-
+// before the next), so each thread keeps up to kReduceBatch * 16 bytes in flight. With k <=
+// kReduceBatch (every top-k in practice) a thread locates the token's rows once for all of its
+// column chunks instead of reading and checking the k indices again for each.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
     token_reduce16_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k, int64_t index_rows,
                           const int32_t* index, const T* rows, T* out) {
   constexpr int kVec = 16 / int(sizeof(T));
   const int64_t t = blockIdx.x;
+  const T* row_at[kReduceBatch];
+  bool have[kReduceBatch];
+  if (k <= kReduceBatch) locate_batch(row_at, have, rows, rows_ld, index, index_rows, t, k, 0);
   for (int64_t c = kVec * int64_t(threadIdx.x); c < width; c += kVec * int64_t(blockDim.x)) {
     float s[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) s[i] = 0.f;
-    for (int j0 = 0; j0 < k; j0 += kReduceBatch) {
-      uint4 raw[kReduceBatch];
-      bool have[kReduceBatch];
-#pragma unroll
-      for (int b = 0; b < kReduceBatch; ++b) {
-        const int32_t r = j0 + b < k ? summed_row(index, index_rows, t, k, j0 + b) : -1;
-        have[b] = r >= 0;
-        raw[b] = have[b] ? __ldg(reinterpret_cast<const uint4*>(rows + int64_t(r) * rows_ld + c))
-                         : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int b = 0; b < kReduceBatch; ++b) {
-        if (!have[b]) continue;  // a row that adds nothing (not even +0)
-        const T* v = reinterpret_cast<const T*>(&raw[b]);
-#pragma unroll
-        for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
+    if (k <= kReduceBatch) {
+      add_batch<T, kVec>(s, row_at, have, c);
+    } else {
+      for (int j0 = 0; j0 < k; j0 += kReduceBatch) {
+        locate_batch(row_at, have, rows, rows_ld, index, index_rows, t, k, j0);
+        add_batch<T, kVec>(s, row_at, have, c);
       }
     }
     uint4 packed;
