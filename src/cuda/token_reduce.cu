@@ -1,6 +1,7 @@
 #include "cuda/token_reduce.hpp"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/cuda_util.cuh"
 
@@ -46,6 +47,25 @@ __global__ void __launch_bounds__(kReduceThreads)
 // Rows a thread loads before its first addition (token_reduce16_kernel).
 constexpr int kReduceBatch = 8;
 
+// s[i] += element i of a 16-byte chunk, in order. bf16 widens by a shift of its bits (each 32-bit
+// word's low element shifted up, the high one masked), two instructions a pair where the generic
+// conversion took three.
+template <typename T, int kVec>
+__device__ __forceinline__ void add_chunk(float (&s)[kVec], const uint4& raw) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      s[2 * q] = __fadd_rn(s[2 * q], __uint_as_float(w[q] << 16));
+      s[2 * q + 1] = __fadd_rn(s[2 * q + 1], __uint_as_float(w[q] & 0xffff0000u));
+    }
+  } else {
+    const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
+  }
+}
+
 // The sum of one 16-byte column chunk c over the token's rows: row_at[b] (have[b]) is row b of the
 // batch; up to kReduceBatch loads issued before the first addition.
 template <typename T, int kVec>
@@ -59,10 +79,20 @@ __device__ __forceinline__ void add_batch(float (&s)[kVec], const T* const (&row
 #pragma unroll
   for (int b = 0; b < kReduceBatch; ++b) {
     if (!have[b]) continue;  // a row that adds nothing (not even +0)
-    const T* v = reinterpret_cast<const T*>(&raw[b]);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) s[i] = __fadd_rn(s[i], to_f32<T>(v[i]));
+    add_chunk<T, kVec>(s, raw[b]);
   }
+}
+
+// add_batch for a batch of kReduceBatch rows that all add: no test a row.
+template <typename T, int kVec>
+__device__ __forceinline__ void add_full_batch(float (&s)[kVec],
+                                               const T* const (&row_at)[kReduceBatch], int64_t c) {
+  uint4 raw[kReduceBatch];
+#pragma unroll
+  for (int b = 0; b < kReduceBatch; ++b)
+    raw[b] = __ldg(reinterpret_cast<const uint4*>(row_at[b] + c));
+#pragma unroll
+  for (int b = 0; b < kReduceBatch; ++b) add_chunk<T, kVec>(s, raw[b]);
 }
 
 // The rows of batch j0 of token t: their addresses (row 0 where a row adds nothing; not read).
@@ -85,7 +115,8 @@ __device__ __forceinline__ void locate_batch(const T* (&row_at)[kReduceBatch],
 // trip a batch instead of one a row (with a branch around each row, ptxas waited for every load
 // before the next), so each thread keeps up to kReduceBatch * 16 bytes in flight. With k <=
 // kReduceBatch (every top-k in practice) a thread locates the token's rows once for all of its
-// column chunks instead of reading and checking the k indices again for each.
+// column chunks instead of reading and checking the k indices again for each, and with k ==
+// kReduceBatch rows that all add (no dropped token) sums them without a test a row.
 template <typename T>
 __global__ void __launch_bounds__(kReduceThreads)
     token_reduce16_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k, int64_t index_rows,
@@ -94,12 +125,20 @@ __global__ void __launch_bounds__(kReduceThreads)
   const int64_t t = blockIdx.x;
   const T* row_at[kReduceBatch];
   bool have[kReduceBatch];
-  if (k <= kReduceBatch) locate_batch(row_at, have, rows, rows_ld, index, index_rows, t, k, 0);
+  bool all_rows = false;  // k <= kReduceBatch and every one of the token's k rows adds
+  if (k <= kReduceBatch) {
+    locate_batch(row_at, have, rows, rows_ld, index, index_rows, t, k, 0);
+    all_rows = true;
+#pragma unroll
+    for (int b = 0; b < kReduceBatch; ++b) all_rows = all_rows && (b >= k || have[b]);
+  }
   for (int64_t c = kVec * int64_t(threadIdx.x); c < width; c += kVec * int64_t(blockDim.x)) {
     float s[kVec];
 #pragma unroll
     for (int i = 0; i < kVec; ++i) s[i] = 0.f;
-    if (k <= kReduceBatch) {
+    if (k == kReduceBatch && all_rows) {
+      add_full_batch<T, kVec>(s, row_at, c);
+    } else if (k <= kReduceBatch) {
       add_batch<T, kVec>(s, row_at, have, c);
     } else {
       for (int j0 = 0; j0 < k; j0 += kReduceBatch) {
