@@ -66,92 +66,116 @@ __device__ __forceinline__ void add_chunk(float (&s)[kVec], const uint4& raw) {
   }
 }
 
-// The sum of one 16-byte column chunk c over the token's rows: row_at[b] (have[b]) is row b of the
-// batch; up to kReduceBatch loads issued before the first addition.
-template <typename T, int kVec>
-__device__ __forceinline__ void add_batch(float (&s)[kVec], const T* const (&row_at)[kReduceBatch],
-                                          const bool (&have)[kReduceBatch], int64_t c) {
-  uint4 raw[kReduceBatch];
+// The sum of one 16-byte column chunk c over kCount rows: row_at[b] (have[b]) is row b; every load
+// issued before the first addition.
+template <typename T, int kVec, int kCount>
+__device__ __forceinline__ void add_rows(float (&s)[kVec], const T* const (&row_at)[kCount],
+                                         const bool (&have)[kCount], int64_t c) {
+  uint4 raw[kCount];
 #pragma unroll
-  for (int b = 0; b < kReduceBatch; ++b)
+  for (int b = 0; b < kCount; ++b)
     raw[b] =
         have[b] ? __ldg(reinterpret_cast<const uint4*>(row_at[b] + c)) : make_uint4(0, 0, 0, 0);
 #pragma unroll
-  for (int b = 0; b < kReduceBatch; ++b) {
+  for (int b = 0; b < kCount; ++b) {
     if (!have[b]) continue;  // a row that adds nothing (not even +0)
     add_chunk<T, kVec>(s, raw[b]);
   }
 }
 
-// add_batch for a batch of kReduceBatch rows that all add: no test a row.
-template <typename T, int kVec>
-__device__ __forceinline__ void add_full_batch(float (&s)[kVec],
-                                               const T* const (&row_at)[kReduceBatch], int64_t c) {
-  uint4 raw[kReduceBatch];
+// add_rows for kCount rows that all add: no test a row.
+template <typename T, int kVec, int kCount>
+__device__ __forceinline__ void add_all_rows(float (&s)[kVec], const T* const (&row_at)[kCount],
+                                             int64_t c) {
+  uint4 raw[kCount];
 #pragma unroll
-  for (int b = 0; b < kReduceBatch; ++b)
-    raw[b] = __ldg(reinterpret_cast<const uint4*>(row_at[b] + c));
+  for (int b = 0; b < kCount; ++b) raw[b] = __ldg(reinterpret_cast<const uint4*>(row_at[b] + c));
 #pragma unroll
-  for (int b = 0; b < kReduceBatch; ++b) add_chunk<T, kVec>(s, raw[b]);
+  for (int b = 0; b < kCount; ++b) add_chunk<T, kVec>(s, raw[b]);
 }
 
-// The rows of batch j0 of token t: their addresses (row 0 where a row adds nothing; not read).
-template <typename T>
-__device__ __forceinline__ void locate_batch(const T* (&row_at)[kReduceBatch],
-                                             bool (&have)[kReduceBatch], const T* rows,
-                                             int64_t rows_ld, const int32_t* index,
-                                             int64_t index_rows, int64_t t, int k, int j0) {
+// Rows j0 .. j0 + kCount - 1 of token t (those below k): their addresses (row 0 where a row adds
+// nothing; not read).
+template <typename T, int kCount>
+__device__ __forceinline__ void locate_rows(const T* (&row_at)[kCount], bool (&have)[kCount],
+                                            const T* rows, int64_t rows_ld, const int32_t* index,
+                                            int64_t index_rows, int64_t t, int k, int j0) {
 #pragma unroll
-  for (int b = 0; b < kReduceBatch; ++b) {
+  for (int b = 0; b < kCount; ++b) {
     const int32_t r = j0 + b < k ? summed_row(index, index_rows, t, k, j0 + b) : -1;
     have[b] = r >= 0;
     row_at[b] = rows + (have[b] ? int64_t(r) * rows_ld : 0);
   }
 }
 
+template <typename T>
+__device__ __forceinline__ void store_chunk(T* out, const float (&s)[16 / sizeof(T)]) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  uint4 packed;
+  T* o = reinterpret_cast<T*>(&packed);
+#pragma unroll
+  for (int i = 0; i < kVec; ++i) o[i] = from_f32<T>(s[i]);
+  *reinterpret_cast<uint4*>(out) = packed;
+}
+
 // token_reduce_kernel 16 bytes at a time (width, rows_ld and out_ld multiples of the elements in 16
 // bytes, rows and out 16-byte aligned): the same additions in the same order, so the same bits.
 // A thread issues the loads of up to kReduceBatch rows before its first addition: one DRAM round
 // trip a batch instead of one a row (with a branch around each row, ptxas waited for every load
-// before the next), so each thread keeps up to kReduceBatch * 16 bytes in flight. With k <=
-// kReduceBatch (every top-k in practice) a thread locates the token's rows once for all of its
-// column chunks instead of reading and checking the k indices again for each, and with k ==
-// kReduceBatch rows that all add (no dropped token) sums them without a test a row.
-template <typename T>
+// before the next). kRows > 0 compiles k == kRows (every top-k in practice): a thread locates the
+// token's rows once for all of its column chunks, and sums rows that all add (no dropped token)
+// without a test a row. kRows == 0 takes any k, kReduceBatch rows at a time.
+template <typename T, int kRows>
 __global__ void __launch_bounds__(kReduceThreads)
     token_reduce16_kernel(int64_t width, int64_t rows_ld, int64_t out_ld, int k, int64_t index_rows,
                           const int32_t* index, const T* rows, T* out) {
   constexpr int kVec = 16 / int(sizeof(T));
   const int64_t t = blockIdx.x;
-  const T* row_at[kReduceBatch];
-  bool have[kReduceBatch];
-  bool all_rows = false;  // k <= kReduceBatch and every one of the token's k rows adds
-  if (k <= kReduceBatch) {
-    locate_batch(row_at, have, rows, rows_ld, index, index_rows, t, k, 0);
-    all_rows = true;
+  const int64_t first = kVec * int64_t(threadIdx.x), step = kVec * int64_t(blockDim.x);
+  if constexpr (kRows > 0) {
+    const T* row_at[kRows];
+    bool have[kRows];
+    locate_rows<T, kRows>(row_at, have, rows, rows_ld, index, index_rows, t, kRows, 0);
+    bool all_rows = true;
 #pragma unroll
-    for (int b = 0; b < kReduceBatch; ++b) all_rows = all_rows && (b >= k || have[b]);
-  }
-  for (int64_t c = kVec * int64_t(threadIdx.x); c < width; c += kVec * int64_t(blockDim.x)) {
-    float s[kVec];
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) s[i] = 0.f;
-    if (k == kReduceBatch && all_rows) {
-      add_full_batch<T, kVec>(s, row_at, c);
-    } else if (k <= kReduceBatch) {
-      add_batch<T, kVec>(s, row_at, have, c);
-    } else {
-      for (int j0 = 0; j0 < k; j0 += kReduceBatch) {
-        locate_batch(row_at, have, rows, rows_ld, index, index_rows, t, k, j0);
-        add_batch<T, kVec>(s, row_at, have, c);
-      }
+    for (int b = 0; b < kRows; ++b) all_rows = all_rows && have[b];
+    for (int64_t c = first; c < width; c += step) {
+      float s[kVec] = {};
+      if (all_rows)
+        add_all_rows<T, kVec, kRows>(s, row_at, c);
+      else
+        add_rows<T, kVec, kRows>(s, row_at, have, c);
+      store_chunk<T>(out + t * out_ld + c, s);
     }
-    uint4 packed;
-    T* o = reinterpret_cast<T*>(&packed);
-#pragma unroll
-    for (int i = 0; i < kVec; ++i) o[i] = from_f32<T>(s[i]);
-    *reinterpret_cast<uint4*>(out + t * out_ld + c) = packed;
+  } else {
+    for (int64_t c = first; c < width; c += step) {
+      float s[kVec] = {};
+      for (int j0 = 0; j0 < k; j0 += kReduceBatch) {
+        const T* row_at[kReduceBatch];
+        bool have[kReduceBatch];
+        locate_rows<T, kReduceBatch>(row_at, have, rows, rows_ld, index, index_rows, t, k, j0);
+        add_rows<T, kVec, kReduceBatch>(s, row_at, have, c);
+      }
+      store_chunk<T>(out + t * out_ld + c, s);
+    }
   }
+}
+
+// token_reduce16_kernel compiled for k == kRows where kRows <= kReduceBatch, else for any k.
+template <typename T, int kRows = 1>
+void launch_token_reduce16(T* out, int64_t out_ld, const T* rows, int64_t rows_ld,
+                           const int32_t* index, int64_t index_rows, int64_t T_, int k,
+                           int64_t width, cudaStream_t stream) {
+  constexpr int kVec = 16 / int(sizeof(T));
+  if constexpr (kRows <= kReduceBatch) {
+    if (k != kRows)
+      return launch_token_reduce16<T, kRows + 1>(out, out_ld, rows, rows_ld, index, index_rows, T_,
+                                                 k, width, stream);
+  }
+  constexpr int kCompiled = kRows <= kReduceBatch ? kRows : 0;
+  token_reduce16_kernel<T, kCompiled><<<unsigned(T_), reduce_threads(width / kVec), 0, stream>>>(
+      width, rows_ld, out_ld, k, index_rows, index, rows, out);
+  check_launch("token_reduce16_kernel");
 }
 
 template <typename T>
@@ -161,9 +185,7 @@ void launch_token_reduce(T* out, int64_t out_ld, const T* rows, int64_t rows_ld,
   constexpr int kVec = 16 / int(sizeof(T));
   if (width % kVec == 0 && rows_ld % kVec == 0 && out_ld % kVec == 0 && aligned16(rows) &&
       aligned16(out)) {
-    token_reduce16_kernel<T><<<unsigned(T_), reduce_threads(width / kVec), 0, stream>>>(
-        width, rows_ld, out_ld, k, index_rows, index, rows, out);
-    check_launch("token_reduce16_kernel");
+    launch_token_reduce16<T>(out, out_ld, rows, rows_ld, index, index_rows, T_, k, width, stream);
     return;
   }
   token_reduce_kernel<T><<<unsigned(T_), reduce_threads(width), 0, stream>>>(
