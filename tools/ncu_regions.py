@@ -18,8 +18,17 @@ samples over
 with each region's top stall reasons, so the question "which side waits, and on what" is one
 command. Offsets are from the function's first instruction, as cuobjdump prints them.
 
+--count executed splits the instructions each warp executed instead (the SourceCounters
+section's "Instructions Executed"; `--set full` has it): how much of a kernel's issued work its
+wait loops are, with each wait loop's entries (the executions of the instruction before its head)
+and passes per entry. A warp that waits out a whole main loop polls through it every pass
+(docs/design/cuda-kernels.md, the mbarrier wait). For that column alone:
+  ncu -k regex:sm90 --profile-from-start off --section SourceCounters --export R \
+      python3 tests/cuda/profile_kernels.py --profiler-range --act swiglu ...
+  ncu --import R.ncu-rep --page source --csv --print-source sass > source.csv
+
 Usage:
-  tools/ncu_regions.py source.csv [--filter SUBSTRING] [--top N]
+  tools/ncu_regions.py source.csv [--filter SUBSTRING] [--top N] [--count samples|executed]
   tools/ncu_regions.py --self-test
 """
 import argparse
@@ -32,6 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sass_loops import backward_loops, epilogue_loops, kstep_loop  # noqa: E402
 
 SAMPLES = "Warp Stall Sampling (All Samples)"
+EXECUTED = "Instructions Executed"
+COUNTS = {"samples": SAMPLES, "executed": EXECUTED}
 
 
 def read_source_page(path):
@@ -56,13 +67,14 @@ def parse_address(text):
     return int(text, 16) if text.lower().startswith("0x") else int(text)
 
 
-def instructions(header, rows):
-    """[(address, SASS text, samples, {stall reason: samples})] in address order."""
+def instructions(header, rows, column=SAMPLES):
+    """[(address, SASS text, count, {stall reason: samples})] in address order: count is the
+    column's (warp-state samples, or instructions executed without stall reasons)."""
     # The SASS text: the "Source" column (ncu 2025.x), else the one after the address.
     i_src = header.index("Source") if "Source" in header else 1
-    i_s = header.index(SAMPLES)
+    i_s = header.index(column)
     stall_cols = [(i, h) for i, h in enumerate(header)
-                  if h.startswith("stall_") and "Not Issued" not in h]
+                  if column == SAMPLES and h.startswith("stall_") and "Not Issued" not in h]
     out = []
     for r in rows:
         try:
@@ -70,7 +82,8 @@ def instructions(header, rows):
         except (ValueError, IndexError):
             continue
         text = " ".join(r[i_src].split()) if i_src < len(r) else ""
-        samples = int(r[i_s]) if i_s < len(r) and r[i_s].isdigit() else 0
+        value = r[i_s].replace(",", "") if i_s < len(r) else ""
+        samples = int(value) if value.isdigit() else 0
         reasons = {h: int(r[i]) for i, h in stall_cols if i < len(r) and r[i].isdigit()
                    and int(r[i]) > 0}
         out.append((addr, text, samples, reasons))
@@ -79,13 +92,15 @@ def instructions(header, rows):
 
 
 def wait_loops(ins):
-    """(head, branch, TRYWAIT text) of each mbarrier retry loop: a short loop (at most 8
-    instructions) whose backward branch directly follows its TRYWAIT (mbar_wait's shape)."""
+    """(head, branch, TRYWAIT text) of each mbarrier retry loop: a short loop (at most 10
+    instructions) with a TRYWAIT and no HGMMA in it (mbar_wait's shapes: the poll right before the
+    branch back, or the poll, the suspend and the poll counter before it)."""
     out = []
     for h, b in backward_loops(ins):
         body = [t for a, t in ins if h <= a <= b]
-        if len(body) <= 8 and len(body) >= 2 and "TRYWAIT" in body[-2]:
-            out.append((h, b, body[-2]))
+        polls = [t for t in body if "TRYWAIT" in t]
+        if 2 <= len(body) <= 10 and polls and not any("HGMMA" in t for t in body):
+            out.append((h, b, polls[0]))
     return out
 
 
@@ -110,8 +125,8 @@ def regions(ins):
     return base, found
 
 
-def summarise(name, header, rows, top):
-    ins = instructions(header, rows)
+def summarise(name, header, rows, top, column=SAMPLES):
+    ins = instructions(header, rows, column)
     total = sum(s for _, _, s, _ in ins)
     if not ins or total == 0:
         return None
@@ -126,7 +141,10 @@ def summarise(name, header, rows, top):
                     reasons[k] = reasons.get(k, 0) + v
         return samples, reasons
 
-    lines = [f"{name[:100]}: {total} samples"]
+    count_of = {a: s for a, _, s, _ in ins}
+    previous = {ins[i][0]: ins[i - 1][0] for i in range(1, len(ins))}
+    lines = [f"{name[:100]}: {total} " + ("samples" if column == SAMPLES else
+                                          "instructions executed")]
     waits = [(h, b) for lab, h, b in found if lab.startswith("wait")]
     covered = []
     for lab, h, b in found:
@@ -137,8 +155,11 @@ def summarise(name, header, rows, top):
         covered.append((h, b))
         top_rs = sorted(rs.items(), key=lambda kv: -kv[1])[:top]
         span = f"+0x{h - base:x}..+0x{b - base:x}"
-        lines.append(f"  {lab:58s} {span:18s} {s:9d} {100.0 * s / total:5.1f} %  " +
-                     ", ".join(f"{k} {v}" for k, v in top_rs))
+        detail = ", ".join(f"{k} {v}" for k, v in top_rs)
+        if column == EXECUTED and lab.startswith("wait"):  # a pass runs the head once
+            entries = count_of.get(previous.get(h), 0)
+            detail = f"entered {entries}, {count_of[h] / max(entries, 1):.1f} passes each"
+        lines.append(f"  {lab:58s} {span:18s} {s:9d} {100.0 * s / total:5.1f} %  " + detail)
     rest, rs = 0, {}
     for a, _, s, r in ins:
         if not any(h <= a <= b for h, b in covered):
@@ -191,6 +212,37 @@ def self_test():
         print(text)
         print("ncu_regions self-test FAILED:", bad, "total", sum(got.values()))
         return 1
+    # Instructions executed: the PTX-form wait (poll, suspend, counter, branch back) entered 10
+    # times with 45 passes each, and the k-step loop's wait of the counting form.
+    rows, addr[0] = [], 0x7F0000001000
+    emit("S2R R0, SR_TID.X", 10)
+    w0 = emit("IMAD.U32 R11, RZ, RZ, UR11", 450)
+    emit("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R11+URZ], R8", 450)
+    emit("@!P0 NANOSLEEP.SYNCS 0xfa0", 450)
+    emit("@!P0 SYNCS.PHASECHK.TRANS64 P0, [R11+URZ], R8", 450)
+    emit("@P0 BRA 0x%x" % (addr[0] + 0x40), 450)
+    emit("VIADD R12, R12, 0x1", 440)
+    emit("ISETP.NE.U32.AND P0, PT, R12, 0x4000000, PT", 440)
+    emit("@P0 BRA 0x%x" % w0, 440)
+    emit("BPT.TRAP 0x1")
+    emit("IMAD.MOV.U32 R3, RZ, RZ, 0x1", 100)
+    k0 = emit("VIADD R11, R11, 0x1", 100)
+    emit("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR16], R12", 100)
+    emit("@!P0 BRA 0x%x" % k0, 100)
+    emit("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR16], R24", 100)
+    emit("@!P0 BRA 0x%x" % k0, 100)
+    emit("EXIT", 10)
+    header = ["Address", "Source", EXECUTED, "stall_long_sb", "stall_barrier"]
+    lines = summarise("sm90_test_kernel", header, rows, 2, EXECUTED)
+    text = "\n".join(lines)
+    checks = [r"wait \+0x10 \[R11\+URZ\]\s+\S+\s+3570 .* entered 10, 45\.0 passes each",
+              r"wait \+0xb0 \[UR16\] in the k-step loop\s+\S+\s+300 .* entered 100, 1\.0 passes",
+              r"^sm90_test_kernel: 4190 instructions executed"]
+    missing = [c for c in checks if not re.search(c, text, re.M)]
+    if missing:
+        print(text)
+        print("ncu_regions self-test FAILED (instructions executed):", missing)
+        return 1
     print("ncu_regions self-test: PASS")
     return 0
 
@@ -201,6 +253,8 @@ def main():
     ap.add_argument("source_csv", nargs="?")
     ap.add_argument("--filter", default="", help="only kernels whose name contains this")
     ap.add_argument("--top", type=int, default=3, help="stall reasons per region")
+    ap.add_argument("--count", choices=sorted(COUNTS), default="samples",
+                    help="split warp-state samples (default) or instructions executed")
     ap.add_argument("--self-test", action="store_true")
     a = ap.parse_args()
     if a.self_test:
@@ -210,10 +264,11 @@ def main():
     for name, header, rows in read_source_page(a.source_csv):
         if a.filter and a.filter not in name:
             continue
-        if SAMPLES not in header:
-            print(f"{name[:100]}: no '{SAMPLES}' column (profile with --set full)")
+        column = COUNTS[a.count]
+        if column not in header:
+            print(f"{name[:100]}: no '{column}' column (profile with --set full)")
             continue
-        lines = summarise(name, header, rows, a.top)
+        lines = summarise(name, header, rows, a.top, column)
         if lines:
             print("\n".join(lines))
     return 0
