@@ -67,31 +67,20 @@ __device__ __forceinline__ void add_chunk(float (&s)[kVec], const uint4& raw) {
 }
 
 // The sum of one 16-byte column chunk c over kCount rows: row_at[b] (have[b]) is row b; every load
-// issued before the first addition.
-template <typename T, int kVec, int kCount>
+// issued before the first addition. kEvery: every row adds (no dropped token), no test a row.
+template <typename T, int kVec, int kCount, bool kEvery>
 __device__ __forceinline__ void add_rows(float (&s)[kVec], const T* const (&row_at)[kCount],
                                          const bool (&have)[kCount], int64_t c) {
   uint4 raw[kCount];
 #pragma unroll
   for (int b = 0; b < kCount; ++b)
-    raw[b] =
-        have[b] ? __ldg(reinterpret_cast<const uint4*>(row_at[b] + c)) : make_uint4(0, 0, 0, 0);
+    raw[b] = kEvery || have[b] ? __ldg(reinterpret_cast<const uint4*>(row_at[b] + c))
+                               : make_uint4(0, 0, 0, 0);
 #pragma unroll
   for (int b = 0; b < kCount; ++b) {
-    if (!have[b]) continue;  // a row that adds nothing (not even +0)
+    if (!kEvery && !have[b]) continue;  // a row that adds nothing (not even +0)
     add_chunk<T, kVec>(s, raw[b]);
   }
-}
-
-// add_rows for kCount rows that all add: no test a row.
-template <typename T, int kVec, int kCount>
-__device__ __forceinline__ void add_all_rows(float (&s)[kVec], const T* const (&row_at)[kCount],
-                                             int64_t c) {
-  uint4 raw[kCount];
-#pragma unroll
-  for (int b = 0; b < kCount; ++b) raw[b] = __ldg(reinterpret_cast<const uint4*>(row_at[b] + c));
-#pragma unroll
-  for (int b = 0; b < kCount; ++b) add_chunk<T, kVec>(s, raw[b]);
 }
 
 // Rows j0 .. j0 + kCount - 1 of token t (those below k): their addresses (row 0 where a row adds
@@ -142,9 +131,9 @@ __global__ void __launch_bounds__(kReduceThreads)
     for (int64_t c = first; c < width; c += step) {
       float s[kVec] = {};
       if (all_rows)
-        add_all_rows<T, kVec, kRows>(s, row_at, c);
+        add_rows<T, kVec, kRows, true>(s, row_at, have, c);
       else
-        add_rows<T, kVec, kRows>(s, row_at, have, c);
+        add_rows<T, kVec, kRows, false>(s, row_at, have, c);
       store_chunk<T>(out + t * out_ld + c, s);
     }
   } else {
@@ -154,7 +143,7 @@ __global__ void __launch_bounds__(kReduceThreads)
         const T* row_at[kReduceBatch];
         bool have[kReduceBatch];
         locate_rows<T, kReduceBatch>(row_at, have, rows, rows_ld, index, index_rows, t, k, j0);
-        add_rows<T, kVec, kReduceBatch>(s, row_at, have, c);
+        add_rows<T, kVec, kReduceBatch, false>(s, row_at, have, c);
       }
       store_chunk<T>(out + t * out_ld + c, s);
     }

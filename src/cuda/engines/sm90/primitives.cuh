@@ -74,8 +74,9 @@ __device__ __forceinline__ bool mbar_try_wait(uint32_t bar, uint32_t parity) {
 
 // Spins until the phase with `parity` completes. A wait far beyond any real stall (real waits are
 // microseconds) traps instead of hanging the device: after MB_SM90_MBAR_POLL_LIMIT polls, 2^26 in
-// the library. An experiment may define a smaller limit before including this header to fail
-// fast (2^24 polls take about a minute: each poll can suspend the thread).
+// the library: seconds, at the ~120 ns a poll takes at base clocks (F1's epilogue warps poll ~450
+// times while a tile's ~56 us main loop runs, by Nsight Compute). An experiment may define a
+// smaller limit before including this header to fail fast.
 // The first poll stands alone, so a wait that is already over (most of a main loop's) costs the
 // poll and a branch, not the counter's three instructions as well.
 // No printf here: a call anywhere in a kernel makes ptxas serialise its wgmmas (C7510).
