@@ -348,6 +348,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     gather.start(row_range);
     for (int s = 0; s < kGatherLead; ++s)
       gather.issue(smem_u32(shm.stage(s)), smem_u32(my_a_full + s), row_range);
+    const uint32_t stage0 = smem_u32(shm.stage(0));
+    const StageDesc desc_a0(smem_desc_kmajor_sw128(stage0 + wg * (kATileBytes / 2)));
+    const StageDesc desc_b0(smem_desc_kmajor_sw128(stage0 + kATileBytes));
     uint32_t it = 0;
     uint32_t n = 0;  // EPI_WARPS: this CTA's tiles so far, the hand-off's phase
     for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
@@ -358,10 +361,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(smem_u32(my_a_full + s), (it / kStages) & 1);
         // The A rows were written by cp.async (generic proxy); wgmma reads through the async proxy.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        const uint32_t stage = smem_u32(shm.stage(s));
-        const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
-        const uint64_t desc_b = smem_desc_kmajor_sw128(stage + kATileBytes);
-        wgmma_kstep<T, 0, 0>(acc, desc_a, desc_b, kt > 0);
+        const uint32_t stage_offset = uint32_t(s) * kStageBytes;
+        wgmma_kstep<T, 0, 0>(acc, desc_a0.at(stage_offset), desc_b0.at(stage_offset), kt > 0);
         // This warpgroup's A of k-step it + kGatherLead (which may belong to the next tile: its
         // loads fly during this tile's epilogue).
         const int refill = int((it + kGatherLead) % kStages);

@@ -183,13 +183,25 @@ __device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank)
       : "memory");
 }
 
+// True in one lane of the warp (every lane calls it, converged): ELECT, where a test of the lane
+// index made ptxas read %tid again (S2R) every k-step.
+__device__ __forceinline__ bool elect_one_lane() {
+  uint32_t elected;
+  asm volatile(
+      "{\n.reg .pred p;\n"
+      "elect.sync _|p, 0xffffffff;\n"
+      "selp.u32 %0, 1, 0, p;\n}\n"
+      : "=r"(elected));
+  return elected != 0;
+}
+
 // A consumer warp's release of a pipeline stage (every lane calls it): one arrival on the stage's
 // empty barrier, or with clusters one on that barrier in every CTA of the cluster, since each
 // CTA's producer multicast a share of the stage into ours; lane r arrives on CTA r's, in parallel.
 template <int CLUSTER>
 __device__ __forceinline__ void release_stage(uint32_t empty_bar, int lane) {
   if (CLUSTER == 1) {
-    if (lane == 0) mbar_arrive(empty_bar);
+    if (elect_one_lane()) mbar_arrive(empty_bar);
   } else if (lane < CLUSTER) {
     mbar_arrive_cluster(empty_bar, uint32_t(lane));
   }
@@ -256,6 +268,22 @@ __device__ __forceinline__ uint64_t smem_desc_kmajor_sw128(uint32_t addr) {
   desc |= uint64_t(1) << 62;          // SWIZZLE_128B
   return desc;
 }
+
+// A shared-memory descriptor moved by `bytes` (a multiple of 16): its start-address field (bits
+// 0-13) holds the address / 16, and shared addresses stay below 256 KB, so the offset adds to the
+// low word without carrying out of the field. A main loop offsets stage 0's descriptors to its
+// stage, one 32-bit add each, where building them from the stage's address took five
+// instructions; stage 0's are kept opaque, or ptxas rebuilds them every k-step.
+struct StageDesc {
+  uint32_t lo, hi;
+  __device__ __forceinline__ explicit StageDesc(uint64_t desc)
+      : lo(uint32_t(desc)), hi(uint32_t(desc >> 32)) {
+    asm volatile("" : "+r"(lo));
+  }
+  __device__ __forceinline__ uint64_t at(uint32_t bytes) const {
+    return (uint64_t(hi) << 32) | (lo + (bytes >> 4));
+  }
+};
 
 // MN-major operand, 128B swizzle (CUTLASS's Layout_MN_SW128_Atom: 64 MN elements x 8 k, each k a
 // 128-byte row), as TMA writes a box {64 MN, 64 k}: LBO = bytes between 64-element MN blocks (the

@@ -205,6 +205,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int s = 0; s < kGatherLead; ++s)
         gather.issue(smem_u32(shm.stage(s)), smem_u32(my_a_full + s), row_range);
     }
+    const uint32_t stage0 = smem_u32(shm.stage(0));
+    const StageDesc desc_a0(smem_desc_kmajor_sw128(stage0 + wg * (kATileBytes / 2)));
+    const StageDesc desc_b0(kBMn ? smem_desc_mnmajor_sw128(stage0 + kATileBytes)
+                                 : smem_desc_kmajor_sw128(stage0 + kATileBytes));
     uint32_t it = 0;
     uint32_t n = 0;  // epilogue-warp forms: this CTA's tiles so far, the hand-off's phase
     const int tile_row = wg * 64 + warp_in_wg * 16;  // this warp's first row of a tile
@@ -257,11 +261,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           // cp.async (generic proxy) wrote A; wgmma reads through the async proxy.
           asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         }
-        const uint32_t stage = smem_u32(shm.stage(s));
-        const uint64_t desc_a = smem_desc_kmajor_sw128(stage + wg * (kATileBytes / 2));
-        const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kATileBytes)
-                                     : smem_desc_kmajor_sw128(stage + kATileBytes);
-        wgmma_kstep<T, 0, kBMn ? 1 : 0>(acc, desc_a, desc_b, kt > 0);
+        const uint32_t stage_offset = uint32_t(s) * kStageBytes;
+        wgmma_kstep<T, 0, kBMn ? 1 : 0>(acc, desc_a0.at(stage_offset), desc_b0.at(stage_offset),
+                                        kt > 0);
         if constexpr (kGather && kGatherBeforeWait) {
           // While wgmma(it - 1) and wgmma(it) run: our A of k-step it + kGatherLead into the slot
           // of k-step it - 2, whose wgmma completed before the previous k-step's wait<1>.

@@ -266,6 +266,11 @@ __global__ void __launch_bounds__(kPingThreads, 1)
     const uint32_t my_turn = smem_u32(wg == 0 ? shm.handoff_full : shm.handoff_empty);
     const uint32_t other_turn = smem_u32(wg == 0 ? shm.handoff_empty : shm.handoff_full);
     uint32_t turns = 0;  // our waits on my_turn so far
+    const uint32_t stage0 = smem_u32(shm.stage(0));
+    const StageDesc desc_a0_stage0(smem_desc_kmajor_sw128(stage0));
+    const StageDesc desc_a1_stage0(smem_desc_kmajor_sw128(stage0 + kPingATileBytes / 2));
+    const StageDesc desc_b_stage0(kBMn ? smem_desc_mnmajor_sw128(stage0 + kPingATileBytes)
+                                       : smem_desc_kmajor_sw128(stage0 + kPingATileBytes));
     uint32_t it = 0;
     uint32_t n = 0;  // the CTA's tiles so far
     for (int t = first_tile; t < total_tiles; t += tile_step, ++n) {
@@ -285,11 +290,10 @@ __global__ void __launch_bounds__(kPingThreads, 1)
         const int s = int(it % kStages);
         mbar_wait(smem_u32(shm.full_bar + s), (it / kStages) & 1);
         if (live) {
-          const uint32_t stage = smem_u32(shm.stage(s));
-          const uint64_t desc_a0 = smem_desc_kmajor_sw128(stage);
-          const uint64_t desc_a1 = smem_desc_kmajor_sw128(stage + kPingATileBytes / 2);
-          const uint64_t desc_b = kBMn ? smem_desc_mnmajor_sw128(stage + kPingATileBytes)
-                                       : smem_desc_kmajor_sw128(stage + kPingATileBytes);
+          const uint32_t stage_offset = uint32_t(s) * L::kStageBytes;
+          const uint64_t desc_a0 = desc_a0_stage0.at(stage_offset);
+          const uint64_t desc_a1 = desc_a1_stage0.at(stage_offset);
+          const uint64_t desc_b = desc_b_stage0.at(stage_offset);
           // Inside a 128-byte swizzle row a K-major operand advances 32 bytes per 16 k (+2 in the
           // descriptor), an MN-major one 16 rows of 128 bytes (+128): wgmma_kstep's steps.
           constexpr uint64_t kStepA = 2, kStepB = kBMn ? 128 : 2;

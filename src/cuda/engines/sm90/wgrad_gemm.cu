@@ -404,6 +404,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     gather.start();
     for (int s = 0; s < kGatherLead; ++s)
       gather.issue(smem_u32(smem + s * kStageBytes), smem_u32(my_a_full + s));
+    const StageDesc desc_a0(smem_desc_mnmajor_sw128(smem_u32(smem) + uint32_t(wg) * kBoxBytes));
+    const StageDesc desc_b0(smem_desc_mnmajor_sw128(smem_u32(smem) + kATileBytes));
     uint32_t it = 0;
     for (int t = cta; t < total_tiles; t += G) {
       const int e = t / tiles_per_expert;
@@ -417,10 +419,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_wait(smem_u32(full_bar + s), (it / kStages) & 1);
         mbar_wait(smem_u32(my_a_full + s), (it / kStages) & 1);
         fence_proxy_async();  // cp.async (generic proxy) data is read by wgmma (async proxy)
-        const uint32_t stage = smem_u32(smem + s * kStageBytes);
-        const uint64_t desc_a = smem_desc_mnmajor_sw128(stage + uint32_t(wg) * kBoxBytes);
-        const uint64_t desc_b = smem_desc_mnmajor_sw128(stage + kATileBytes);
-        wgmma_kstep<T, 1, 1>(acc, desc_a, desc_b, kt > 0);
+        const uint32_t stage_offset = uint32_t(s) * kStageBytes;
+        wgmma_kstep<T, 1, 1>(acc, desc_a0.at(stage_offset), desc_b0.at(stage_offset), kt > 0);
         // While wgmma(it - 1) and wgmma(it) run: this warpgroup's A of k-step it + kGatherLead
         // into the slot of k-step it - 2, whose wgmma completed before the previous k-step's
         // wait<1> returned (after the wait it would run with the pipe draining).
