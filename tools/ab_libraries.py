@@ -6,8 +6,11 @@ separate process with MOEBLAZE_LIBRARY set to that build (moeblaze rows only, ch
 save_preact), so the card's clock drift spreads over every build; a row's figure is the median of
 its rounds' medians. The benchmark refuses to merge runs of different builds into one result set;
 this compares them without merging. Prints, per configuration and activation, each build's time,
-its speed against the first build, its SM clock and joules a repetition, and whether every round
-kept its error against the fp32 reference under the tolerance and repeated bitwise.
+its speed against the first build, the same speed paired by round (the first build's time over
+this build's in each round: the median, the range and in how many rounds it was the faster; a
+round's builds ran minutes apart, so the pairing removes the card's drift between rounds), its SM
+clock and joules a repetition, and whether every round kept its error against the fp32 reference
+under the tolerance and repeated bitwise.
 
 Usage (a GPU machine, from the repository root):
   python3 tools/ab_libraries.py --lib before=build-old/src/libmoeblaze.so \\
@@ -50,9 +53,10 @@ def moeblaze_rows(doc):
 
 
 def summarize(names, runs):
-    """runs: {name: [rows of one run, ...]} -> table rows (config, act, name, ms, low, high,
-    speed against names[0], sm_mhz, joules, error ok and repeatable) for every (config, act)
-    that every build timed in every round."""
+    """runs: {name: [rows of one run, ...]} (round i of every build at index i) -> table rows
+    (config, act, name, ms, low, high, speed against names[0], paired speed (median, low, high,
+    rounds faster), sm_mhz, joules, error ok and repeatable) for every (config, act) that every
+    build timed in every round."""
     keys = None
     for name in names:
         for rows in runs[name]:
@@ -71,17 +75,25 @@ def summarize(names, runs):
                                all(r.get("err_ok", True) and r.get("bitwise_repeat", True)
                                    for r in vals))
         base = per_build[names[0]][0]
+        base_rounds = [rows[key]["ms"] for rows in runs[names[0]]]
         for name in names:
             ms, low, high, mhz, joules, ok = per_build[name]
-            table.append((key[0], key[1], name, ms, low, high, base / ms, mhz, joules, ok))
+            ratios = [b / rows[key]["ms"] for b, rows in zip(base_rounds, runs[name])]
+            paired = (statistics.median(ratios), min(ratios), max(ratios),
+                      sum(r > 1.0 for r in ratios), len(ratios))
+            table.append((key[0], key[1], name, ms, low, high, base / ms, paired, mhz, joules,
+                          ok))
     return table
 
 
 def format_table(table):
-    lines = ["| config | act | build | ms (median of rounds) | min–max | × first | SM MHz "
-             "| J a rep | error ok, repeatable |", "|---|---|---|---:|---|---:|---:|---:|---|"]
-    for config, act, name, ms, low, high, speed, mhz, joules, ok in table:
+    lines = ["| config | act | build | ms (median of rounds) | min–max | × first "
+             "| × first by round: median (min–max), rounds faster | SM MHz | J a rep "
+             "| error ok, repeatable |", "|---|---|---|---:|---|---:|---|---:|---:|---|"]
+    for config, act, name, ms, low, high, speed, paired, mhz, joules, ok in table:
+        mid, lo, hi, faster, rounds = paired
         cells = [config, act, name, f"{ms:.3f}", f"{low:.3f}–{high:.3f}", f"{speed:.4f}",
+                 f"{mid:.4f} ({lo:.4f}–{hi:.4f}), {faster}/{rounds}",
                  "-" if mhz is None else format(mhz, ".0f"),
                  "-" if joules is None else format(joules, ".3f"), "yes" if ok else "NO"]
         lines.append("| " + " | ".join(cells) + " |")
@@ -118,9 +130,19 @@ def self_test():
     before, after = table
     assert abs(before[3] - 2.1) < 1e-12 and (before[4], before[5]) == (2.0, 2.2)
     assert abs(after[3] - 2.0) < 1e-12 and abs(after[6] - 2.1 / 2.0) < 1e-12
-    assert before[6] == 1.0 and after[7] == 1500.0 and after[9] is True
-    assert "| conf1 | silu | after | 2.000 | 1.900–2.100 | 1.0500 | 1500 | 0.020 | yes |" in \
-        format_table(table)
+    assert before[6] == 1.0 and after[8] == 1500.0 and after[10] is True
+    # Paired by round: 2.0/1.9, 2.2/2.1, 2.1/2.0 -> median 1.05, all three faster.
+    mid, lo, hi, faster, rounds = after[7]
+    assert abs(mid - 2.1 / 2.0) < 1e-12 and abs(lo - 2.2 / 2.1) < 1e-12
+    assert abs(hi - 2.0 / 1.9) < 1e-12 and (faster, rounds) == (3, 3), after[7]
+    assert before[7][:3] == (1.0, 1.0, 1.0) and before[7][3] == 0
+    assert ("| conf1 | silu | after | 2.000 | 1.900–2.100 | 1.0500 | 1.0500 (1.0476–1.0526), "
+            "3/3 | 1500 | 0.020 | yes |") in format_table(table), format_table(table)
+    # A build faster in the median of rounds can be slower in most paired rounds.
+    c = [moeblaze_rows(run({("conf1", "silu"): v})) for v in (1.0, 3.0, 3.0)]
+    d = [moeblaze_rows(run({("conf1", "silu"): v})) for v in (2.0, 2.0, 3.1)]
+    _, later = summarize(["c", "d"], {"c": c, "d": d})
+    assert later[6] > 1.0 and later[7][3] == 1 and later[7][0] < 1.0, later
     print("ab_libraries self-test: ok")
 
 
