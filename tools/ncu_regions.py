@@ -93,8 +93,9 @@ def instructions(header, rows, column=SAMPLES):
 
 def wait_loops(ins):
     """(head, branch, TRYWAIT text) of each mbarrier retry loop: a short loop (at most 10
-    instructions) with a TRYWAIT and no HGMMA in it (mbar_wait's shapes: the poll right before the
-    branch back, or the poll, the suspend and the poll counter before it)."""
+    instructions) with a TRYWAIT and no HGMMA in it: mbar_wait's (the poll right before the branch
+    back, or poll and counter) and a wait whose polls suspend the thread (poll, NANOSLEEP.SYNCS,
+    counter), the form a try_wait time hint compiles to."""
     out = []
     for h, b in backward_loops(ins):
         body = [t for a, t in ins if h <= a <= b]
@@ -212,7 +213,7 @@ def self_test():
         print(text)
         print("ncu_regions self-test FAILED:", bad, "total", sum(got.values()))
         return 1
-    # Instructions executed: the PTX-form wait (poll, suspend, counter, branch back) entered 10
+    # Instructions executed: a suspending wait (poll, suspend, counter, branch back) entered 10
     # times with 45 passes each, and the k-step loop's wait of the counting form.
     rows, addr[0] = [], 0x7F0000001000
     emit("S2R R0, SR_TID.X", 10)
