@@ -454,6 +454,19 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t stage = epilogue_stage(smem, p.E, warp);
           const int m_half = m0 + wg * 64 + warp_in_wg * 16 + 8 * (lane & 1);
           const bool m_ok = m_half < p.M;  // M % 8 == 0: an 8-m half is all in or all out
+          // The lane's output row n = n_lane + 16 (4 c + pass) is at one of two bases plus n
+          // rows: a running offset, where forming each store's address from the expert, row and
+          // column took ~37 instructions (SASS). base1 is only used for n >= split.
+          const int n_lane = n0 + (lane >> 1);
+          const uint64_t row_bytes = uint64_t(p.M) * sizeof(T);
+          const uint64_t base0 =
+              reinterpret_cast<uint64_t>(p.out0) +
+              (uint64_t(e) * uint64_t(p.out_stride0) + uint64_t(m_half)) * sizeof(T);
+          const uint64_t base1 =
+              reinterpret_cast<uint64_t>(p.out1) +
+              (uint64_t(e) * uint64_t(p.out_stride1) + uint64_t(m_half)) * sizeof(T) -
+              uint64_t(p.split) * row_bytes;
+          uint64_t row_offset = uint64_t(n_lane) * row_bytes;
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
 #pragma unroll
@@ -469,14 +482,10 @@ __global__ void __launch_bounds__(kThreads, 1)
             for (int pass = 0; pass < 4; ++pass) {
               const int nl = (lane >> 1) + 16 * pass;  // row of the chunk
               const uint4 v = ld_shared_v4(stage + trans_stage_byte(nl, lane & 1));
-              const int n = n0 + 64 * c + nl;
-              if (m_ok && n < p.N) {
-                T* o = n < p.split ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 +
-                                         size_t(n) * p.M + m_half
-                                   : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
-                                         size_t(n - p.split) * p.M + m_half;
-                *reinterpret_cast<uint4*>(o) = v;
-              }
+              const int n = n_lane + 64 * c + 16 * pass;
+              store16_if(m_ok && n < p.N,
+                         reinterpret_cast<void*>((n < p.split ? base0 : base1) + row_offset), v);
+              row_offset += 16 * row_bytes;
             }
             __syncwarp();  // the next chunk overwrites the buffer
           }
@@ -509,6 +518,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         // stores from the fragments cost B2 7.5 % on mixtral). Same pack2 rounding: same bits.
         const uint32_t stage = epilogue_stage(smem, p.E, warp);
         const int warp_row0 = m0 + wg * 64 + warp_in_wg * 16;
+        // The lane's four output rows m = warp_row0 + (lane >> 3) + 4 pass, addressed once a
+        // tile at column n0 + 8 (lane & 7) (chunk c adds 64 columns), where forming each store's
+        // address from the expert, row and column took ~37 instructions (SASS).
+        uint64_t row_address[4];
+        bool row_ok[4];
+#pragma unroll
+        for (int pass = 0; pass < 4; ++pass) {
+          const int m = warp_row0 + (lane >> 3) + 4 * pass;
+          const int n_lane = n0 + 8 * (lane & 7);
+          row_ok[pass] = m < p.M;
+          // Integer arithmetic: out1 may be null (split == M), and a row past M is never stored.
+          row_address[pass] =
+              m < p.split ? reinterpret_cast<uint64_t>(p.out0) +
+                                (uint64_t(e) * uint64_t(p.out_stride0) +
+                                 uint64_t(m) * uint64_t(p.out_ld) + uint64_t(n_lane)) *
+                                    sizeof(T)
+                          : reinterpret_cast<uint64_t>(p.out1) +
+                                (uint64_t(e) * uint64_t(p.out_stride1) +
+                                 uint64_t(m - p.split) * uint64_t(p.out_ld) + uint64_t(n_lane)) *
+                                    sizeof(T);
+        }
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
 #pragma unroll
@@ -524,14 +554,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int pass = 0; pass < 4; ++pass) {
             const int r = (lane >> 3) + 4 * pass;  // row of the warp's 16
             const uint4 v = ld_shared_v4(stage + 4u * uint32_t(stage_chunk_word(r, lane & 7)));
-            const int m = warp_row0 + r;
-            if (m < p.M && n < p.N) {  // N % 8 == 0: a 16-byte chunk is all in or all out
-              T* o = m < p.split ? static_cast<T*>(p.out0) + size_t(e) * p.out_stride0 +
-                                       size_t(m) * p.out_ld + n
-                                 : static_cast<T*>(p.out1) + size_t(e) * p.out_stride1 +
-                                       size_t(m - p.split) * p.out_ld + n;
-              *reinterpret_cast<uint4*>(o) = v;
-            }
+            // N % 8 == 0: a 16-byte chunk is all in or all out.
+            store16_if(row_ok[pass] && n < p.N,
+                       reinterpret_cast<void*>(row_address[pass] + 64 * c * sizeof(T)), v);
           }
           __syncwarp();  // the next chunk overwrites the buffer
         }
