@@ -7,7 +7,11 @@
 # consumer warp it checks that each element (m, n) of the warp's block is written once, with its
 # own accumulator, where the kernel means it to go (B3: out[n][m]; B2: out[m][n]); that the
 # copy-out's 16-byte reads see exactly what stmatrix wrote; and that each stmatrix matrix (8 rows
-# of 16 bytes) covers all 32 banks once. --self-test: seeded mistakes must be caught.
+# of 16 bytes) covers all 32 banks once. Then the stores' addresses: the kernel forms them once a
+# tile (B2: a row address per pass plus 128 bytes a chunk; B3: two bases and a running row offset
+# in wrapping 64-bit arithmetic), and for every lane of every warp, tile origin, expert and split
+# (inside a tile, at a tile edge, none with out1 null) each store must go where the element-wise
+# formula puts it, under the same predicate. --self-test: seeded mistakes must be caught.
 #   python3 tools/models/wgrad_staged_epilogue_model.py --self-test
 import sys
 
@@ -92,16 +96,103 @@ def run(form, mutation=None):
     return errors
 
 
+WRAP = (1 << 64) - 1  # the kernel's uint64_t arithmetic
+
+
+def store_address_errors(form, mutation=None):
+    """The kernel's once-a-tile store addresses against the element-wise formula (2-byte T)."""
+    errors = []
+    out0, size = 0x7F0000000000, 2
+    for M, N, split, with_out1 in ((192, 512, 512, False), (192, 512, 256, True),
+                                   (200, 360, 136, True), (136, 264, 8, True)):
+        if form == "B2":  # split, rows of out0, is along M: the same cases with M and N swapped
+            M, N = N, M
+            split = min(split, M)
+            with_out1 = split < M
+        out1 = 0x7F8000000000 if with_out1 else 0
+        extent = (N if form == "B3" else M)
+        stride0 = split * (M if form == "B3" else N)
+        stride1 = (extent - split) * (M if form == "B3" else N)
+        out_ld = N + 24  # B2: a column chunk of a wider output
+        for e in (0, 5):
+            for m0 in range(0, M, 128):
+                for n0 in range(0, N, 256):
+                    for warp in range(8):
+                        wg, wiw = warp >> 2, warp & 3
+                        for lane in range(32):
+                            errors += store_address_lane(form, mutation, M, N, split, out0, out1,
+                                                         stride0, stride1, out_ld, size, e, m0,
+                                                         n0, wg, wiw, lane)
+    return errors
+
+
+def store_address_lane(form, mutation, M, N, split, out0, out1, stride0, stride1, out_ld, size,
+                       e, m0, n0, wg, wiw, lane):
+    errors = []
+    if form == "B3":
+        m_half = m0 + wg * 64 + wiw * 16 + 8 * (lane & 1)
+        n_lane = n0 + (lane >> 1)
+        row_bytes = M * size
+        base0 = (out0 + (e * stride0 + m_half) * size) & WRAP
+        base1 = (out1 + (e * stride1 + m_half) * size - split * row_bytes) & WRAP
+        if mutation == "base1 without split":
+            base1 = (out1 + (e * stride1 + m_half) * size) & WRAP
+        row_offset = n_lane * row_bytes
+        for c in range(4):
+            for p in range(4):
+                n = n_lane + 64 * c + 16 * p
+                pred = m_half < M and n < N
+                got = ((base0 if n < split else base1) + row_offset) & WRAP
+                row_offset += (4 if mutation == "row step" else 16) * row_bytes
+                want = (out0 + (e * stride0 + n * M + m_half) * size if n < split else
+                        out1 + (e * stride1 + (n - split) * M + m_half) * size)
+                if pred and got != want:
+                    errors.append(("B3 address", M, N, split, e, m0, n0, wg, wiw, lane, c, p))
+    else:
+        warp_row0 = m0 + wg * 64 + wiw * 16
+        n_lane = n0 + 8 * (lane & 7)
+        rows = []
+        for p in range(4):
+            m = warp_row0 + (lane >> 3) + 4 * p
+            if m < split:
+                address = out0 + (e * stride0 + m * out_ld + n_lane) * size
+            else:
+                address = out1 + (e * stride1 + (m - split) * out_ld + n_lane) * size
+            rows.append((m < M, address & WRAP))
+        for c in range(4):
+            n = n0 + 64 * c + 8 * (lane & 7)
+            for p in range(4):
+                ok, address = rows[p]
+                got = (address + 64 * c * (1 if mutation == "row step" else size)) & WRAP
+                r = (lane >> 3) + 4 * p
+                m = warp_row0 + r
+                want = (out0 + (e * stride0 + m * out_ld + n) * size if m < split else
+                        out1 + (e * stride1 + (m - split) * out_ld + n) * size)
+                if ok != (m < M):
+                    errors.append(("B2 predicate", M, N, split, m))
+                if ok and n < N and got != want:
+                    errors.append(("B2 address", M, N, split, e, m0, n0, wg, wiw, lane, c, p))
+    return errors
+
+
 def main():
     failed = False
     for form in ("B2", "B3"):
         errs = run(form)
         print("%s staged epilogue index model:" % form, "PASS" if not errs else "FAIL %s" % errs[:5])
         failed |= bool(errs)
+        errs = store_address_errors(form)
+        print("%s store addresses once a tile:" % form, "PASS" if not errs else "FAIL %s" % errs[:5])
+        failed |= bool(errs)
         if "--self-test" in sys.argv:
             for mutation in ("matrix order", "no swizzle", "copy-out half"):
                 caught = bool(run(form, mutation))
-                print("  mutation %-14s %s" % (mutation + ":", "caught" if caught else "MISSED"))
+                print("  mutation %-20s %s" % (mutation + ":", "caught" if caught else "MISSED"))
+                failed |= not caught
+            mutations = ("row step", "base1 without split") if form == "B3" else ("row step",)
+            for mutation in mutations:
+                caught = bool(store_address_errors(form, mutation))
+                print("  mutation %-20s %s" % (mutation + ":", "caught" if caught else "MISSED"))
                 failed |= not caught
     return 1 if failed else 0
 
