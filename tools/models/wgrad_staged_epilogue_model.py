@@ -178,12 +178,10 @@ def store_address_lane(form, mutation, M, N, split, out0, out1, stride0, stride1
 def main():
     failed = False
     for form in ("B2", "B3"):
-        errs = run(form)
-        print("%s staged epilogue index model:" % form, "PASS" if not errs else "FAIL %s" % errs[:5])
-        failed |= bool(errs)
-        errs = store_address_errors(form)
-        print("%s store addresses once a tile:" % form, "PASS" if not errs else "FAIL %s" % errs[:5])
-        failed |= bool(errs)
+        for what, errs in (("staged epilogue index model", run(form)),
+                           ("store addresses once a tile", store_address_errors(form))):
+            print("%s %s:" % (form, what), "PASS" if not errs else "FAIL %s" % errs[:5])
+            failed |= bool(errs)
         if "--self-test" in sys.argv:
             for mutation in ("matrix order", "no swizzle", "copy-out half"):
                 caught = bool(run(form, mutation))
