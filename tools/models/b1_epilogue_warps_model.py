@@ -24,8 +24,9 @@
 #    fail (stmatrix_errors);
 #  - F2's and B4's store form (rows_gemm.cu, rows_store_warps): epilogue warp ew stores rows ew,
 #    ew + 3, ... and lane q copies 16-byte chunk q & 7 of group q >> 3 of its row from the same
-#    hand-off: every (row, column pair) is stored from the word the consumers wrote for it, once
-#    (rows_store_errors).
+#    hand-off: every (row, column pair) is stored from the word the consumers wrote for it, once,
+#    and the running address of consecutive rows is each row's own (rows_store_errors; a step of
+#    one row instead of three must fail).
 #   python3 tools/models/b1_epilogue_warps_model.py
 import sys
 
@@ -175,11 +176,16 @@ def handoff_layout():
     return layout
 
 
-def rows_store_errors():
+def rows_store_errors(step_rows=3):
     errors, written = [], handoff_layout()
     stored = {}
+    row0, out_ld, size, out = 1000, 4096 + 24, 2, 0x7F0000000000
     for ew in range(3):
+        dst = out + (row0 + ew) * out_ld * size  # less the lane's column, common to every row
         for row in range(ew, K_BM, 3):
+            if dst != out + (row0 + row) * out_ld * size:
+                errors.append(("running address off its row", ew, row))
+            dst += step_rows * out_ld * size
             for lane in range(32):
                 group, chunk = lane >> 3, lane & 7
                 base = group * SUB_WORDS + row * 32 + ((chunk ^ (row & 7)) << 2)
@@ -250,6 +256,8 @@ if __name__ == "__main__":
           "PASS" if not errs else "FAIL %s" % errs[:5])
     failed = failed or bool(errs)
     errs = rows_store_errors()
+    if not rows_store_errors(step_rows=1):  # the running address stepping one row, not three
+        errs.append(("wrong row step unnoticed",))
     print("F2/B4 store-warps index model:", "PASS" if not errs else "FAIL %s" % errs[:5])
     failed = failed or bool(errs)
     errs = stmatrix_errors()
