@@ -521,12 +521,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         // The lane's four output rows m = warp_row0 + (lane >> 3) + 4 pass, addressed once a
         // tile at column n0 + 8 (lane & 7) (chunk c adds 64 columns), where forming each store's
         // address from the expert, row and column took ~37 instructions (SASS).
+        const int n_lane = n0 + 8 * (lane & 7);
         uint64_t row_address[4];
         bool row_ok[4];
 #pragma unroll
         for (int pass = 0; pass < 4; ++pass) {
           const int m = warp_row0 + (lane >> 3) + 4 * pass;
-          const int n_lane = n0 + 8 * (lane & 7);
           row_ok[pass] = m < p.M;
           // Integer arithmetic: out1 may be null (split == M), and a row past M is never stored.
           row_address[pass] =
