@@ -1,11 +1,11 @@
 # Index model of B2's and B3's staged epilogues (src/cuda/engines/sm90/wgrad_gemm.cu: each consumer warp's
 # 16 x 256 block through a 2 KB shared buffer, 64 columns at a time, with stmatrix, then 16-byte
-# stores). It checks the kernel's bookkeeping, not the hardware: stmatrix.m8n8.x4 is modelled as the
+# stores; B3's four warps of a warpgroup share their buffers as one of 64 rows n x 128 bytes). It checks the kernel's bookkeeping, not the hardware: stmatrix.m8n8.x4 is modelled as the
 # PTX ISA describes it (lane 8 i + r supplies the address of row r of matrix i; that row receives
 # row r of the fragment matrix, or with .trans its column r; fragment element (row, col) is held by
 # lane 4 row + col // 2 in register i, half col % 2). For every lane and accumulator of one
-# consumer warp it checks that each element (m, n) of the warp's block is written once, with its
-# own accumulator, where the kernel means it to go (B3: out[n][m]; B2: out[m][n]); that the
+# consumer warp (B3: of a warpgroup's four) it checks that each element (m, n) of the block is
+# written once, with its own accumulator, where the kernel means it to go (B3: out[n][m]; B2: out[m][n]); that the
 # copy-out's 16-byte reads see exactly what stmatrix wrote; and that each stmatrix matrix (8 rows
 # of 16 bytes) covers all 32 banks once. Then the stores' addresses: the kernel forms them once a
 # tile (B2: a row address per pass plus 128 bytes a chunk; B3: two bases and a running row offset
@@ -16,11 +16,8 @@
 import sys
 
 
-def trans_stage_byte(n, h, swap=True):  # B3: 64 rows n of 32 bytes (two 8-m halves h)
-    return n * 32 + ((h ^ (((n >> 2) & 1) if swap else 0)) << 4)
-
-
-def chunk_stage_byte(r, ch, swizzle=True):  # B2: 16 rows of 128 bytes, 4 * stage_chunk_word
+def chunk_stage_byte(r, ch, swizzle=True):  # rows of 128 bytes, 4 * stage_chunk_word
+    # B2: a warp's 16 rows m; B3: the warpgroup's 64 rows n, chunk 2 w + h = warp w's 8-m half h
     return r * 128 + ((ch ^ ((r & 7) if swizzle else 0)) << 4)
 
 
@@ -35,62 +32,67 @@ def acc_elem(lane, a):
 def run(form, mutation=None):
     errors = []
     written = {}
+    warps = range(4) if form == "B3" else range(1)  # B3: the warpgroup's four share a buffer
     for c in range(4):
         smem = {}  # byte offset -> (m, n) of the 2-byte value stored there
-        for q in range(4):
-            regs = {}  # (lane, i) -> [(m, n) lo, (m, n) hi]
-            for lane in range(32):
+        for w in warps:
+            for q in range(4):
+                regs = {}  # (lane, i) -> [(m, n) lo, (m, n) hi], m of the warpgroup's 64
+                for lane in range(32):
+                    for i in range(4):
+                        jc = 8 * c + 2 * q + (i >> 1)
+                        rr = i & 1
+                        if mutation == "matrix order":
+                            jc, rr = 8 * c + 2 * q + (i & 1), i >> 1
+                        a = 4 * jc + 2 * rr
+                        regs[(lane, i)] = [(16 * w + m, n) for m, n in
+                                           (acc_elem(lane, a), acc_elem(lane, a + 1))]
+                addr = {}
+                for lane in range(32):
+                    i = lane >> 3
+                    if form == "B3":
+                        chunk = (2 * w if mutation != "warp chunk" else 0) + (i & 1)
+                        addr[lane] = chunk_stage_byte(8 * (2 * q + (i >> 1)) + (lane & 7), chunk,
+                                                      swizzle=mutation != "no swizzle")
+                    else:
+                        r = 8 * (i & 1) + (lane & 7)
+                        addr[lane] = chunk_stage_byte(r, 2 * q + (i >> 1),
+                                                      swizzle=mutation != "no swizzle")
                 for i in range(4):
-                    jc = 8 * c + 2 * q + (i >> 1)
-                    rr = i & 1
-                    if mutation == "matrix order":
-                        jc, rr = 8 * c + 2 * q + (i & 1), i >> 1
-                    a = 4 * jc + 2 * rr
-                    regs[(lane, i)] = [acc_elem(lane, a), acc_elem(lane, a + 1)]
-            addr = {}
-            for lane in range(32):
-                i = lane >> 3
-                if form == "B3":
-                    addr[lane] = trans_stage_byte(8 * (2 * q + (i >> 1)) + (lane & 7), i & 1,
-                                                  swap=mutation != "no swizzle")
-                else:
-                    r = 8 * (i & 1) + (lane & 7)
-                    addr[lane] = chunk_stage_byte(r, 2 * q + (i >> 1),
-                                                  swizzle=mutation != "no swizzle")
-            for i in range(4):
-                banks = set()
-                for r in range(8):  # row r of matrix i in shared memory
-                    base = addr[8 * i + r]
-                    banks |= {((base + b) // 4) % 32 for b in range(0, 16, 4)}
-                    for k in range(8):  # its 8 elements: column r (.trans) or row r
-                        row, col = (k, r) if form == "B3" else (r, k)
-                        smem[base + 2 * k] = regs[(4 * row + col // 2, i)][col % 2]
-                if len(banks) != 32:
-                    errors.append(("bank conflict", c, q, i))
-        # copy-out: each lane's 16-byte read and where its store puts the 8 values
-        for p in range(4):
-            for lane in range(32):
-                if form == "B3":
-                    nl = (lane >> 1) + 16 * p  # the kernel's row of the chunk
-                    h = lane & 1
-                    if mutation == "copy-out half":
-                        h ^= 1
-                    base = trans_stage_byte(nl, h, swap=mutation != "no swizzle")
-                    m_half = 8 * (lane & 1)  # less the warp's m0 + 64 wg + 16 warp_in_wg
-                    dests = [(m_half + k, 64 * c + nl) for k in range(8)]  # out[n][m_half + k]
-                else:
-                    r = (lane >> 3) + 4 * p  # the kernel's row of the warp's 16
+                    banks = set()
+                    for r in range(8):  # row r of matrix i in shared memory
+                        base = addr[8 * i + r]
+                        banks |= {((base + b) // 4) % 32 for b in range(0, 16, 4)}
+                        for k in range(8):  # its 8 elements: column r (.trans) or row r
+                            row, col = (k, r) if form == "B3" else (r, k)
+                            smem[base + 2 * k] = regs[(4 * row + col // 2, i)][col % 2]
+                    if len(banks) != 32:
+                        errors.append(("bank conflict", c, w, q, i))
+        # copy-out (B3: after the warpgroup's barrier): each lane's 16-byte read and where its
+        # store puts the 8 values
+        for w in warps:
+            for p in range(4):
+                for lane in range(32):
                     ch = lane & 7
-                    base = chunk_stage_byte(r, ch if mutation != "copy-out half" else ch ^ 1,
-                                            swizzle=mutation != "no swizzle")
-                    n = 64 * c + 8 * ch  # less n0
-                    dests = [(r, n + k) for k in range(8)]  # out[m][n + k]
-                for k, dest in enumerate(dests):
-                    got = smem.get(base + 2 * k)
-                    if got != dest:
-                        errors.append(("wrong element", form, c, p, lane, k, got, dest))
-                    written[dest] = written.get(dest, 0) + 1
-    missing = [(m, n) for m in range(16) for n in range(256) if written.get((m, n)) != 1]
+                    if mutation == "copy-out half":
+                        ch ^= 1
+                    if form == "B3":
+                        nl = 16 * w + (lane >> 3) + 4 * p  # the kernel's row of the chunk
+                        base = chunk_stage_byte(nl, ch, swizzle=mutation != "no swizzle")
+                        m8 = 8 * (lane & 7)  # less the tile's m0 + 64 wg
+                        dests = [(m8 + k, 64 * c + nl) for k in range(8)]  # out[n][m8 + k]
+                    else:
+                        r = (lane >> 3) + 4 * p  # the kernel's row of the warp's 16
+                        base = chunk_stage_byte(r, ch, swizzle=mutation != "no swizzle")
+                        n = 64 * c + 8 * (lane & 7)  # less n0
+                        dests = [(r, n + k) for k in range(8)]  # out[m][n + k]
+                    for k, dest in enumerate(dests):
+                        got = smem.get(base + 2 * k)
+                        if got != dest:
+                            errors.append(("wrong element", form, c, w, p, lane, k, got, dest))
+                        written[dest] = written.get(dest, 0) + 1
+    rows = 64 if form == "B3" else 16
+    missing = [(m, n) for m in range(rows) for n in range(256) if written.get((m, n)) != 1]
     if missing:
         errors.append(("not written exactly once", len(missing)))
     return errors
@@ -130,24 +132,25 @@ def store_address_lane(form, mutation, M, N, split, out0, out1, stride0, stride1
                        e, m0, n0, wg, wiw, lane):
     errors = []
     if form == "B3":
-        m_half = m0 + wg * 64 + wiw * 16 + 8 * (lane & 1)
-        n_lane = n0 + (lane >> 1)
+        m_lane = m0 + wg * 64 + 8 * (lane & 7)
+        n_lane = n0 + 16 * wiw + (lane >> 3)
         row_bytes = M * size
-        base0 = (out0 + (e * stride0 + m_half) * size) & WRAP
-        base1 = (out1 + (e * stride1 + m_half) * size - split * row_bytes) & WRAP
+        base0 = (out0 + (e * stride0 + m_lane) * size) & WRAP
+        base1 = (out1 + (e * stride1 + m_lane) * size - split * row_bytes) & WRAP
         if mutation == "base1 without split":
-            base1 = (out1 + (e * stride1 + m_half) * size) & WRAP
+            base1 = (out1 + (e * stride1 + m_lane) * size) & WRAP
         row_offset = n_lane * row_bytes
         for c in range(4):
             for p in range(4):
-                n = n_lane + 64 * c + 16 * p
-                pred = m_half < M and n < N
+                n = n_lane + 64 * c + 4 * p
+                pred = m_lane < M and n < N
                 got = ((base0 if n < split else base1) + row_offset) & WRAP
-                row_offset += (4 if mutation == "row step" else 16) * row_bytes
-                want = (out0 + (e * stride0 + n * M + m_half) * size if n < split else
-                        out1 + (e * stride1 + (n - split) * M + m_half) * size)
+                row_offset += (16 if mutation == "row step" else 4) * row_bytes
+                want = (out0 + (e * stride0 + n * M + m_lane) * size if n < split else
+                        out1 + (e * stride1 + (n - split) * M + m_lane) * size)
                 if pred and got != want:
                     errors.append(("B3 address", M, N, split, e, m0, n0, wg, wiw, lane, c, p))
+            row_offset += 48 * row_bytes
     else:
         warp_row0 = m0 + wg * 64 + wiw * 16
         n_lane = n0 + 8 * (lane & 7)
@@ -183,12 +186,12 @@ def main():
             print("%s %s:" % (form, what), "PASS" if not errs else "FAIL %s" % errs[:5])
             failed |= bool(errs)
         if "--self-test" in sys.argv:
-            for mutation in ("matrix order", "no swizzle", "copy-out half"):
+            mutations = ("matrix order", "no swizzle", "copy-out half")
+            for mutation in mutations + (("warp chunk",) if form == "B3" else ()):
                 caught = bool(run(form, mutation))
                 print("  mutation %-20s %s" % (mutation + ":", "caught" if caught else "MISSED"))
                 failed |= not caught
-            mutations = ("row step", "base1 without split") if form == "B3" else ("row step",)
-            for mutation in mutations:
+            for mutation in ("row step", "base1 without split") if form == "B3" else ("row step",):
                 caught = bool(store_address_errors(form, mutation))
                 print("  mutation %-20s %s" % (mutation + ":", "caught" if caught else "MISSED"))
                 failed |= not caught

@@ -44,7 +44,8 @@
 // tiles run along the larger output dimension first, so a wave reads the larger operand once.
 // Epilogue (each thread's accumulators hold rows g, g + 8 of its warp's 16 and column pairs
 // 8j + 2 t4): each consumer warp stages its block through a 2 KB shared buffer 64 columns at a
-// time (stmatrix; .trans for B3) and writes whole 32-byte sectors with 16-byte stores. In the
+// time (stmatrix; B3: .trans, the warpgroup's four buffers as one, so a row's 128 bytes are
+// stored together) and writes whole 32-byte sectors with 16-byte stores. In the
 // accumulate mode (the caller's accumulate_wgrad: out += the gradient) the stores go straight
 // from the fragments instead: B2 4-byte read-modify-write pairs, B3 2-byte ones.
 #include "cuda/engines/sm90/wgrad_gemm.hpp"
@@ -75,9 +76,9 @@ constexpr int kStageBytes = kATileBytes + kBTileBytes;
 constexpr int kPipeBytes = kStages * kStageBytes;  // 192 KB
 constexpr int kBarrierBytes = 4 * kStages * 8;     // full, empty, a_full of each consumer warpgroup
 
-// The epilogue stages each consumer warp's output through shared memory, one 64-column chunk of
-// its 16 x 256 block at a time, 2 KB: B3 64 output rows (n) x 16 m (32 bytes a row), B2 16 rows
-// x 64 columns (128 bytes a row).
+// The epilogue stages the consumers' output through shared memory one 64-column chunk of a warp's
+// 16 x 256 block at a time, 2 KB a warp: B2 a warp's 16 rows x 64 columns (128 bytes a row); B3
+// a warpgroup's four buffers as one, 64 output rows (n) x the warpgroup's 64 m (128 bytes a row).
 constexpr int kEpilogueWarpBytes = 64 * 32;
 
 // The staging buffers follow the per-expert counts, 128-byte aligned.
@@ -175,6 +176,12 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
                : "memory");
 }
 
+// The 128 threads of consumer warpgroup wg (0 or 1) at named barrier 2 + wg (0 is __syncthreads'):
+// B3's epilogue, whose four warps share one staging buffer.
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+}
+
 // The staging buffer of consumer warp `warp` (4..11) for the staged epilogues.
 __device__ __forceinline__ uint32_t epilogue_stage(const uint8_t* smem, int E, int warp) {
   return smem_u32(smem) + uint32_t(trans_stage_offset(E)) + uint32_t(warp - 4) * kEpilogueWarpBytes;
@@ -200,12 +207,6 @@ __device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
                : "r"(addr)
                : "memory");
   return v;
-}
-
-// Byte offset of 8-m half h of staged row n (32 bytes a row): the halves of rows 4..7 of every 8
-// swap, so the 8 rows one stmatrix matrix writes cover all 32 banks once.
-__device__ __forceinline__ uint32_t trans_stage_byte(int n, int h) {
-  return uint32_t(n) * 32u + (uint32_t(h ^ ((n >> 2) & 1)) << 4);
 }
 
 // The gathered operand A of one consumer warpgroup: box wg of each stage (64 k-rows, the expert's
@@ -445,26 +446,28 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int tile_row = wg * 64 + warp_in_wg * 16 + g;
       if constexpr (TRANS_OUT) {
         if (!p.accumulate) {
-          // Element (m, n) is output row n, column m. Per 64-column chunk of the warp's 16 x 256
-          // block: stmatrix.trans puts the rounded fragments into the warp's staging buffer as
-          // 64 rows n of its 16 m (32 bytes), then each lane pair writes one row's 32 bytes, a
-          // whole sector, with two 16-byte stores (2-byte stores from the fragments made this
-          // epilogue a quarter of B3 on mixtral). The rounding is pack2's round-to-nearest of the
-          // fp32 accumulator, as below: the same bits.
-          const uint32_t stage = epilogue_stage(smem, p.E, warp);
-          const int m_half = m0 + wg * 64 + warp_in_wg * 16 + 8 * (lane & 1);
-          const bool m_ok = m_half < p.M;  // M % 8 == 0: an 8-m half is all in or all out
-          // The lane's output row n = n_lane + 16 (4 c + pass) is at one of two bases plus n
-          // rows: a running offset, where forming each store's address from the expert, row and
-          // column took ~37 instructions (SASS). base1 is only used for n >= split.
-          const int n_lane = n0 + (lane >> 1);
+          // Element (m, n) is output row n, column m: a warp holds 16 m (32 bytes) of each row, its
+          // warpgroup's four warps 64 m (128 bytes). Per 64-column chunk: the four warps put their
+          // rounded fragments with stmatrix.trans into the warpgroup's 8 KB staging buffer as 64
+          // rows n of 128 bytes (warp w's 8-m half h at 16-byte chunk 2 w + h, swizzled by n & 7),
+          // then each warp writes 16 of those rows, 4 rows of 128 contiguous bytes a store, where
+          // from its own 32-byte pieces a store touched 16 rows (2-byte stores from the fragments
+          // made this epilogue a quarter of B3 on mixtral). The rounding is pack2's
+          // round-to-nearest of the fp32 accumulator, as below: the same bits.
+          const uint32_t stage = epilogue_stage(smem, p.E, 4 + 4 * wg);  // its warps' 4 buffers
+          const int m_lane = m0 + wg * 64 + 8 * (lane & 7);
+          const bool m_ok = m_lane < p.M;  // M % 8 == 0: 8 m are all in or all out
+          // The lane's output row n = n_lane + 64 c + 4 pass is at one of two bases plus n rows: a
+          // running offset, where forming each store's address from the expert, row and column
+          // took ~37 instructions (SASS). base1 is only used for n >= split.
+          const int n_lane = n0 + 16 * warp_in_wg + (lane >> 3);
           const uint64_t row_bytes = uint64_t(p.M) * sizeof(T);
           const uint64_t base0 =
               reinterpret_cast<uint64_t>(p.out0) +
-              (uint64_t(e) * uint64_t(p.out_stride0) + uint64_t(m_half)) * sizeof(T);
+              (uint64_t(e) * uint64_t(p.out_stride0) + uint64_t(m_lane)) * sizeof(T);
           const uint64_t base1 =
               reinterpret_cast<uint64_t>(p.out1) +
-              (uint64_t(e) * uint64_t(p.out_stride1) + uint64_t(m_half)) * sizeof(T) -
+              (uint64_t(e) * uint64_t(p.out_stride1) + uint64_t(m_lane)) * sizeof(T) -
               uint64_t(p.split) * row_bytes;
           uint64_t row_offset = uint64_t(n_lane) * row_bytes;
 #pragma unroll
@@ -474,20 +477,23 @@ __global__ void __launch_bounds__(kThreads, 1)
               uint32_t frag[4];
               stmatrix_fragments<T>(frag, acc, c, q, live);
               const int i = lane >> 3;
+              const int n_row = 8 * (2 * q + (i >> 1)) + (lane & 7);  // row of the chunk
               stmatrix_x4_trans(
-                  stage + trans_stage_byte(8 * (2 * q + (i >> 1)) + (lane & 7), i & 1), frag);
+                  stage + 4u * uint32_t(stage_chunk_word(n_row, 2 * warp_in_wg + (i & 1))), frag);
             }
-            __syncwarp();
+            warpgroup_sync(wg);  // the four warps' pieces of every row are in the buffer
 #pragma unroll
             for (int pass = 0; pass < 4; ++pass) {
-              const int nl = (lane >> 1) + 16 * pass;  // row of the chunk
-              const uint4 v = ld_shared_v4(stage + trans_stage_byte(nl, lane & 1));
-              const int n = n_lane + 64 * c + 16 * pass;
+              const int n_row = 16 * warp_in_wg + (lane >> 3) + 4 * pass;
+              const uint4 v =
+                  ld_shared_v4(stage + 4u * uint32_t(stage_chunk_word(n_row, lane & 7)));
+              const int n = n_lane + 64 * c + 4 * pass;
               store16_if(m_ok && n < p.N,
                          reinterpret_cast<void*>((n < p.split ? base0 : base1) + row_offset), v);
-              row_offset += 16 * row_bytes;
+              row_offset += 4 * row_bytes;
             }
-            __syncwarp();  // the next chunk overwrites the buffer
+            row_offset += 48 * row_bytes;  // the chunk's 64 rows
+            warpgroup_sync(wg);            // the next chunk overwrites the buffer
           }
           continue;
         }
