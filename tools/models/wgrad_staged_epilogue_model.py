@@ -1,17 +1,19 @@
-# Index model of B2's and B3's staged epilogues (src/cuda/engines/sm90/wgrad_gemm.cu: each consumer warp's
-# 16 x 256 block through a 2 KB shared buffer, 64 columns at a time, with stmatrix, then 16-byte
-# stores; B3's four warps of a warpgroup share their buffers as one of 64 rows n x 128 bytes). It checks the kernel's bookkeeping, not the hardware: stmatrix.m8n8.x4 is modelled as the
-# PTX ISA describes it (lane 8 i + r supplies the address of row r of matrix i; that row receives
-# row r of the fragment matrix, or with .trans its column r; fragment element (row, col) is held by
-# lane 4 row + col // 2 in register i, half col % 2). For every lane and accumulator of one
-# consumer warp (B3: of a warpgroup's four) it checks that each element (m, n) of the block is
-# written once, with its own accumulator, where the kernel means it to go (B3: out[n][m]; B2: out[m][n]); that the
-# copy-out's 16-byte reads see exactly what stmatrix wrote; and that each stmatrix matrix (8 rows
-# of 16 bytes) covers all 32 banks once. Then the stores' addresses: the kernel forms them once a
-# tile (B2: a row address per pass plus 128 bytes a chunk; B3: two bases and a running row offset
-# in wrapping 64-bit arithmetic), and for every lane of every warp, tile origin, expert and split
-# (inside a tile, at a tile edge, none with out1 null) each store must go where the element-wise
-# formula puts it, under the same predicate. --self-test: seeded mistakes must be caught.
+# Index model of B2's and B3's staged epilogues (src/cuda/engines/sm90/wgrad_gemm.cu: each
+# consumer warp's 16 x 256 block through a 2 KB shared buffer, 64 columns at a time, with
+# stmatrix, then 16-byte stores; B3's four warps of a warpgroup share their buffers as one of 64
+# rows n x 128 bytes). It checks the kernel's bookkeeping, not the hardware: stmatrix.m8n8.x4 is
+# modelled as the PTX ISA describes it (lane 8 i + r supplies the address of row r of matrix i;
+# that row receives row r of the fragment matrix, or with .trans its column r; fragment element
+# (row, col) is held by lane 4 row + col // 2 in register i, half col % 2). For every lane and
+# accumulator of one consumer warp (B3: of a warpgroup's four) it checks that each element (m, n)
+# of the block is written once, with its own accumulator, where the kernel means it to go (B3:
+# out[n][m]; B2: out[m][n]); that the copy-out's 16-byte reads see exactly what stmatrix wrote;
+# and that each stmatrix matrix (8 rows of 16 bytes) covers all 32 banks once. Then the stores'
+# addresses: the kernel forms them once a tile (B2: a row address per pass plus 128 bytes a chunk;
+# B3: two bases and a running row offset in wrapping 64-bit arithmetic), and for every lane of
+# every warp, tile origin, expert and split (inside a tile, at a tile edge, none with out1 null)
+# each store must go where the element-wise formula puts it, under the same predicate.
+# --self-test: seeded mistakes must be caught.
 #   python3 tools/models/wgrad_staged_epilogue_model.py --self-test
 import sys
 
