@@ -150,7 +150,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--lib", action="append", default=[], metavar="NAME=PATH",
                    help="a build of libmoeblaze.so (two or more; the first is the reference)")
-    p.add_argument("--configs", default="qwen3-30b-a3b", help="names from bench/configs.json")
+    p.add_argument("--configs", default="qwen3-30b-a3b",
+                   help="names from bench/configs.json, or all")
     p.add_argument("--acts", default="swiglu")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--row-timing-s", type=float, default=1.2)

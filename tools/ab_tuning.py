@@ -68,7 +68,8 @@ def self_test():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="qwen3-30b-a3b", help="names from bench/configs.json")
+    p.add_argument("--configs", default="qwen3-30b-a3b",
+                   help="names from bench/configs.json, or all")
     p.add_argument("--acts", default="swiglu")
     p.add_argument("--variant", action="append", default=[], metavar="NAME=VAR=VALUE[;...]")
     p.add_argument("--rounds", type=int, default=10)
@@ -94,8 +95,8 @@ def main():
 
     args = run_bench.parse_args(["--device", "cuda"])
     args.device = "cuda"
-    known = {c["name"]: c for c in run_bench.load_configs(run_bench.parse_args(["--configs",
-                                                                                "all"]))}
+    # "all" or names from configs.json; an unknown name stops here, before anything is timed.
+    configs = run_bench.load_configs(run_bench.parse_args(["--configs", a.configs]))
     flush = torch.empty(run_bench.L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
 
     def use(run):
@@ -120,8 +121,8 @@ def main():
         return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
     table = []
-    for config in a.configs.split(","):
-        cfg = known[config]
+    for cfg in configs:
+        config = cfg["name"]
         for act in a.acts.split(","):
             inputs = run_bench.make_inputs(cfg, act, args)
             print(f"== {config} {act} (seed {inputs['seed']})", flush=True)
