@@ -97,10 +97,19 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
                : "memory");
 }
 
-// The consumer warpgroups' 256 threads (warps 4-11) at named barrier 1 (0 is __syncthreads'): the
-// split epilogue forms, whose consumers read each other's rows of the hand-off.
+// Named barriers, allocated here so that no two uses collide: 0 is __syncthreads', 1 the two
+// consumer warpgroups together, 2 + wg consumer warpgroup wg alone.
+
+// The consumer warpgroups' 256 threads (warps 4-11) at named barrier 1: the split epilogue forms,
+// whose consumers read each other's rows of the hand-off.
 __device__ __forceinline__ void consumer_warps_sync() {
   asm volatile("bar.sync 1, 256;\n" ::: "memory");
+}
+
+// The 128 threads of consumer warpgroup wg (0 or 1) at named barrier 2 + wg: B3's staged
+// epilogue, whose four warps share one staging buffer.
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
 }
 
 // Arrives on `bar` once every cp.async this thread issued so far has landed. .noinc: the arrival

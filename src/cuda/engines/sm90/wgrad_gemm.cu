@@ -176,12 +176,6 @@ __device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4
                : "memory");
 }
 
-// The 128 threads of consumer warpgroup wg (0 or 1) at named barrier 2 + wg (0 is __syncthreads'):
-// B3's epilogue, whose four warps share one staging buffer.
-__device__ __forceinline__ void warpgroup_sync(int wg) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-}
-
 // The staging buffer of consumer warp `warp` (4..11) for the staged epilogues.
 __device__ __forceinline__ uint32_t epilogue_stage(const uint8_t* smem, int E, int warp) {
   return smem_u32(smem) + uint32_t(trans_stage_offset(E)) + uint32_t(warp - 4) * kEpilogueWarpBytes;
