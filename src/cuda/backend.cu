@@ -163,7 +163,8 @@ void lt_matmul(cublasLtHandle_t handle, LtPlanCache& cache, const LtGemm& g, voi
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int32_t device) : device_(device), tuning_(CudaTuning::from_environment()) {
+  explicit CudaBackend(int32_t device)
+      : device_(device), tuning_(CudaTuning::from_environment(device)) {
     DeviceGuard guard(device_);
     check_lt(cublaslt_api().create(&lt_), "cublasLtCreate");  // loads cuBLASLt (cublaslt_api.hpp)
     EngineSet::prepare_device(device_);  // kernel attributes, outside any graph capture

@@ -16,6 +16,7 @@
 #include "cuda/cuda_util.cuh"
 #include "cuda/engines/engine_set.hpp"
 #include "cuda/engines/sm90/rows_gemm.hpp"
+#include "cuda/engines/sm90/wgrad_gemm.hpp"
 #include "cuda/kernels.hpp"
 #include "cuda/token_reduce.hpp"
 
@@ -92,7 +93,6 @@ void zero_dropped(int64_t T_, const LayerDesc& desc, const int32_t* tim, void* o
 // keep their absolute index. Chunks of d start at multiples of the F2 / B4 kernel's tile width, so
 // no chunk adds a partial tile; an element's bits never depend on the chunking (its k order does
 // not change).
-constexpr int64_t kMaxGuChunks = 4;
 constexpr int64_t kMaxRowChunks = 2;
 
 int64_t chunk_width(int64_t total, int64_t chunks, int64_t align) {
@@ -126,6 +126,20 @@ int64_t row_chunk_cols(const LayerDesc& desc, int64_t N, bool direct, const Cuda
   return chunk_width(d, chunks, align);
 }
 
+// B2's waves of tiles over h in chunks of `cols` columns, on `sm_count` SMs: each chunk launches
+// E x (d / rows) x (cols / columns) tiles of the Hopper kernel (wgrad_gemm.hpp), one CTA an SM.
+int64_t b2_waves(const LayerDesc& desc, int64_t cols, int sm_count) {
+  const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  int64_t waves = 0;
+  for (int64_t h0 = 0; h0 < desc.h; h0 += cols) {
+    const int64_t width = desc.h - h0 < cols ? desc.h - h0 : cols;
+    const int64_t tiles =
+        desc.E * ceil_div(desc.d, kSm90WgradTileRows) * ceil_div(width, kSm90WgradTileCols);
+    waves += ceil_div(tiles, sm_count);
+  }
+  return waves;
+}
+
 // Width of B1/B2's column chunks of h (h itself: one chunk). g*u ([N, h], storage dtype) is the
 // backward's largest transient; B4's rows ([N, d]) share its region once B2 has read it. The
 // layer's peak is the larger of the forward's transients (u unless saved, and F2's rows) and the
@@ -133,25 +147,45 @@ int64_t row_chunk_cols(const LayerDesc& desc, int64_t N, bool direct, const Cuda
 // for B1 and B2 and adds a partial last wave to each, so h is chunked only as far as needed to
 // bring the backward down to the forward: the fewest chunks that do (at most 4), or, where no
 // number of chunks can, until g*u is no larger than B4's rows (row_cols of d at a time).
+// Each B2 tile sums its expert's every routed row, so where a chunk's tiles leave SMs idle, B2's
+// time grows by whole waves (E = 4, d = 512: 128 tiles, one wave on 132 SMs; two chunks, two
+// waves, B2 twice as long). A count whose B2 takes more than kMaxGuChunkB2Growth more waves than
+// one chunk's is passed over for the next larger one that does not, else the largest smaller one
+// (at worst one chunk). Decided from the descriptor and the device's SM count only, so the size
+// query and the run carve the same regions.
+constexpr int64_t kMaxGuChunks = 4;
+constexpr double kMaxGuChunkB2Growth = 1.0 / 16;
+
 int64_t gu_chunk_cols(const LayerDesc& desc, int64_t T, int64_t N, int64_t row_cols, bool direct,
-                      int forced_chunks) {
+                      const CudaTuning& tuning) {
   const int64_t h = desc.h, d = desc.d;
   const int64_t es = int64_t(desc.elem_size());
   if (N == 0) return h;
-  int64_t chunks = forced_chunks > 0 ? forced_chunks : 0;
-  if (chunks == 0) {
-    const int64_t rows = direct ? 0 : es * N * row_cols;
-    const int64_t gu = es * N * h;
-    const int64_t forward = (desc.checkpoint == Checkpoint::SaveAll ? 0 : gu) + rows;
-    const int64_t outputs = es * desc.E * d * h * (desc.gated() ? 3 : 2) + es * T * d;
-    const auto backward = [&](int64_t c) {
-      const int64_t region = (gu + c - 1) / c;
-      return outputs + (region > rows ? region : rows);
+  if (tuning.gu_chunks > 0) return chunk_width(h, tuning.gu_chunks, kGemmColumnAlign);
+  const int64_t rows = direct ? 0 : es * N * row_cols;
+  const int64_t gu = es * N * h;
+  const int64_t forward = (desc.checkpoint == Checkpoint::SaveAll ? 0 : gu) + rows;
+  const int64_t outputs = es * desc.E * d * h * (desc.gated() ? 3 : 2) + es * T * d;
+  const auto backward = [&](int64_t c) {
+    const int64_t region = (gu + c - 1) / c;
+    return outputs + (region > rows ? region : rows);
+  };
+  if (backward(1) <= forward) return h;
+  int64_t chunks = 1;
+  while (chunks < kMaxGuChunks && backward(chunks) > forward && (gu + chunks - 1) / chunks > rows)
+    ++chunks;
+  if (tuning.sm_count > 0) {
+    const auto b2_keeps_pace = [&](int64_t c) {
+      const int64_t one = b2_waves(desc, h, tuning.sm_count);
+      return double(b2_waves(desc, chunk_width(h, c, kGemmColumnAlign), tuning.sm_count)) <=
+             double(one) * (1.0 + kMaxGuChunkB2Growth);
     };
-    if (backward(1) <= forward) return h;
-    chunks = 1;
-    while (chunks < kMaxGuChunks && backward(chunks) > forward && (gu + chunks - 1) / chunks > rows)
-      ++chunks;
+    int64_t pick = 0;
+    for (int64_t c = chunks; c <= kMaxGuChunks && pick == 0; ++c)
+      if (b2_keeps_pace(c)) pick = c;
+    for (int64_t c = chunks - 1; c >= 1 && pick == 0; --c)
+      if (b2_keeps_pace(c)) pick = c;
+    chunks = pick;
   }
   return chunk_width(h, chunks, kGemmColumnAlign);
 }
@@ -249,7 +283,7 @@ void experts_backward(const LayerDesc& desc, const ExpertsBackwardCall& call, Ca
   // g*u for one column chunk of h at a time (gu_chunk_cols; all of h when that is one chunk).
   const bool direct = direct_rows(desc, tuning);  // B4 writes dx itself: no rows
   const int64_t row_cols = row_chunk_cols(desc, N, direct, tuning);
-  const int64_t gu_cols = gu_chunk_cols(desc, T, N, row_cols, direct, tuning.gu_chunks);
+  const int64_t gu_cols = gu_chunk_cols(desc, T, N, row_cols, direct, tuning);
   const size_t gu_bytes = es * size_t(N) * size_t(gu_cols);
   const size_t dxr_bytes = direct ? 0 : es * size_t(N) * size_t(row_cols);
   // g*u and B4's rows share one region: g*u is written by B1 and last read by B2, B4 runs after

@@ -1,5 +1,7 @@
 #include "cuda/tuning.hpp"
 
+#include <cuda_runtime.h>
+
 #include <cstdlib>
 #include <cstring>
 
@@ -9,8 +11,12 @@
 namespace moeblaze {
 namespace cuda {
 
-CudaTuning CudaTuning::from_environment() {
+CudaTuning CudaTuning::from_environment(int device) {
   CudaTuning t;
+  if (cudaDeviceGetAttribute(&t.sm_count, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    t.sm_count = 0;
+    (void)cudaGetLastError();  // not left behind for the next launch check
+  }
   const auto is_zero = [](const char* v) { return v != nullptr && std::strcmp(v, "0") == 0; };
   t.sm90 = !is_zero(std::getenv("MOEBLAZE_CUDA_SM90"));
   if (const char* warps = std::getenv("MOEBLAZE_CUDA_MMA_WARPS")) {

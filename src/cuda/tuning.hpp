@@ -34,10 +34,13 @@ struct CudaTuning {
   // MOEBLAZE_CUDA_ROWS_FORM, MOEBLAZE_CUDA_ROWS_CLUSTER, MOEBLAZE_CUDA_BAND_MTILES: the Hopper
   // kernels' epilogue forms, 2-CTA clusters and tile rasterisation (engines/sm90/device.hpp).
   Sm90Forms sm90_forms;
+  // Not a choice: the backend's device's SM count, which B1/B2's chunk policy weighs (B2's waves
+  // of tiles, experts.cu); 0 = not weighed.
+  int sm_count = 0;
 
   // The defaults above, overridden by the MOEBLAZE_CUDA_* variables that are set (values that do
-  // not parse keep the default).
-  static CudaTuning from_environment();
+  // not parse keep the default), with `device`'s SM count.
+  static CudaTuning from_environment(int device);
   // This tuning with F2's overrides in row_chunks and sm90_forms.rows_form (the forward's).
   CudaTuning for_f2() const {
     CudaTuning t = *this;

@@ -716,10 +716,11 @@ TEST_SUITE("cuda") {
   TEST_CASE("cuda: B1/B2 in column chunks of h give bitwise the one-chunk results") {
     SKIP_WITHOUT_GPU();
 #if defined(MOEBLAZE_TESTS_WITH_CUDA)
-    // h = 1000 with d = 64: the default policy runs B1 and B2 in 4 chunks of 256, 256, 256, 232
-    // columns (bf16 and fp32 alike); MOEBLAZE_CUDA_GU_CHUNKS = 1 forces one chunk, 3 asks for three
-    // (two of 512 and 488 after the 256-column alignment). Every output must have the same bits in
-    // all three runs, and match the CPU. Each backend reads the switch when it is created.
+    // h = 1000 with d = 64: MOEBLAZE_CUDA_GU_CHUNKS = 4 runs B1 and B2 in chunks of 256, 256, 256,
+    // 232 columns (bf16 and fp32 alike), 3 in two of 512 and 488 (the 256-column alignment), 1 in
+    // one; 0 is the policy (one chunk here: four would leave B2's five tiles a wave each). Every
+    // output must have the same bits in all four runs, and match the CPU. Each backend reads the
+    // switch when it is created.
     // d = 1088 (bf16): the Hopper B1's epilogue-warp form (17 k-steps), where the policy gives one
     // chunk and the switch 1 or 2.
     Rng rng(test_seed(9808));
@@ -748,13 +749,50 @@ TEST_SUITE("cuda") {
               LayerRun want = rc;  // the CPU's outputs land in rc
               MB_CHECK(rc.experts_forward());
               MB_CHECK(rc.experts_backward({}, flags));
-              check_switch_keeps_bits("MOEBLAZE_CUDA_GU_CHUNKS", {"1", "0", "3"}, cfg, want, rc,
-                                      150, flags);
+              check_switch_keeps_bits("MOEBLAZE_CUDA_GU_CHUNKS", {"1", "4", "0", "3"}, cfg, want,
+                                      rc, 150, flags);
             }
           }
         }
       }
     }
+#endif
+  }
+
+  TEST_CASE("cuda: B1/B2's chunks of h bound the backward's peak, but never cost B2 whole waves") {
+    SKIP_WITHOUT_GPU();
+#if defined(MOEBLAZE_TESTS_WITH_CUDA)
+    // The policy's choice, read off the experts backward's workspace (g*u is its one region that
+    // depends on the chunks) against the sizes with the count forced (MOEBLAZE_CUDA_GU_CHUNKS).
+    int sms = 0;
+    REQUIRE(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0) == cudaSuccess);
+    CAPTURE(sms);
+    const ScopedSwitch chunk_switch("MOEBLAZE_CUDA_GU_CHUNKS");
+    const auto backward_bytes = [&](const moeblaze_layer_config_t& cfg, int64_t T,
+                                    const char* chunks) {
+      chunk_switch.set(chunks);
+      const Context gpu(MOEBLAZE_BACKEND_CUDA);
+      const Layer layer(gpu, cfg);
+      return layer.workspace_size(MOEBLAZE_PASS_EXPERTS_BACKWARD, T);
+    };
+    // d = 512, h = 2048, E = 4, k = 1 (the benchmark's conf1): the backward's peak alone asks for
+    // two chunks. B2 has 4 x 4 x 8 = 128 tiles of 128 x 256, each over its expert's 16,384 rows:
+    // one wave where the SMs are >= 128 (Hopper's 132), two in two chunks, so one chunk there;
+    // with 64..127 SMs it takes two waves either way, so two chunks.
+    moeblaze_layer_config_t conf1 = make_config(MOEBLAZE_DTYPE_BF16, 512, 2048, 4, 1);
+    const size_t one = backward_bytes(conf1, 65536, "1");
+    const size_t two = backward_bytes(conf1, 65536, "2");
+    CHECK(two < one);
+    if (sms >= 128) CHECK(backward_bytes(conf1, 65536, "0") == one);
+    if (sms >= 64 && sms < 128) CHECK(backward_bytes(conf1, 65536, "0") == two);
+    // d = 2048, h = 8192, E = 8, k = 4 (conf7): the peak asks for four chunks, each of 8 x 16 x 8
+    // = 1,024 B2 tiles against 4,096 in one; where that adds no wave (132 SMs: 4 x 8 = 32 waves
+    // either way), four chunks.
+    moeblaze_layer_config_t conf7 = make_config(MOEBLAZE_DTYPE_BF16, 2048, 8192, 8, 4);
+    const size_t four = backward_bytes(conf7, 8192, "4");
+    CHECK(four < backward_bytes(conf7, 8192, "1"));
+    if (4 * ((1024 + sms - 1) / sms) <= (4096 + sms - 1) / sms)
+      CHECK(backward_bytes(conf7, 8192, "0") == four);
 #endif
   }
 

@@ -61,8 +61,8 @@ namespace {
 
 using namespace sm90;
 
-constexpr int kBM = 128;  // output rows per tile
-constexpr int kBN = 256;  // output columns per tile
+constexpr int kBM = kSm90WgradTileRows;
+constexpr int kBN = kSm90WgradTileCols;
 constexpr int kStages = 4;
 // The consumers gather their A box this many k-steps ahead, issued between a k-step's wgmma
 // commit and its wait<1>: the target slot (k-step it - 2) is then free, so the lead is kStages - 2.

@@ -31,6 +31,11 @@
 namespace moeblaze {
 namespace cuda {
 
+// B2 / B3's output tile: rows of M (d) x columns of N (h for B2, 2h for B3). One persistent CTA an
+// SM runs whole tiles, each summing its expert's every routed row.
+constexpr int kSm90WgradTileRows = 128;
+constexpr int kSm90WgradTileCols = 256;
+
 // The largest dynamic shared memory a launch asks for (E = 1024), for the device check.
 size_t sm90_wgrad_max_smem_bytes();
 
