@@ -128,6 +128,8 @@ int64_t row_chunk_cols(const LayerDesc& desc, int64_t N, bool direct, const Cuda
 
 // B2's waves of tiles over h in chunks of `cols` columns, on `sm_count` SMs: each chunk launches
 // E x (d / rows) x (cols / columns) tiles of the Hopper kernel (wgrad_gemm.hpp), one CTA an SM.
+// Counted so for every engine (the workspace does not depend on which one runs); for the portable
+// engines' smaller tiles it is an estimate.
 int64_t b2_waves(const LayerDesc& desc, int64_t cols, int sm_count) {
   const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   int64_t waves = 0;
