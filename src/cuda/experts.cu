@@ -177,10 +177,11 @@ int64_t gu_chunk_cols(const LayerDesc& desc, int64_t T, int64_t N, int64_t row_c
   while (chunks < kMaxGuChunks && backward(chunks) > forward && (gu + chunks - 1) / chunks > rows)
     ++chunks;
   if (tuning.sm_count > 0) {
+    const double waves_allowed =
+        double(b2_waves(desc, h, tuning.sm_count)) * (1.0 + kMaxGuChunkB2Growth);
     const auto b2_keeps_pace = [&](int64_t c) {
-      const int64_t one = b2_waves(desc, h, tuning.sm_count);
       return double(b2_waves(desc, chunk_width(h, c, kGemmColumnAlign), tuning.sm_count)) <=
-             double(one) * (1.0 + kMaxGuChunkB2Growth);
+             waves_allowed;
     };
     int64_t pick = 0;
     for (int64_t c = chunks; c <= kMaxGuChunks && pick == 0; ++c)
