@@ -19,7 +19,8 @@ the default's bits, and its peak memory over one step; --sonic adds SonicMoE (be
 reference row. --sustain S then runs each variant's steps back to back for S seconds (an L2 flush
 before each) while nvidia-smi samples the card: its median SM clock, board power and joules a step
 (power x time), which decide the speed at the power limit, where variants draw the same watts and
-the one that needs fewer joules runs at the higher clock. A table of every row comes last.
+the one that needs fewer joules runs at the higher clock (the table's "x default by J": the
+default's joules over the variant's). A table of every row comes last.
 """
 import argparse
 import os
@@ -60,6 +61,10 @@ def self_test():
         "1500", "692", "10.013"]
     assert energy_cells(None) == ["-", "-", "-"]
     assert energy_cells({"sm_mhz": None, "power_w": None, "joules": None}) == ["-", "-", "-"]
+    assert joules_speed({"joules": 12.0}, {"joules": 11.5}) == "1.0435"
+    assert joules_speed({"joules": 12.0}, None) == "-"
+    assert joules_speed(None, {"joules": 11.5}) == "-"
+    assert joules_speed({"joules": 12.0}, {"joules": None}) == "-"
     assert describe_energy(None) == ""
     assert describe_energy({"sm_mhz": 1980.0, "power_w": 350.0, "joules": 1.5}) == (
         "  sustained: 1980 MHz, 350 W, 1.500 J a step")
@@ -194,13 +199,15 @@ def main():
             torch.cuda.empty_cache()
     sustained = a.sustain > 0
     print("\n| config | act | variant | ms | x default | same bits | peak MiB |"
-          + (" MHz | W | J a step |" if sustained else ""))
-    print("|---|---|---|---:|---:|---|---:|" + ("---:|---:|---:|" if sustained else ""))
+          + (" MHz | W | J a step | x default by J |" if sustained else ""))
+    print("|---|---|---|---:|---:|---|---:|" + ("---:|---:|---:|---:|" if sustained else ""))
+    default_clocks = {(row[0], row[1]): row[9] for row in table if row[2] == "default"}
     for config, act, name, ms, _, _, speed, bits, peak, clocks in table:
         cells = [config, act, name, f"{ms:.3f}", f"{speed:.4f}", str(bits),
                  "-" if peak is None else format(peak, ".0f")]
         if sustained:
             cells += energy_cells(clocks)
+            cells.append(joules_speed(default_clocks.get((config, act)), clocks))
         print("| " + " | ".join(cells) + " |")
 
 
@@ -209,6 +216,14 @@ def energy_cells(clocks):
     clocks = clocks or {}
     return [("-" if clocks.get(key) is None else format(clocks[key], spec))
             for key, spec in (("sm_mhz", ".0f"), ("power_w", ".0f"), ("joules", ".3f"))]
+
+
+def joules_speed(default_clocks, clocks):
+    """The default's joules a step over the variant's: its speed at the power limit, where both
+    draw the same watts (steadier than the medians of short rounds there); '-' where unsampled."""
+    base = (default_clocks or {}).get("joules")
+    mine = (clocks or {}).get("joules")
+    return "-" if not base or not mine else f"{base / mine:.4f}"
 
 
 def describe_energy(clocks):
