@@ -10,12 +10,14 @@ its speed against the first build, the same speed paired by round (the first bui
 this build's in each round: the median, the range and in how many rounds it was the faster; a
 round's builds ran minutes apart, so the pairing removes the card's drift between rounds), its SM
 clock and joules a repetition, and whether every round kept its error against the fp32 reference
-under the tolerance and repeated bitwise.
+under the tolerance and repeated bitwise. --deadline-s bounds the whole comparison: no round starts
+that the longest round so far would carry past it, and the table covers the rounds that finished
+(every build's, so the pairing holds).
 
 Usage (a GPU machine, from the repository root):
   python3 tools/ab_libraries.py --lib before=build-old/src/libmoeblaze.so \\
       --lib after=build-device/src/libmoeblaze.so --configs conf1,qwen3-30b-a3b \\
-      --acts swiglu,silu [--rounds=3] [--row-timing-s 1.2] [--out DIR]
+      --acts swiglu,silu [--rounds=3] [--row-timing-s 1.2] [--deadline-s S] [--out DIR]
   python3 tools/ab_libraries.py --self-test
 """
 import argparse
@@ -27,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -100,7 +103,17 @@ def format_table(table):
     return "\n".join(lines)
 
 
+def round_fits(elapsed, round_seconds, deadline):
+    """Whether another round fits before `deadline` seconds (None: no deadline), `elapsed` seconds
+    in, given the durations of the rounds so far (the first round always starts)."""
+    if deadline is None or not round_seconds:
+        return True
+    return elapsed + max(round_seconds) <= deadline
+
+
 def self_test():
+    assert round_fits(0.0, [], 10.0) and round_fits(100.0, [50.0], None)
+    assert round_fits(50.0, [40.0, 50.0], 100.0) and not round_fits(51.0, [40.0, 50.0], 100.0)
     assert parse_lib("a=x/lib.so") == ("a", os.path.abspath("x/lib.so"))
     for bad in ("x/lib.so", "=x", "a="):
         try:
@@ -156,6 +169,9 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--row-timing-s", type=float, default=1.2)
     p.add_argument("--budget-s", type=float, default=300.0, help="each run_bench.py process's")
+    p.add_argument("--deadline-s", type=float, default=None,
+                   help="the whole comparison's seconds: no round starts that the longest round so "
+                        "far would carry past them; the table covers the rounds that finished")
     p.add_argument("--out", default=None, help="keep every run's JSON here (default: a temp dir)")
     p.add_argument("--self-test", action="store_true")
     a = p.parse_args()
@@ -171,8 +187,16 @@ def main():
         if not os.path.isfile(path):
             p.error(f"--lib {name}: {path} does not exist")
     out = a.out or tempfile.mkdtemp(prefix="ab_libraries_")
+    if a.deadline_s is not None and a.deadline_s <= 0:
+        p.error("--deadline-s must be positive")
     runs = {name: [] for name, _ in libs}
+    start, round_seconds = time.monotonic(), []
     for round_index in range(a.rounds):
+        if not round_fits(time.monotonic() - start, round_seconds, a.deadline_s):
+            print(f"== stopped after {round_index} of {a.rounds} rounds: the next would pass "
+                  f"--deadline-s {a.deadline_s:g}", flush=True)
+            break
+        round_start = time.monotonic()
         order = list(libs)
         random.shuffle(order)
         for name, path in order:
@@ -194,6 +218,7 @@ def main():
                 return 1
             with open(found[-1]) as f:
                 runs[name].append(moeblaze_rows(json.load(f)))
+        round_seconds.append(time.monotonic() - round_start)
     table = summarize([name for name, _ in libs], runs)
     print(f"\nruns kept in {out}\n")
     print(format_table(table))
