@@ -147,7 +147,9 @@ def row_clocks(summary, ms):
     while its repetitions ran, and the energy of one repetition estimated as median power x median
     time (joules). Under the power limit two implementations draw the same watts, so the one that
     needs fewer joules a step runs its SMs faster: this is the figure that decides speed there.
-    None where nothing was sampled (no GPU, no nvidia-smi, or a row shorter than the interval)."""
+    None where nothing was sampled (no GPU, no nvidia-smi, or a row shorter than the interval).
+    clock_reasons: the share of those samples with each of the driver's clock-event reasons (why
+    the SM clock was below its maximum: the power cap, a hardware slowdown, ...)."""
     def median(key):
         return (summary.get(key) or {}).get("median")
 
@@ -155,7 +157,8 @@ def row_clocks(summary, ms):
     mhz, watts = (median("sm_mhz"), median("power_w")) if count else (None, None)
     joules = watts * ms / 1e3 if watts is not None and ms is not None else None
     return {"clock_samples": count, "sm_mhz": mhz, "power_w": watts, "joules": joules,
-            "power_field": summary.get("power_field") if count else None}
+            "power_field": summary.get("power_field") if count else None,
+            "clock_reasons": summary.get("reason_share") if count else None}
 
 
 def parse_sample(line):

@@ -539,10 +539,11 @@ def test_row_clocks_give_the_energy_of_a_step():
     assert fields["clock_samples"] == 3
     assert fields["sm_mhz"] == 1500.0 and fields["power_w"] == 692.0
     assert abs(fields["joules"] - 692.0 * 14.5e-3) < 1e-12
+    assert fields["clock_reasons"] == {"software power cap": 1.0}
     for nothing in (None, {"samples": 0, "error": "nvidia-smi not found"}):
         assert gpu_clocks.row_clocks(nothing, 14.5) == {
             "clock_samples": 0, "sm_mhz": None, "power_w": None, "joules": None,
-            "power_field": None}
+            "power_field": None, "clock_reasons": None}
     assert fields["power_field"] is None  # samples that do not say which reading they are
     # run_bench.clock_summary condenses samples from several sampled blocks in a new sampler: the
     # reading comes with the samples.
