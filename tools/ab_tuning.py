@@ -68,6 +68,10 @@ def self_test():
     assert describe_energy(None) == ""
     assert describe_energy({"sm_mhz": 1980.0, "power_w": 350.0, "joules": 1.5}) == (
         "  sustained: 1980 MHz, 350 W, 1.500 J a step")
+    assert describe_energy({"sm_mhz": 1440.0, "power_w": 700.0, "joules": 10.0, "clock_reasons": {
+        "software power cap": 0.9, "hardware slowdown": 0.25}}) == (
+        "  sustained: 1440 MHz, 700 W, 10.000 J a step (clock-event reasons: software power cap "
+        "90 %, hardware slowdown 25 %)")
     print("ab_tuning self-test: ok")
 
 
@@ -231,7 +235,10 @@ def describe_energy(clocks):
     if clocks is None:
         return ""
     mhz, watts, joules = energy_cells(clocks)
-    return f"  sustained: {mhz} MHz, {watts} W, {joules} J a step"
+    reasons = ", ".join(f"{name} {share * 100:.0f} %"
+                        for name, share in (clocks.get("clock_reasons") or {}).items())
+    return (f"  sustained: {mhz} MHz, {watts} W, {joules} J a step"
+            + (f" (clock-event reasons: {reasons})" if reasons else ""))
 
 
 if __name__ == "__main__":
