@@ -186,9 +186,9 @@ def main():
     for name, path in libs:
         if not os.path.isfile(path):
             p.error(f"--lib {name}: {path} does not exist")
-    out = a.out or tempfile.mkdtemp(prefix="ab_libraries_")
     if a.deadline_s is not None and a.deadline_s <= 0:
         p.error("--deadline-s must be positive")
+    out = a.out or tempfile.mkdtemp(prefix="ab_libraries_")
     runs = {name: [] for name, _ in libs}
     start, round_seconds = time.monotonic(), []
     for round_index in range(a.rounds):
