@@ -194,11 +194,15 @@ def describe(summary):
 
     sm = summary.get("sm_mhz")
     sm_range = f" ({sm['min']:.0f}-{sm['max']:.0f})" if sm else ""
-    reasons = "; ".join(f"{name} {share * 100:.0f} %"
-                        for name, share in summary.get("reason_share", {}).items()) or "no reasons"
+    reasons = format_reasons(summary.get("reason_share")) or "no reasons"
     return (f"SM {med('sm_mhz', 'MHz')}{sm_range}, {med('power_w', 'W')} of "
             f"{med('power_limit_w', 'W')}, {med('temperature_c', 'C')}; {reasons} "
             f"({summary['samples']} samples)")
+
+
+def format_reasons(shares, separator="; "):
+    """'software power cap 90 %; ...' for a {reason: share of samples} map ('' for none)."""
+    return separator.join(f"{name} {share * 100:.0f} %" for name, share in (shares or {}).items())
 
 
 def back_to_back(fn, seconds, batch=10, interval_ms=100):

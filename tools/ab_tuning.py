@@ -30,6 +30,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(REPO, "bench"))
+import gpu_clocks  # noqa: E402  (standard library only: the self-test runs without torch)
 
 
 def parse_variant(spec):
@@ -95,10 +97,8 @@ def main():
     variants = [("default", {})] + [parse_variant(spec) for spec in a.variant]
     # SonicMoE's CUTLASS DSL parses the command line whenever it compiles a kernel.
     del sys.argv[1:]
-    sys.path.insert(0, os.path.join(REPO, "bench"))
     sys.path.insert(0, os.path.join(REPO, "bindings", "python"))
     import torch
-    import gpu_clocks
     import run_bench
     import moeblaze.torch as mbt
 
@@ -235,8 +235,7 @@ def describe_energy(clocks):
     if clocks is None:
         return ""
     mhz, watts, joules = energy_cells(clocks)
-    reasons = ", ".join(f"{name} {share * 100:.0f} %"
-                        for name, share in (clocks.get("clock_reasons") or {}).items())
+    reasons = gpu_clocks.format_reasons(clocks.get("clock_reasons"), ", ")
     return (f"  sustained: {mhz} MHz, {watts} W, {joules} J a step"
             + (f" (clock-event reasons: {reasons})" if reasons else ""))
 
