@@ -9,6 +9,8 @@ them is predicted from the SASS before it is timed (docs/performance.md, "Where 
           gather's cursor runs once a tile (from the first forward branch after the gather's
           ARRIVES.LDGSTSBAR to its target); loops without a gather: the whole loop; in both, less
           the mbarrier waits' slow paths (after a TRYWAIT, what its branch on success skips);
+  MEMBAR  memory barriers in `steady`: a fence.proxy.async compiles to MEMBAR.ALL.CTA and
+          FENCE.VIEW.ASYNC.S, and the k-step's wgmma issue waits for both (scoreboard order);
   spills  LDL/STL instructions inside `loop` (spills in the main loop) and in the whole kernel;
   epi     every innermost loop holding >= 8 MUFU instructions (an activation epilogue; a kernel
           can compile several, e.g. B1's epilogue warps with and without a saved u), in address
@@ -258,6 +260,7 @@ def analyse(name, ins):
         "loop": len(body),
         "steady": len(steady),
         "hgmma": sum("HGMMA" in t for a, t in body),
+        "membar": sum(opcode_and_operands(t)[0].startswith("MEMBAR") for a, t in steady),
         "epi": epi,  # one (instructions, MUFU, cycles) per epilogue loop
         "loop_spills": sum(is_spill(t) for a, t in body),
         "spills": sum(is_spill(t) for a, t in ins),
@@ -272,11 +275,11 @@ def report(sass, pattern=""):
         r = analyse(name, ins)
         if r:
             rows.append(r)
-    print(f"{'kernel':52s} {'loop':>5s} {'steady':>6s} {'HGMMA':>5s} {'spills loop/all':>15s}  "
-          f"epi loops: instructions (MUFU, cycles)")
+    print(f"{'kernel':52s} {'loop':>5s} {'steady':>6s} {'HGMMA':>5s} {'MEMBAR':>6s} "
+          f"{'spills loop/all':>15s}  epi loops: instructions (MUFU, cycles)")
     for r in rows:
         epi = " | ".join(f"{n} ({m}, {c})" for n, m, c in r["epi"]) or "-"
-        print(f"{r['kernel']:52s} {r['loop']:5d} {r['steady']:6d} {r['hgmma']:5d} "
+        print(f"{r['kernel']:52s} {r['loop']:5d} {r['steady']:6d} {r['hgmma']:5d} {r['membar']:6d} "
               f"{r['loop_spills']:7d}/{r['spills']:<7d}  {epi}")
     return rows
 
@@ -305,7 +308,8 @@ def find_cuobjdump(explicit, required=True):
 
 
 def self_test():
-    """A synthetic k-step loop: 2 waits, HGMMA, a gather with a once-a-tile block, a spill."""
+    """A synthetic k-step loop: 2 waits, a proxy fence, HGMMA, a gather with a once-a-tile block
+    (holding a MEMBAR that the steady k-step does not count), a spill."""
     lines = []
     addr = [0x100]
 
@@ -322,11 +326,14 @@ def self_test():
     emit("@P0 BRA 0x%x" % (retry + 0x40))
     emit("IADD3 R3, R3, 0x1, RZ")
     emit("@!P0 BRA 0x%x" % retry)
+    emit("MEMBAR.ALL.CTA")  # a fence.proxy.async before the wgmma
+    emit("FENCE.VIEW.ASYNC.S")
     emit("HGMMA.64x256x16.F32.BF16 R24, gdesc[UR8], R24")
     emit("LDGSTS.E.BYPASS.128 [R7], desc[UR16][R162.64], P1")
     emit("ARRIVES.LDGSTSBAR.64.ARVCNT [UR6]")
     skip_at = addr[0]
-    emit("@P0 BRA 0x%x" % (skip_at + 0x40))  # skips 3 instructions
+    emit("@P0 BRA 0x%x" % (skip_at + 0x50))  # skips 4 instructions
+    emit("MEMBAR.SC.GPU")  # once a tile: not in the steady k-step
     emit("IMAD R1, R1, R2, RZ")
     emit("STL [R1], R2")
     emit("IADD3 R1, R1, 0x1, RZ")
@@ -335,7 +342,8 @@ def self_test():
     emit("EXIT")
     sass = "\n\tFunction : _ZN8moeblaze4cuda16sm90_test_kernelI13__nv_bfloat16EEvv\n" + "\n".join(lines)
     (r,) = [analyse(n, i) for n, i in functions(sass)]
-    expect = {"loop": 14, "steady": 9, "hgmma": 1, "loop_spills": 1, "spills": 1, "epi": []}
+    expect = {"loop": 17, "steady": 11, "hgmma": 1, "membar": 1, "loop_spills": 1, "spills": 1,
+              "epi": []}
     bad = {k: (r[k], v) for k, v in expect.items() if r[k] != v}
     if bad:
         print("sass_loops self-test FAILED:", bad)
