@@ -11,6 +11,8 @@ them is predicted from the SASS before it is timed (docs/performance.md, "Where 
           the mbarrier waits' slow paths (after a TRYWAIT, what its branch on success skips);
   MEMBAR  memory barriers in `steady`: a fence.proxy.async compiles to MEMBAR.ALL.CTA and
           FENCE.VIEW.ASYNC.S, and the k-step's wgmma issue waits for both (scoreboard order);
+          the gathered loops' one fence a k-step measured no cost (docs/performance.md's
+          decision table), so 1 there is expected;
   spills  LDL/STL instructions inside `loop` (spills in the main loop) and in the whole kernel;
   epi     every innermost loop holding >= 8 MUFU instructions (an activation epilogue; a kernel
           can compile several, e.g. B1's epilogue warps with and without a saved u), in address
