@@ -35,21 +35,24 @@ REST = "rest"  # the profiled step's untagged kernels (routing indices, dg sums,
 BUSY = "busy"  # every kernel of the profiled steps (the step column is timed apart, unprofiled)
 
 
-def parse_build(spec):
+def parse_build(spec, flag="--build", need_lib=False):
     """'name=LIB[,VAR=VALUE...]' -> (name, absolute LIB path or None, {VAR: VALUE}). An empty LIB
-    keeps the environment's MOEBLAZE_LIBRARY."""
+    keeps the environment's MOEBLAZE_LIBRARY, unless need_lib. flag names the option in errors
+    (tools/ab_libraries.py's --lib takes the same form)."""
     name, sep, rest = spec.partition("=")
     if not sep or not name:
-        raise ValueError(f"--build {spec!r}: expected NAME=LIB[,VAR=VALUE...]")
+        raise ValueError(f"{flag} {spec!r}: expected NAME=LIB[,VAR=VALUE...]")
     lib, *assignments = rest.split(",")
     env = {}
     for item in assignments:
         var, eq, value = item.partition("=")
         if not eq or not var:
-            raise ValueError(f"--build {spec!r}: {item!r} is not VAR=VALUE")
+            raise ValueError(f"{flag} {spec!r}: {item!r} is not VAR=VALUE")
         env[var] = value
+    if need_lib and not lib:
+        raise ValueError(f"{flag} {spec!r}: give the path of a libmoeblaze.so")
     if not lib and not env:
-        raise ValueError(f"--build {spec!r}: give a library, a variable, or both")
+        raise ValueError(f"{flag} {spec!r}: give a library, a variable, or both")
     return name, os.path.abspath(lib) if lib else None, env
 
 

@@ -5,7 +5,9 @@ cannot compare. Each round runs bench/run_bench.py once per build, in a shuffled
 separate process with MOEBLAZE_LIBRARY set to that build (moeblaze rows only, checkpoint policy
 save_preact), so the card's clock drift spreads over every build; a row's figure is the median of
 its rounds' medians. The benchmark refuses to merge runs of different builds into one result set;
-this compares them without merging. Prints, per configuration and activation, each build's time,
+this compares them without merging. A build may also set environment variables
+(NAME=PATH,VAR=VALUE,...), so a library's candidate policy can be timed through the switch that
+forces it before the policy is written. Prints, per configuration and activation, each build's time,
 its speed against the first build, the same speed paired by round (the first build's time over
 this build's in each round: the median, the range and in how many rounds it was the faster; a
 round's builds ran minutes apart, so the pairing removes the card's drift between rounds), its SM
@@ -18,6 +20,7 @@ Usage (a GPU machine, from the repository root):
   python3 tools/ab_libraries.py --lib before=build-old/src/libmoeblaze.so \\
       --lib after=build-device/src/libmoeblaze.so --configs conf1,qwen3-30b-a3b \\
       --acts swiglu,silu [--rounds=3] [--row-timing-s 1.2] [--deadline-s S] [--out DIR]
+  python3 tools/ab_libraries.py --lib one=lib.so --lib pairs=lib.so,MOEBLAZE_CUDA_F1_CLUSTER=2
   python3 tools/ab_libraries.py --self-test
 """
 import argparse
@@ -33,14 +36,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from ab_kernels import parse_build  # noqa: E402
 
 
 def parse_lib(spec):
-    """'name=path' -> (name, absolute path)."""
-    name, sep, path = spec.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lib {spec!r}: expected NAME=PATH to a libmoeblaze.so")
-    return name, os.path.abspath(path)
+    """'name=path[,VAR=VALUE...]' -> (name, absolute path, {VAR: VALUE}): the variables are set in
+    that build's benchmark processes only."""
+    return parse_build(spec, flag="--lib", need_lib=True)
 
 
 def moeblaze_rows(doc):
@@ -114,8 +117,10 @@ def round_fits(elapsed, round_seconds, deadline):
 def self_test():
     assert round_fits(0.0, [], 10.0) and round_fits(100.0, [50.0], None)
     assert round_fits(50.0, [40.0, 50.0], 100.0) and not round_fits(51.0, [40.0, 50.0], 100.0)
-    assert parse_lib("a=x/lib.so") == ("a", os.path.abspath("x/lib.so"))
-    for bad in ("x/lib.so", "=x", "a="):
+    assert parse_lib("a=x/lib.so") == ("a", os.path.abspath("x/lib.so"), {})
+    assert parse_lib("b=x/lib.so,MOEBLAZE_CUDA_F1_CLUSTER=2,V=") == (
+        "b", os.path.abspath("x/lib.so"), {"MOEBLAZE_CUDA_F1_CLUSTER": "2", "V": ""})
+    for bad in ("x/lib.so", "=x", "a=", "a=,V=1", "a=x.so,V", "a=x.so,=1"):
         try:
             parse_lib(bad)
         except ValueError:
@@ -161,8 +166,9 @@ def self_test():
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--lib", action="append", default=[], metavar="NAME=PATH",
-                   help="a build of libmoeblaze.so (two or more; the first is the reference)")
+    p.add_argument("--lib", action="append", default=[], metavar="NAME=PATH[,VAR=VALUE...]",
+                   help="a build of libmoeblaze.so and the variables its runs set (two or more; "
+                        "the first is the reference)")
     p.add_argument("--configs", default="qwen3-30b-a3b",
                    help="names from bench/configs.json, or all")
     p.add_argument("--acts", default="swiglu")
@@ -178,18 +184,24 @@ def main():
     if a.self_test:
         self_test()
         return 0
-    libs = [parse_lib(spec) for spec in a.lib]
+    try:
+        libs = [parse_lib(spec) for spec in a.lib]
+    except ValueError as e:
+        p.error(str(e))
     if len(libs) < 2:
         p.error("give at least two --lib NAME=PATH")
-    if len({name for name, _ in libs}) != len(libs):
+    if len({name for name, _, _ in libs}) != len(libs):
         p.error("--lib names must differ")
-    for name, path in libs:
+    for name, path, _ in libs:
         if not os.path.isfile(path):
             p.error(f"--lib {name}: {path} does not exist")
     if a.deadline_s is not None and a.deadline_s <= 0:
         p.error("--deadline-s must be positive")
+    for name, path, lib_env in libs:
+        settings = " ".join(f"{var}={value}" for var, value in lib_env.items())
+        print(f"build {name}: {path}" + (f" with {settings}" if settings else ""), flush=True)
     out = a.out or tempfile.mkdtemp(prefix="ab_libraries_")
-    runs = {name: [] for name, _ in libs}
+    runs = {name: [] for name, _, _ in libs}
     start, round_seconds = time.monotonic(), []
     for round_index in range(a.rounds):
         if not round_fits(time.monotonic() - start, round_seconds, a.deadline_s):
@@ -199,10 +211,10 @@ def main():
         round_start = time.monotonic()
         order = list(libs)
         random.shuffle(order)
-        for name, path in order:
+        for name, path, lib_env in order:
             run_dir = os.path.join(out, f"round{round_index}-{name}")
             os.makedirs(run_dir, exist_ok=True)
-            env = dict(os.environ, MOEBLAZE_LIBRARY=path)
+            env = dict(os.environ, MOEBLAZE_LIBRARY=path, **lib_env)
             env["LD_LIBRARY_PATH"] = os.path.dirname(path) + (
                 ":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
             cmd = [sys.executable, os.path.join(REPO, "bench", "run_bench.py"), "--out", run_dir,
@@ -219,7 +231,7 @@ def main():
             with open(found[-1]) as f:
                 runs[name].append(moeblaze_rows(json.load(f)))
         round_seconds.append(time.monotonic() - round_start)
-    table = summarize([name for name, _ in libs], runs)
+    table = summarize([name for name, _, _ in libs], runs)
     print(f"\nruns kept in {out}\n")
     print(format_table(table))
     return 0
