@@ -42,8 +42,11 @@ from ab_kernels import parse_build  # noqa: E402
 
 def parse_lib(spec):
     """'name=path[,VAR=VALUE...]' -> (name, absolute path, {VAR: VALUE}): the variables are set in
-    that build's benchmark processes only."""
-    return parse_build(spec, flag="--lib", need_lib=True)
+    that build's benchmark processes only. MOEBLAZE_LIBRARY is the path's to set."""
+    name, path, env = parse_build(spec, flag="--lib", need_lib=True)
+    if "MOEBLAZE_LIBRARY" in env:
+        raise ValueError(f"--lib {spec!r}: the path sets MOEBLAZE_LIBRARY; give it as NAME=PATH")
+    return name, path, env
 
 
 def moeblaze_rows(doc):
@@ -120,7 +123,8 @@ def self_test():
     assert parse_lib("a=x/lib.so") == ("a", os.path.abspath("x/lib.so"), {})
     assert parse_lib("b=x/lib.so,MOEBLAZE_CUDA_F1_CLUSTER=2,V=") == (
         "b", os.path.abspath("x/lib.so"), {"MOEBLAZE_CUDA_F1_CLUSTER": "2", "V": ""})
-    for bad in ("x/lib.so", "=x", "a=", "a=,V=1", "a=x.so,V", "a=x.so,=1"):
+    for bad in ("x/lib.so", "=x", "a=", "a=,V=1", "a=x.so,V", "a=x.so,=1",
+                "a=x.so,MOEBLAZE_LIBRARY=y.so"):
         try:
             parse_lib(bad)
         except ValueError:
