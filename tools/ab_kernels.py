@@ -37,7 +37,8 @@ BUSY = "busy"  # every kernel of the profiled steps (the step column is timed ap
 
 def parse_build(spec, flag="--build", need_lib=False):
     """'name=LIB[,VAR=VALUE...]' -> (name, absolute LIB path or None, {VAR: VALUE}). An empty LIB
-    keeps the environment's MOEBLAZE_LIBRARY, unless need_lib. flag names the option in errors
+    keeps the environment's MOEBLAZE_LIBRARY, unless need_lib; a LIB sets it, so the variables may
+    not. flag names the option in errors
     (tools/ab_libraries.py's --lib takes the same form)."""
     name, sep, rest = spec.partition("=")
     if not sep or not name:
@@ -51,6 +52,8 @@ def parse_build(spec, flag="--build", need_lib=False):
         env[var] = value
     if need_lib and not lib:
         raise ValueError(f"{flag} {spec!r}: give the path of a libmoeblaze.so")
+    if lib and "MOEBLAZE_LIBRARY" in env:
+        raise ValueError(f"{flag} {spec!r}: the path sets MOEBLAZE_LIBRARY; give it as NAME=PATH")
     if not lib and not env:
         raise ValueError(f"{flag} {spec!r}: give a library, a variable, or both")
     return name, os.path.abspath(lib) if lib else None, env
@@ -150,7 +153,7 @@ def self_test():
         ("s2", os.path.abspath("x.so"), {"MOEBLAZE_CUDA_B1_FORM": "split2", "B": "1"})
     assert parse_build("w=,MOEBLAZE_CUDA_B1_FORM=warps") == \
         ("w", None, {"MOEBLAZE_CUDA_B1_FORM": "warps"})
-    for bad in ("x.so", "=x.so", "a=", "a=x.so,NOVALUE", "a=x.so,=1"):
+    for bad in ("x.so", "=x.so", "a=", "a=x.so,NOVALUE", "a=x.so,=1", "a=x.so,MOEBLAZE_LIBRARY=y"):
         try:
             parse_build(bad)
         except ValueError:
