@@ -38,8 +38,7 @@ BUSY = "busy"  # every kernel of the profiled steps (the step column is timed ap
 def parse_build(spec, flag="--build", need_lib=False):
     """'name=LIB[,VAR=VALUE...]' -> (name, absolute LIB path or None, {VAR: VALUE}). An empty LIB
     keeps the environment's MOEBLAZE_LIBRARY, unless need_lib; a LIB sets it, so the variables may
-    not. flag names the option in errors
-    (tools/ab_libraries.py's --lib takes the same form)."""
+    not. flag names the option in errors (tools/ab_libraries.py's --lib takes the same form)."""
     name, sep, rest = spec.partition("=")
     if not sep or not name:
         raise ValueError(f"{flag} {spec!r}: expected NAME=LIB[,VAR=VALUE...]")
